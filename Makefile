@@ -1,0 +1,39 @@
+# Two commands for a new user: `make bench` (the main job) and `make test`.
+# Everything installs into .venv from pyproject.toml; nothing is installed by hand.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch; pinned so pip does not pull the CUDA build (gigabytes).
+TORCH_SPEC ?= torch==2.13.0
+# Which kernel libraries `make kernels` (re)builds; default: CPU, plus CUDA when nvcc exists.
+TARGETS ?=
+DTYPES ?=
+
+.PHONY: setup kernels test bench info clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[build,test]"
+	touch $@
+
+kernels: setup
+	cmake -S . -B build/cmake -DPython3_EXECUTABLE=$(abspath $(PY)) \
+		$(if $(TARGETS),-DKERNEL_TARGETS="$(TARGETS)") $(if $(DTYPES),-DKERNEL_DTYPES="$(DTYPES)") > /dev/null
+	cmake --build build/cmake --target kernels
+
+test: setup
+	$(PY) -m pytest
+
+bench: kernels
+	$(PY) -m bench
+
+info: setup
+	$(PY) -m longformer_ops.info
+
+clean:
+	rm -rf build $(VENV) .pytest_cache

@@ -1,0 +1,13 @@
+"""Longformer's banded attention products on prebuilt TVM kernels, for PyTorch.
+
+    from longformer_ops import diagonaled_mm, mask_invalid_locations
+
+Importing this package loads nothing compiled; kernels are loaded on first use
+from ``prebuilt/`` (see :mod:`longformer_ops._loader`). Plain-PyTorch
+references live in :mod:`longformer_ops.reference`.
+"""
+
+from longformer_ops._loader import KernelNotAvailableError, StaleKernelError
+from longformer_ops.diagonaled import diagonaled_mm, mask_invalid_locations
+
+__all__ = ["diagonaled_mm", "mask_invalid_locations", "KernelNotAvailableError", "StaleKernelError"]

@@ -1,0 +1,185 @@
+"""The one place that touches compiled kernels: find, check and load ``prebuilt/`` libraries.
+
+Loading needs ``apache-tvm-ffi`` (which calls the kernels with torch tensors,
+zero-copy through DLPack) and TVM's small runtime library shipped in
+``prebuilt/runtime/`` (thread pool and workspace for the CPU kernels, module
+loader for the CUDA ones). It never imports the TVM compiler (``import tvm``)
+and never compiles anything. Libraries are loaded lazily, on the first call
+for a (device, dtype), and cached.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import platform
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from longformer_ops import _manifest
+
+PREBUILT_ENV = "LONGFORMER_OPS_PREBUILT"      # directory holding manifest.json (default: repo's prebuilt/)
+CPU_TARGET_ENV = "LONGFORMER_OPS_CPU_TARGET"  # force a CPU library, e.g. cpu-avx2 (default: best that runs)
+_FIX = "Run `make kernels` in the repository root to (re)build them."
+
+
+class KernelNotAvailableError(NotImplementedError):
+    """No usable prebuilt kernel for this device/dtype/machine (missing, foreign or not built)."""
+
+
+class StaleKernelError(RuntimeError):
+    """The prebuilt library was built from other sources than the ones in tvm_kernels/."""
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    name: str              # relative path in prebuilt/, e.g. "cpu-avx512/longformer_float32.so"
+    device: str
+    dtype: str
+    feature_multiple: int  # head_dim the kernels accept must be a multiple of this
+    module: object         # tvm_ffi.Module
+
+    def function(self, name: str):
+        return self.module[name]
+
+
+def prebuilt_dir() -> Path:
+    return Path(os.environ.get(PREBUILT_ENV, _manifest.DEFAULT_PREBUILT))
+
+
+@functools.lru_cache(maxsize=None)
+def _manifest_or_raise(directory: Path) -> dict:
+    manifest = _manifest.read(directory)
+    if manifest is None:
+        raise KernelNotAvailableError(
+            f"no kernel manifest: expected {directory / _manifest.MANIFEST_NAME}, found nothing. {_FIX}")
+    if manifest.get("format") != _manifest.FORMAT_VERSION:
+        raise KernelNotAvailableError(
+            f"kernel manifest format {manifest.get('format')!r} in {directory}, expected "
+            f"{_manifest.FORMAT_VERSION}. {_FIX}")
+    here = f"{sys.platform}-{platform.machine()}"
+    if manifest.get("platform") != here:
+        raise KernelNotAvailableError(
+            f"prebuilt kernels in {directory} are for {manifest.get('platform')}, this machine is {here}. {_FIX}")
+    return manifest
+
+
+def cpu_flags() -> frozenset[str]:
+    """CPU feature flags of this machine, as /proc/cpuinfo names them (empty if unknown)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _check_fresh(name: str, entry: dict) -> None:
+    """Stale if the tvm_kernels/ sources next to us differ from those the library was built from."""
+    inputs = entry.get("inputs", {})
+    files = inputs.get("sources", [])
+    if not files or not all((_manifest.KERNEL_SOURCES / f).exists() for f in files):
+        return  # installed without sources: nothing to compare against
+    current = _manifest.sources_digest(_manifest.KERNEL_SOURCES, files)
+    if current != inputs.get("sources_sha256"):
+        raise StaleKernelError(
+            f"prebuilt kernel {name} is stale: built from tvm_kernels sources with sha256 "
+            f"{inputs.get('sources_sha256', '?')[:12]}, the sources here hash to {current[:12]}. {_FIX}")
+
+
+def _candidates(manifest: dict, device: str, dtype: str) -> list[tuple[str, dict]]:
+    return [(n, e) for n, e in manifest["libraries"].items() if e["device"] == device and e["dtype"] == dtype]
+
+
+def choose_library(manifest: dict, device: str, dtype: str, cuda_capability: tuple[int, int] | None = None) -> tuple[str, dict]:
+    """Pick the library for (device, dtype) that runs on this machine; raise saying why none does."""
+    candidates = _candidates(manifest, device, dtype)
+    if not candidates:
+        have = sorted({(e["device"], e["dtype"]) for e in manifest["libraries"].values()})
+        raise KernelNotAvailableError(
+            f"no prebuilt kernel for device={device!r}, dtype={dtype}; available (device, dtype): {have}")
+    if device == "cpu":
+        forced = os.environ.get(CPU_TARGET_ENV)
+        if forced:
+            chosen = [(n, e) for n, e in candidates if e["target"] == forced]
+            if not chosen:
+                raise KernelNotAvailableError(
+                    f"{CPU_TARGET_ENV}={forced!r} but no such CPU library for {dtype}; "
+                    f"have {[e['target'] for _, e in candidates]}")
+            candidates = chosen
+        flags = cpu_flags()
+        runnable = [(n, e) for n, e in candidates if set(e["cpu_flags"]) <= flags]
+        if not runnable:
+            missing = {e["target"]: sorted(set(e["cpu_flags"]) - flags) for _, e in candidates}
+            raise KernelNotAvailableError(
+                f"no prebuilt CPU kernel runs on this CPU: missing instruction sets per library {missing} "
+                f"(the minimum is x86-64 with AVX2/FMA/F16C)")
+        return max(runnable, key=lambda item: item[1]["preference"])
+    if device == "cuda":
+        name, entry = candidates[0]
+        archs = sorted(int(a.removeprefix("sm_")) for a in entry["cuda_archs"])
+        if cuda_capability is not None and cuda_capability[0] * 10 + cuda_capability[1] < archs[0]:
+            raise KernelNotAvailableError(
+                f"{name} holds code for {entry['cuda_archs']} (and PTX for newer GPUs); this GPU is "
+                f"sm_{cuda_capability[0]}{cuda_capability[1]}, older than sm_{archs[0]}")
+        return name, entry
+    raise KernelNotAvailableError(f"no prebuilt kernels for device type {device!r}; supported: cpu, cuda")
+
+
+_lock = threading.Lock()
+_runtime_loaded: set[str] = set()
+
+
+def _load_runtime(directory: Path, manifest: dict, cuda: bool) -> None:
+    """Load TVM's runtime libraries globally, once, before any kernel library."""
+    import tvm_ffi  # noqa: F401  (provides libtvm_ffi.so, which the runtime links)
+
+    names = ["libtvm_runtime.so"] + (["libtvm_runtime_cuda.so"] if cuda else [])
+    for name in names:
+        if name in _runtime_loaded:
+            continue
+        path = directory / "runtime" / name
+        if name not in manifest.get("runtime", {}) or not path.exists():
+            raise KernelNotAvailableError(f"TVM runtime library missing: expected {path}. {_FIX}")
+        ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        _runtime_loaded.add(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(directory: Path, name: str) -> object:
+    import tvm_ffi
+
+    return tvm_ffi.load_module(str(directory / name))
+
+
+def library_for(device, dtype_name: str) -> KernelLibrary:
+    """The loaded kernel library for a torch device and a dtype name like 'float32' (cached)."""
+    return _library_for(prebuilt_dir(), device.type, device.index, dtype_name, os.environ.get(CPU_TARGET_ENV))
+
+
+@functools.lru_cache(maxsize=None)
+def _library_for(directory: Path, device_type: str, device_index, dtype_name: str, _forced_cpu) -> KernelLibrary:
+    manifest = _manifest_or_raise(directory)
+    capability = None
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.init()  # also puts torch's libcudart.so.13 in the process for libtvm_runtime_cuda
+        capability = torch.cuda.get_device_capability(device_index)
+    name, entry = choose_library(manifest, device_type, dtype_name, capability)
+    _check_fresh(name, entry)
+    path = directory / name
+    if not path.exists():
+        raise KernelNotAvailableError(f"prebuilt kernel library missing: expected {path}. {_FIX}")
+    if _manifest.file_sha256(path) != entry["sha256"]:
+        raise KernelNotAvailableError(
+            f"{path} does not match its manifest entry (sha256 {entry['sha256'][:12]}...): "
+            f"it was replaced or corrupted. {_FIX}")
+    with _lock:
+        _load_runtime(directory, manifest, cuda=device_type == "cuda")
+        module = _load(directory, name)
+    return KernelLibrary(name, device_type, dtype_name, entry["feature_multiple"], module)

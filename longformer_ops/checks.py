@@ -1,0 +1,113 @@
+"""Input validation for the public ops: every check, every message, in one place.
+
+Each check raises before any kernel is reached, naming the argument, what was
+expected and what was found.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_MAX_INT32 = 2**31 - 1
+
+
+def check_window(w) -> int:
+    if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+        raise TypeError(f"w (one-sided window) must be an int, got {type(w).__name__}: {w!r}")
+    if w < 0:
+        raise ValueError(f"w (one-sided window) must be >= 0, got w={w}")
+    if w > _MAX_INT32 // 2:
+        raise ValueError(f"w (one-sided window) must be <= {_MAX_INT32 // 2}, got w={w}")
+    return int(w)
+
+
+def check_dilation(d, heads: int) -> tuple[int, ...]:
+    """Per-head dilations as a tuple of Python ints, from an int or a 1-D integer tensor/sequence.
+
+    A CUDA tensor is copied to the host to be checked (one synchronisation);
+    pass an int, a list or a CPU tensor to avoid it.
+    """
+    if isinstance(d, torch.Tensor):
+        if d.dtype.is_floating_point or d.dtype.is_complex or d.dtype == torch.bool:
+            raise TypeError(f"d (dilation) must be an integer tensor, got dtype={d.dtype}")
+        if d.dim() != 1:
+            raise ValueError(f"d (dilation) must be an int or a 1-D tensor with one value per head, got shape {tuple(d.shape)}")
+        values = tuple(int(v) for v in d.tolist())
+    elif isinstance(d, (list, tuple)):
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in d):
+            raise TypeError(f"d (dilation) sequence must hold ints, got {d!r}")
+        values = tuple(int(v) for v in d)
+    elif isinstance(d, numbers.Integral) and not isinstance(d, bool):
+        values = (int(d),) * heads
+    else:
+        raise TypeError(f"d (dilation) must be an int or a 1-D integer tensor, got {type(d).__name__}: {d!r}")
+    if len(values) != heads:
+        raise ValueError(f"d (dilation) must have one value per head: expected length {heads}, got {len(values)}")
+    bad = [v for v in values if not 1 <= v <= _MAX_INT32]
+    if bad:
+        raise ValueError(f"d (dilation) values must be in [1, {_MAX_INT32}], got {list(values)}")
+    return values
+
+
+def _check_tensor(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"{name} must be 4-D [batch, seq_len, heads, features], got shape {tuple(x.shape)}")
+    if x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name} must be one of {[str(t) for t in KERNEL_DTYPES]}, got dtype={x.dtype}")
+    if x.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"{name} is on device {x.device}; supported devices: cpu, cuda")
+    return x
+
+
+def check_diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive):
+    """Validate diagonaled_mm's arguments; return ``(w, dilations, band)``."""
+    _check_tensor("t1", t1)
+    _check_tensor("t2", t2)
+    if t1.dtype != t2.dtype:
+        raise TypeError(f"t1 and t2 must have the same dtype, got t1.dtype={t1.dtype}, t2.dtype={t2.dtype}")
+    if t1.device != t2.device:
+        raise ValueError(f"t1 and t2 must be on the same device, got t1.device={t1.device}, t2.device={t2.device}")
+    if not isinstance(is_t1_diagonaled, bool):
+        raise TypeError(f"is_t1_diagonaled must be a bool, got {type(is_t1_diagonaled).__name__}")
+    if not isinstance(autoregressive, bool):
+        raise TypeError(f"autoregressive must be a bool, got {type(autoregressive).__name__}")
+    if isinstance(padding, bool) or not isinstance(padding, numbers.Real):
+        raise TypeError(f"padding must be a real number, got {type(padding).__name__}: {padding!r}")
+    w = check_window(w)
+    if t1.shape[:3] != t2.shape[:3]:
+        raise ValueError(
+            f"t1 and t2 must agree in [batch, seq_len, heads], got t1.shape={tuple(t1.shape)}, t2.shape={tuple(t2.shape)}")
+    band = w + (0 if autoregressive else w) + 1
+    if is_t1_diagonaled:
+        if t1.shape[3] != band:
+            raise ValueError(
+                f"t1 (the band) must have last dimension c = {band} for w={w}, autoregressive={autoregressive}; "
+                f"got t1.shape={tuple(t1.shape)}")
+    elif t1.shape[3] != t2.shape[3]:
+        raise ValueError(f"t1 and t2 must have the same head_dim, got t1.shape={tuple(t1.shape)}, t2.shape={tuple(t2.shape)}")
+    dilations = check_dilation(d, t2.shape[2])
+    return w, dilations, band
+
+
+def check_mask_invalid_locations(scores, w, d, autoregressive):
+    """Validate mask_invalid_locations' arguments; return ``(w, dilations)``."""
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
+    if scores.dim() != 4:
+        raise ValueError(f"scores must be 4-D [batch, seq_len, heads, c], got shape {tuple(scores.shape)}")
+    if not scores.dtype.is_floating_point:
+        raise TypeError(f"scores must be a floating-point tensor (it receives -inf), got dtype={scores.dtype}")
+    if not isinstance(autoregressive, bool):
+        raise TypeError(f"autoregressive must be a bool, got {type(autoregressive).__name__}")
+    w = check_window(w)
+    band = w + (0 if autoregressive else w) + 1
+    if scores.shape[3] != band:
+        raise ValueError(
+            f"scores must have last dimension c = {band} for w={w}, autoregressive={autoregressive}; "
+            f"got shape {tuple(scores.shape)}")
+    return w, check_dilation(d, scores.shape[2])

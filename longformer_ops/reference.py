@@ -1,0 +1,143 @@
+"""Plain-PyTorch references for the banded products. No kernels in here.
+
+- :func:`diagonaled_mm_reference`: a direct gather formulation of the exact
+  semantics (any window, dilation, autoregressive); the oracle for tests.
+- :func:`sliding_chunks_qk` / :func:`sliding_chunks_pv`: the sliding-chunks
+  algorithm (Hugging Face's), dense einsums over overlapping chunks of 2w.
+  No dilation, no autoregressive mode; the layer's pure-PyTorch fallback and a
+  benchmark baseline.
+
+Layout ``[batch, seq, heads, features]``; band tensors ``[batch, seq, heads, c]``
+with ``c = 2w + 1`` (``w + 1`` when autoregressive).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def band_width(w: int, autoregressive: bool) -> int:
+    return w + (0 if autoregressive else w) + 1
+
+
+def key_positions(seq_len: int, w: int, dilation: torch.Tensor, autoregressive: bool) -> torch.Tensor:
+    """Key index ``i + dil[h] * (j - w)`` for every (i, h, j): int64 ``[seq, heads, c]``."""
+    c = band_width(w, autoregressive)
+    i = torch.arange(seq_len, device=dilation.device).view(seq_len, 1, 1)
+    j = torch.arange(c, device=dilation.device).view(1, 1, c)
+    return i + dilation.to(torch.int64).view(1, -1, 1) * (j - w)
+
+
+def invalid_locations(seq_len: int, w: int, dilation: torch.Tensor, autoregressive: bool) -> torch.Tensor:
+    """Bool ``[seq, heads, c]``: True where the key falls outside ``[0, seq)``."""
+    keys = key_positions(seq_len, w, dilation, autoregressive)
+    return (keys < 0) | (keys >= seq_len)
+
+
+def _per_head(d, heads: int, device) -> torch.Tensor:
+    """An int, list or tensor of dilations -> int64 tensor [heads]."""
+    if isinstance(d, int):
+        return torch.full((heads,), d, dtype=torch.int64, device=device)
+    return torch.as_tensor(d, dtype=torch.int64, device=device)
+
+
+def _gather_keys(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """x ``[b, n, h, f]``, keys ``[n, h, c]`` (clamped) -> ``[b, n, h, c, f]``."""
+    b, n, h, f = x.shape
+    c = keys.shape[-1]
+    index = keys.permute(1, 0, 2).reshape(1, h, n * c, 1).expand(b, h, n * c, f)
+    gathered = torch.gather(x.transpose(1, 2), 2, index)  # [b, h, n*c, f]
+    return gathered.view(b, h, n, c, f).transpose(1, 2)
+
+
+def diagonaled_mm_reference(t1, t2, w: int, d, is_t1_diagonaled: bool = False, padding: float = 0,
+                            autoregressive: bool = False) -> torch.Tensor:
+    """Same contract as :func:`longformer_ops.diagonaled_mm`, in plain PyTorch (memory ``O(n*c*f)``).
+
+    Q.K^T mode: ``out[b,i,h,j] = sum_f t1[b,i,h,f] * t2[b, i + d[h]*(j-w), h, f]``, invalid
+    positions = ``padding``. probs.V mode: ``out[b,i,h,f] = sum_j t1[b,i,h,j] * t2[b, key, h, f]``
+    over valid keys. Differentiable with autograd.
+    """
+    b, n, h, _ = t2.shape
+    dil = _per_head(d, h, t2.device)
+    keys = key_positions(n, w, dil, autoregressive)
+    invalid = (keys < 0) | (keys >= n)
+    gathered = _gather_keys(t2, keys.clamp(0, n - 1))  # [b, n, h, c, f]
+    if is_t1_diagonaled:
+        probs = t1.masked_fill(invalid, 0)
+        return torch.einsum("bihj,bihjf->bihf", probs, gathered)
+    scores = torch.einsum("bihf,bihjf->bihj", t1, gathered)
+    return scores.masked_fill(invalid, padding)
+
+
+# ---------------------------------------------------------------------------
+# Sliding chunks (Hugging Face's algorithm), w >= 1, dilation 1, symmetric only.
+# ---------------------------------------------------------------------------
+
+def _chunk(x: torch.Tensor, w: int) -> torch.Tensor:
+    """[bh, n, f] with n % (2w) == 0 -> overlapping chunks [bh, n/w - 1, 2w, f], stride w."""
+    bh, n, f = x.shape
+    return x.as_strided(size=(bh, n // w - 1, 2 * w, f), stride=(x.stride(0), w * x.stride(1), x.stride(1), x.stride(2)))
+
+
+def _pad_to_multiple(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    n = x.shape[1]
+    extra = (-n) % multiple
+    return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, extra)) if extra else x
+
+
+def _to_bh(x: torch.Tensor) -> torch.Tensor:
+    b, n, h, f = x.shape
+    return x.transpose(1, 2).reshape(b * h, n, f)
+
+
+def sliding_chunks_qk(q: torch.Tensor, k: torch.Tensor, w: int, padding: float = 0) -> torch.Tensor:
+    """Band scores ``[b, n, h, 2w+1]`` via dense matmuls over overlapping chunks (about 2x the band's FLOPs).
+
+    Chunk ``c`` covers positions ``[c*w, c*w + 2w)``. Queries of block ``c`` (positions
+    ``[c*w, c*w + w)``) find their left keys and themselves in chunk ``c-1`` and their right
+    keys in chunk ``c``. The sequence is padded to a multiple of 2w and un-padded on return;
+    invalid positions hold ``padding``.
+    """
+    if w < 1:
+        raise ValueError(f"sliding chunks needs w >= 1, got w={w}")
+    b, n, h, _ = q.shape
+    qc = _chunk(_to_bh(_pad_to_multiple(q, 2 * w)), w)
+    kc = _chunk(_to_bh(_pad_to_multiple(k, 2 * w)), w)
+    chunk_scores = torch.einsum("bcxf,bcyf->bcxy", qc, kc)  # [bh, chunks, 2w, 2w]
+    bh, chunks = chunk_scores.shape[:2]
+    # Diagonal j of query row x is chunk column x + j - w.
+    x = torch.arange(2 * w, device=q.device).view(-1, 1)
+    col = x + torch.arange(2 * w + 1, device=q.device).view(1, -1) - w  # [2w, 2w+1]
+    diagonals = torch.gather(chunk_scores, 3, col.clamp(0, 2 * w - 1).expand(bh, chunks, 2 * w, 2 * w + 1))
+    scores = chunk_scores.new_empty(bh, chunks + 1, w, 2 * w + 1)  # [bh, blocks, w, 2w+1]
+    scores[:, 1:, :, : w + 1] = diagonals[:, :, w:, : w + 1]
+    scores[:, :-1, :, w + 1:] = diagonals[:, :, :w, w + 1:]
+    scores[:, 0, :, : w + 1] = diagonals[:, 0, :w, : w + 1]      # first block: no chunk to its left
+    scores[:, -1, :, w + 1:] = diagonals[:, -1, w:, w + 1:]      # last block: no chunk to its right
+    scores = scores.view(b, h, -1, 2 * w + 1)[:, :, :n].transpose(1, 2)
+    invalid = invalid_locations(n, w, torch.ones(h, dtype=torch.int64, device=q.device), False)
+    return scores.masked_fill(invalid, padding)
+
+
+def sliding_chunks_pv(probs: torch.Tensor, v: torch.Tensor, w: int) -> torch.Tensor:
+    """Context ``[b, n, h, f]`` from band probabilities ``[b, n, h, 2w+1]`` via chunked matmuls.
+
+    Block ``c`` of w queries reads the 3w values ``[c*w - w, c*w + 2w)``; the band is skewed
+    so that diagonal ``j`` of row ``x`` lands in chunk column ``x + j``. Invalid positions of
+    ``probs`` are ignored.
+    """
+    if w < 1:
+        raise ValueError(f"sliding chunks needs w >= 1, got w={w}")
+    b, n, h, f = v.shape
+    invalid = invalid_locations(n, w, torch.ones(h, dtype=torch.int64, device=v.device), False)
+    p = _to_bh(_pad_to_multiple(probs.masked_fill(invalid, 0), w))  # [bh, np, 2w+1]
+    bh, np_, _ = p.shape
+    blocks = np_ // w
+    # Skew: pad each row by w+1, flatten, drop w, re-view with row length 3w+1 -> column x + j.
+    skewed = torch.nn.functional.pad(p.view(bh, blocks, w, 2 * w + 1), (0, w + 1))
+    skewed = skewed.view(bh, blocks, -1)[:, :, : w * (3 * w + 1)].view(bh, blocks, w, 3 * w + 1)[..., : 3 * w]
+    vp = torch.nn.functional.pad(_to_bh(_pad_to_multiple(v, w)), (0, 0, w, w))  # [bh, np + 2w, f]
+    vc = vp.as_strided((bh, blocks, 3 * w, f), (vp.stride(0), w * vp.stride(1), vp.stride(1), vp.stride(2)))
+    context = torch.einsum("bcxy,bcyf->bcxf", skewed, vc)  # [bh, blocks, w, f]
+    return context.reshape(b, h, np_, f)[:, :, :n].transpose(1, 2)

@@ -1,0 +1,94 @@
+"""The table of what gets built: targets x dtypes, each one library of six functions.
+
+A library holds every (op, autoregressive) pair for one target and one dtype,
+named by :func:`function_name` (``qk_symmetric``,
+``pv_causal``, ...). Variants are chosen here, at build time, by name; no kernel
+switches behaviour on a runtime flag.
+
+This module must stay importable without TVM: the runtime reads the same names
+through ``prebuilt/manifest.json``, and the builder and tests read this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OPS = ("qk", "pv", "transposed")  # the three banded products, see tvm_kernels.compute
+
+
+def function_name(op: str, autoregressive: bool) -> str:
+    """Symbol under which a variant is exported from its library."""
+    return f"{op}_{'causal' if autoregressive else 'symmetric'}"
+
+
+CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs
+
+# /proc/cpuinfo flags each CPU level needs (x86-64-v3 = AVX2 level, x86-64-v4 = AVX-512 level).
+_V3_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
+_V4_FLAGS = _V3_FLAGS + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+
+
+@dataclass(frozen=True)
+class KernelTarget:
+    name: str                     # library directory name and CLI name
+    device: str                   # torch device type the libraries serve
+    tvm_target: dict              # dict-form tvm.target.Target (host in "host" for CUDA)
+    schedule_module: str          # tvm_kernels.schedules.<this>
+    dtypes: tuple[str, ...]
+    feature_multiple: int         # head_dim must be a multiple of this (runtime pads)
+    preference: int = 0           # higher wins when several targets run on this machine
+    cpu_flags: tuple[str, ...] = ()
+    cuda_archs: tuple[str, ...] = ()
+    extra_sources: tuple[str, ...] = field(default=())
+
+
+# Reassociation is not enabled anywhere: partial sums are ordered explicitly by
+# the schedules (contraction into FMA is allowed).
+_LLVM_COMMON = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "fast-math-contract": True}
+
+TARGETS: dict[str, KernelTarget] = {
+    t.name: t
+    for t in (
+        KernelTarget(
+            name="cpu-avx2",
+            device="cpu",
+            tvm_target={**_LLVM_COMMON, "mcpu": "x86-64-v3"},
+            schedule_module="cpu",
+            dtypes=("float32", "float64", "float16", "bfloat16"),
+            feature_multiple=16,
+            preference=1,
+            cpu_flags=_V3_FLAGS,
+        ),
+        KernelTarget(
+            name="cpu-avx512",
+            device="cpu",
+            tvm_target={**_LLVM_COMMON, "mcpu": "x86-64-v4"},
+            schedule_module="cpu",
+            dtypes=("float32", "float64", "float16", "bfloat16"),
+            feature_multiple=16,
+            preference=2,
+            cpu_flags=_V4_FLAGS,
+        ),
+        KernelTarget(
+            name="cuda",
+            device="cuda",
+            tvm_target={"kind": "cuda", "arch": CUDA_ARCHS[0]},
+            schedule_module="cuda",
+            dtypes=("float32", "float16", "bfloat16"),
+            feature_multiple=1,
+            cuda_archs=CUDA_ARCHS,
+            extra_sources=("cuda_toolchain.py",),
+        ),
+    )
+}
+
+# Source files (relative to tvm_kernels/) whose content decides a target's libraries.
+COMMON_SOURCES = ("compute.py", "variants.py", "build.py")
+
+
+def sources_of(target: KernelTarget) -> tuple[str, ...]:
+    return COMMON_SOURCES + (f"schedules/{target.schedule_module}.py",) + target.extra_sources
+
+
+def library_name(target: KernelTarget, dtype: str) -> str:
+    return f"{target.name}/longformer_{dtype}.so"
