@@ -17,6 +17,11 @@ DEFAULT_PREBUILT = REPO_ROOT / "prebuilt"
 KERNEL_SOURCES = REPO_ROOT / "tvm_kernels"
 
 
+def function_name(op: str, autoregressive: bool) -> str:
+    """Symbol under which a library exports ``op`` ('qk', 'pv', 'transposed'), e.g. ``qk_causal``."""
+    return f"{op}_{'causal' if autoregressive else 'symmetric'}"
+
+
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 

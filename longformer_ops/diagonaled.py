@@ -17,6 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from longformer_ops import checks
 from longformer_ops._loader import library_for
+from longformer_ops._manifest import function_name
 from longformer_ops.reference import invalid_locations
 
 
@@ -48,7 +49,7 @@ def _launch(op: str, t1: torch.Tensor, t2: torch.Tensor, w: int, dilations: tupl
         out = t2.new_zeros(out_shape)
         return out.masked_fill_(_invalid_mask(n, w, dilations, autoregressive, t2.device), padding)
     library = library_for(t2.device, str(t2.dtype).removeprefix("torch."))
-    kernel = library.function(f"{op}_{'causal' if autoregressive else 'symmetric'}")
+    kernel = library.function(function_name(op, autoregressive))
     dilation = _dilation_tensor(dilations, t2.device)
     t1, t2 = t1.contiguous(), t2.contiguous()
     t2 = _pad_features(t2, library.feature_multiple)

@@ -104,3 +104,32 @@ def compile_fatbin(code: str, archs: list[str]) -> bytes:
         if result.returncode != 0:
             raise RuntimeError(f"nvcc failed ({' '.join(command)}):\n{result.stderr}")
         return fatbin.read_bytes()
+
+
+_FATBIN_MAGIC = 0xBA55ED50
+_FATBIN_KINDS = {1: "ptx", 2: "sass"}
+
+
+def device_code_in(library: Path) -> list[tuple[str, str]]:
+    """``[(kind, arch)]`` of every fatbin entry embedded in a shared library, e.g. ``("sass", "sm_90")``.
+
+    Reads the fatbin container format directly (cuobjdump is not always installed):
+    a 16-byte header (magic, version, header size, payload size) followed by
+    entries whose headers give the kind (1 PTX, 2 ELF/SASS), their own size, the
+    payload size and, at byte 28, the SM version.
+    """
+    import struct
+
+    data = Path(library).read_bytes()
+    entries = []
+    start = data.find(struct.pack("<I", _FATBIN_MAGIC))
+    while start != -1:
+        _, _, header_size, payload_size = struct.unpack_from("<IHHQ", data, start)
+        position, end = start + header_size, start + header_size + payload_size
+        while position < end:
+            kind, _, entry_header, entry_size = struct.unpack_from("<HHIQ", data, position)
+            (sm,) = struct.unpack_from("<I", data, position + 28)
+            entries.append((_FATBIN_KINDS.get(kind, f"kind{kind}"), f"sm_{sm}"))
+            position += entry_header + entry_size
+        start = data.find(struct.pack("<I", _FATBIN_MAGIC), end)
+    return entries

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from longformer_ops._manifest import function_name  # noqa: F401  (the naming contract with the runtime)
+
 OPS = ("qk", "pv", "transposed")  # the three banded products, see tvm_kernels.compute
-
-
-def function_name(op: str, autoregressive: bool) -> str:
-    """Symbol under which a variant is exported from its library."""
-    return f"{op}_{'causal' if autoregressive else 'symmetric'}"
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs

@@ -1,0 +1,75 @@
+"""The ahead-of-time build: `make kernels`' CMake path from scratch, and what the CUDA libraries hold."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from longformer_ops import _loader, _manifest
+from longformer_ops.reference import diagonaled_mm_reference
+from tvm_kernels import variants
+from tvm_kernels.cuda_toolchain import device_code_in
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
+def test_cmake_build_from_scratch_produces_working_kernels(tmp_path, monkeypatch):
+    """Configure and build a CPU library into an empty directory, then run it against the reference."""
+    out, build = tmp_path / "prebuilt", tmp_path / "cmake"
+    configure = subprocess.run(
+        ["cmake", "-S", str(_manifest.REPO_ROOT), "-B", str(build), f"-DPython3_EXECUTABLE={sys.executable}",
+         f"-DPREBUILT_DIR={out}", "-DKERNEL_TARGETS=cpu-avx2", "-DKERNEL_DTYPES=float32"],
+        capture_output=True, text=True)
+    assert configure.returncode == 0, configure.stderr
+    first = subprocess.run(["cmake", "--build", str(build), "--target", "kernels"], capture_output=True, text=True)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "[1/1] cpu-avx2/longformer_float32.so: building" in first.stdout
+    second = subprocess.run(["cmake", "--build", str(build), "--target", "kernels"], capture_output=True, text=True)
+    assert "cpu-avx2/longformer_float32.so: up to date" in second.stdout, second.stdout
+
+    manifest = _manifest.read(out)
+    assert set(manifest["libraries"]) == {"cpu-avx2/longformer_float32.so"}
+    assert manifest["tvm_version"] and manifest["sources_sha256"]
+    monkeypatch.setenv(_loader.PREBUILT_ENV, str(out))
+    monkeypatch.setenv(_loader.CPU_TARGET_ENV, "cpu-avx2")
+    library = _loader.library_for(torch.device("cpu"), "float32")
+    q, k = torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
+    scores = torch.empty(1, 40, 2, 7)
+    dilation = torch.tensor([1, 3], dtype=torch.int32)
+    library.function("qk_symmetric")(q, k, dilation, 0.0, scores)
+    torch.testing.assert_close(scores, diagonaled_mm_reference(q, k, 3, dilation), rtol=1e-5, atol=1e-5)
+
+
+CUDA_LIBRARIES = sorted(n for n, e in _manifest.read(_manifest.DEFAULT_PREBUILT)["libraries"].items() if e["device"] == "cuda")
+
+
+@pytest.mark.parametrize("name", CUDA_LIBRARIES)
+def test_cuda_libraries_hold_device_code_not_source(name):
+    path = _manifest.DEFAULT_PREBUILT / name
+    code = device_code_in(path)
+    sass = {arch for kind, arch in code if kind == "sass"}
+    ptx = {arch for kind, arch in code if kind == "ptx"}
+    # One fatbin per library; a SASS entry per arch, plus PTX of the newest for later GPUs.
+    assert sass == set(variants.CUDA_ARCHS) and len(code) == len(variants.CUDA_ARCHS) + 1, code
+    assert ptx == {variants.CUDA_ARCHS[-1]}
+    blob = path.read_bytes()
+    # (blockIdx.x and friends do appear: TVM stores them as launch-parameter tags, not code.)
+    for marker in (b"__global__", b'extern "C"', b"#include", b"__device__"):
+        assert marker not in blob, f"CUDA source text {marker!r} found in {name}"
+
+
+def test_fatbin_reader_sees_a_fresh_nvcc_fatbin(tmp_path):
+    """The reader itself, on a fatbin nvcc makes now (so a broken reader cannot pass the test above)."""
+    from tvm_kernels import cuda_toolchain
+
+    try:
+        cuda_toolchain.find_nvcc()
+    except FileNotFoundError:
+        pytest.skip("nvcc not installed")
+    blob = cuda_toolchain.compile_fatbin('extern "C" __global__ void k(float* x) { x[0] = 1.0f; }', ["sm_80", "sm_90"])
+    (tmp_path / "k.fatbin").write_bytes(blob)
+    assert sorted(device_code_in(tmp_path / "k.fatbin")) == [("ptx", "sm_90"), ("sass", "sm_80"), ("sass", "sm_90")]

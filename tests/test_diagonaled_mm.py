@@ -1,0 +1,180 @@
+"""diagonaled_mm and mask_invalid_locations against the plain-PyTorch reference.
+
+Every mode x dtype x {symmetric, autoregressive} x {one dilation, per-head dilations}
+at awkward sizes, on every CPU library this machine runs, and on CUDA when present.
+The reference runs in float64 on the same (rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, assert_close_to_reference, cpu_targets
+from longformer_ops import _loader, diagonaled_mm, mask_invalid_locations
+from longformer_ops.reference import diagonaled_mm_reference, invalid_locations
+
+# (batch, seq_len, heads, head_dim, w): n in {1, 2, 17, 513}, w in {0, 1, >= n}, head_dim in {1, 31, 64}.
+SIZES = [
+    (2, 1, 3, 31, 0),
+    (1, 1, 2, 64, 1),
+    (2, 1, 2, 1, 3),      # w >= n
+    (2, 2, 3, 1, 1),
+    (1, 2, 2, 31, 2),     # w >= n
+    (2, 17, 3, 64, 1),
+    (1, 17, 4, 31, 20),   # w >= n
+    (2, 17, 2, 1, 0),
+    (1, 513, 4, 64, 16),
+    (1, 513, 2, 31, 1),
+    (1, 513, 2, 1, 600),  # w >= n
+]
+DILATIONS = ["single", "per-head"]
+
+
+def _dilation(kind: str, heads: int, generator):
+    if kind == "single":
+        return int(torch.randint(1, 4, (1,), generator=generator))
+    return torch.randint(1, 9, (heads,), generator=generator, dtype=torch.int32)
+
+
+def _random(shape, dtype, device, generator):
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+def _check_forward(device, dtype, size, autoregressive, dilation_kind, is_t1_diagonaled):
+    b, n, h, f, w = size
+    generator = torch.Generator().manual_seed(hash((size, autoregressive, dilation_kind, str(dtype))) % 2**31)
+    d = _dilation(dilation_kind, h, generator)
+    c = w + (0 if autoregressive else w) + 1
+    t1 = _random((b, n, h, c if is_t1_diagonaled else f), dtype, device, generator)
+    t2 = _random((b, n, h, f), dtype, device, generator)
+    padding = -3.5
+    out = diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
+    ref = diagonaled_mm_reference(t1.double().cpu(), t2.double().cpu(), w, d, is_t1_diagonaled, padding, autoregressive)
+    scale = diagonaled_mm_reference(t1.double().abs().cpu(), t2.double().abs().cpu(), w, d, is_t1_diagonaled, 0, autoregressive)
+    assert out.dtype == dtype and out.device.type == torch.device(device).type
+    if not is_t1_diagonaled:
+        invalid = invalid_locations(n, w, torch.as_tensor(d).expand(h) if isinstance(d, int) else d, autoregressive)
+        assert (out.cpu()[:, invalid] == torch.tensor(padding, dtype=dtype)).all(), "padding positions must hold exactly `padding`"
+    assert_close_to_reference(out, ref, scale, dtype)
+
+
+@pytest.fixture(params=cpu_targets())
+def cpu_library(request, monkeypatch):
+    monkeypatch.setenv(_loader.CPU_TARGET_ENV, request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("is_t1_diagonaled", [False, True], ids=["qk", "pv"])
+@pytest.mark.parametrize("dilation_kind", DILATIONS)
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("size", SIZES, ids=str)
+def test_cpu_matches_reference(cpu_library, size, dtype, autoregressive, dilation_kind, is_t1_diagonaled):
+    _check_forward("cpu", dtype, size, autoregressive, dilation_kind, is_t1_diagonaled)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("is_t1_diagonaled", [False, True], ids=["qk", "pv"])
+@pytest.mark.parametrize("dilation_kind", DILATIONS)
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("size", SIZES, ids=str)
+def test_cuda_matches_reference(size, dtype, autoregressive, dilation_kind, is_t1_diagonaled):
+    _check_forward("cuda", dtype, size, autoregressive, dilation_kind, is_t1_diagonaled)
+
+
+def _check_gradients(device, dtype, autoregressive, is_t1_diagonaled):
+    """Both input gradients (which run the transposed mode) against autograd through the reference."""
+    b, n, h, f, w = 2, 37, 4, 31, 5
+    generator = torch.Generator().manual_seed(7)
+    d = torch.tensor([1, 2, 3, 8], dtype=torch.int32)
+    c = w + (0 if autoregressive else w) + 1
+    t1 = _random((b, n, h, c if is_t1_diagonaled else f), dtype, device, generator).requires_grad_()
+    t2 = _random((b, n, h, f), dtype, device, generator).requires_grad_()
+    out = diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, 0, autoregressive)
+    grad = _random(out.shape, dtype, device, generator)
+    g1, g2 = torch.autograd.grad(out, (t1, t2), grad)
+    r1, r2 = (t1.detach().double().cpu().requires_grad_(), t2.detach().double().cpu().requires_grad_())
+    ref = diagonaled_mm_reference(r1, r2, w, d, is_t1_diagonaled, 0, autoregressive)
+    e1, e2 = torch.autograd.grad(ref, (r1, r2), grad.double().cpu())
+    a1, a2 = (r1.detach().abs().requires_grad_(), r2.detach().abs().requires_grad_())
+    s1, s2 = torch.autograd.grad(diagonaled_mm_reference(a1, a2, w, d, is_t1_diagonaled, 0, autoregressive), (a1, a2), grad.double().abs().cpu())
+    assert_close_to_reference(g1, e1, s1, dtype)
+    assert_close_to_reference(g2, e2, s2, dtype)
+
+
+@pytest.mark.parametrize("is_t1_diagonaled", [False, True], ids=["qk", "pv"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_cpu_gradients_match_reference(cpu_library, dtype, autoregressive, is_t1_diagonaled):
+    _check_gradients("cpu", dtype, autoregressive, is_t1_diagonaled)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("is_t1_diagonaled", [False, True], ids=["qk", "pv"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_gradients_match_reference(dtype, autoregressive, is_t1_diagonaled):
+    _check_gradients("cuda", dtype, autoregressive, is_t1_diagonaled)
+
+
+@pytest.mark.parametrize("is_t1_diagonaled", [False, True], ids=["qk", "pv"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_gradcheck_float64(is_t1_diagonaled, autoregressive):
+    b, n, h, f, w = 2, 9, 3, 5, 2
+    d = torch.tensor([1, 2, 4])
+    c = w + (0 if autoregressive else w) + 1
+    t1 = torch.randn(b, n, h, c if is_t1_diagonaled else f, dtype=torch.float64, requires_grad=True)
+    t2 = torch.randn(b, n, h, f, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, bb: diagonaled_mm(a, bb, w, d, is_t1_diagonaled, 0, autoregressive), (t1, t2))
+
+
+def test_positional_call_form_of_the_original():
+    q, k = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 4)
+    scores = diagonaled_mm(q, k, 2, 1, False, 0, False)
+    probs = torch.softmax(mask_invalid_locations(scores, 2, 1, False), dim=-1)
+    context = diagonaled_mm(probs, k, 2, 1, True, 0, False)
+    assert context.shape == q.shape
+
+
+def test_non_contiguous_inputs():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 19, 16, generator=g).permute(0, 2, 1, 3)  # [b, n=19, h=4, f] non-contiguous
+    k = torch.randn(2, 19, 16, 4, generator=g).permute(0, 1, 3, 2)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    out = diagonaled_mm(q, k, 3, 2)
+    torch.testing.assert_close(out, diagonaled_mm_reference(q, k, 3, 2), rtol=1e-5, atol=1e-5)
+    probs = torch.randn(2, 19, 4, 14, generator=g)[..., ::2]
+    out = diagonaled_mm(probs, k, 3, 2, True)
+    torch.testing.assert_close(out, diagonaled_mm_reference(probs, k, 3, 2, True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 2, 4), (2, 0, 2, 4), (2, 5, 0, 4), (2, 5, 2, 0)])
+def test_empty_inputs(shape):
+    b, n, h, f = shape
+    q, k = torch.randn(b, n, h, f, requires_grad=True), torch.randn(b, n, h, f, requires_grad=True)
+    d = torch.ones(h, dtype=torch.int64)
+    scores = diagonaled_mm(q, k, 1, d, False, -1.0)
+    torch.testing.assert_close(scores, diagonaled_mm_reference(q, k, 1, d, False, -1.0))
+    context = diagonaled_mm(torch.softmax(scores, -1), k, 1, d, True)
+    assert context.shape == (b, n, h, f)
+    context.sum().backward()
+
+
+@pytest.mark.parametrize("autoregressive", [False, True])
+def test_mask_invalid_locations(autoregressive):
+    n, h, w = 11, 3, 4
+    d = torch.tensor([1, 2, 5])
+    c = w + (0 if autoregressive else w) + 1
+    scores = torch.randn(2, n, h, c)
+    original = scores.clone()
+    returned = mask_invalid_locations(scores, w, d, autoregressive)
+    assert returned is scores
+    for i in range(n):
+        for head in range(h):
+            for j in range(c):
+                key = i + int(d[head]) * (j - w)
+                expected = original[:, i, head, j] if 0 <= key < n else torch.full((2,), float("-inf"))
+                assert torch.equal(scores[:, i, head, j], expected), (i, head, j)

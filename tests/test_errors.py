@@ -1,0 +1,74 @@
+"""Bad input gets a clear Python exception, from our own checks, naming the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longformer_ops import diagonaled_mm, mask_invalid_locations
+
+
+def qk_inputs(b=1, n=8, h=2, f=4, dtype=torch.float32):
+    return torch.randn(b, n, h, f, dtype=dtype), torch.randn(b, n, h, f, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda q, k: diagonaled_mm(q.int(), k.int(), 1, 1), TypeError, r"t1 must be one of .*got dtype=torch.int32"),
+        (lambda q, k: diagonaled_mm(q, k.double(), 1, 1), TypeError, r"same dtype.*t1.dtype=torch.float32, t2.dtype=torch.float64"),
+        (lambda q, k: diagonaled_mm(q[0], k, 1, 1), ValueError, r"t1 must be 4-D \[batch, seq_len, heads, features\], got shape \(8, 2, 4\)"),
+        (lambda q, k: diagonaled_mm(q, k[:, :5], 1, 1), ValueError, r"agree in \[batch, seq_len, heads\]"),
+        (lambda q, k: diagonaled_mm(q, torch.randn(2, 8, 2, 4), 1, 1), ValueError, r"agree in \[batch, seq_len, heads\]"),
+        (lambda q, k: diagonaled_mm(q, torch.randn(1, 8, 3, 4), 1, 1), ValueError, r"agree in \[batch, seq_len, heads\]"),
+        (lambda q, k: diagonaled_mm(q, k[..., :3], 1, 1), ValueError, r"same head_dim"),
+        (lambda q, k: diagonaled_mm(q, k, 1, torch.tensor([1, 2, 3])), ValueError, r"d \(dilation\) must have one value per head: expected length 2, got 3"),
+        (lambda q, k: diagonaled_mm(q, k, 1, 0), ValueError, r"d \(dilation\) values must be in \[1, .*got \[0, 0\]"),
+        (lambda q, k: diagonaled_mm(q, k, 1, torch.tensor([1, -2])), ValueError, r"d \(dilation\) values must be in"),
+        (lambda q, k: diagonaled_mm(q, k, 1, torch.tensor([1.0, 2.0])), TypeError, r"d \(dilation\) must be an integer tensor"),
+        (lambda q, k: diagonaled_mm(q, k, 1, torch.ones(2, 1, dtype=torch.int64)), ValueError, r"1-D tensor with one value per head"),
+        (lambda q, k: diagonaled_mm(q, k, 1, 1.5), TypeError, r"d \(dilation\) must be an int"),
+        (lambda q, k: diagonaled_mm(q, k, -1, 1), ValueError, r"w \(one-sided window\) must be >= 0, got w=-1"),
+        (lambda q, k: diagonaled_mm(q, k, 2.0, 1), TypeError, r"w \(one-sided window\) must be an int"),
+        (lambda q, k: diagonaled_mm(q, k, True, 1), TypeError, r"w \(one-sided window\) must be an int"),
+        (lambda q, k: diagonaled_mm(torch.randn(1, 8, 2, 4), k, 1, 1, True), ValueError, r"t1 \(the band\) must have last dimension c = 3 for w=1, autoregressive=False"),
+        (lambda q, k: diagonaled_mm(torch.randn(1, 8, 2, 3), k, 1, 1, True, 0, True), ValueError, r"c = 2 for w=1, autoregressive=True"),
+        (lambda q, k: diagonaled_mm(q.numpy(), k, 1, 1), TypeError, r"t1 must be a torch.Tensor, got ndarray"),
+        (lambda q, k: diagonaled_mm(q, [1, 2], 1, 1), TypeError, r"t2 must be a torch.Tensor, got list"),
+        (lambda q, k: diagonaled_mm(q, k, 1, 1, padding="x"), TypeError, r"padding must be a real number"),
+        (lambda q, k: diagonaled_mm(q, k, 1, 1, is_t1_diagonaled=1), TypeError, r"is_t1_diagonaled must be a bool"),
+        (lambda q, k: diagonaled_mm(q, k, 1, 1, autoregressive="yes"), TypeError, r"autoregressive must be a bool"),
+        (lambda q, k: diagonaled_mm(q.to("meta"), k.to("meta"), 1, 1), NotImplementedError, r"t1 is on device meta; supported devices: cpu, cuda"),
+        (lambda q, k: diagonaled_mm(q, k.to("meta"), 1, 1), NotImplementedError, r"t2 is on device meta"),
+    ],
+    ids=lambda value: value.__name__ if isinstance(value, type) else None,
+)
+def test_diagonaled_mm_rejects(call, error, message):
+    q, k = qk_inputs()
+    with pytest.raises(error, match=message):
+        call(q, k)
+
+
+def test_unsupported_dtype_for_device_is_named():
+    # float64 ships on CPU only; on CUDA the loader says which (device, dtype) pairs exist.
+    from longformer_ops import _loader
+
+    with pytest.raises(_loader.KernelNotAvailableError, match=r"no prebuilt kernel for device='cuda', dtype=float64; available"):
+        _loader.choose_library(_loader._manifest_or_raise(_loader.prebuilt_dir()), "cuda", "float64")
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda s: mask_invalid_locations(s, 1, 1, False), ValueError, r"scores must have last dimension c = 3 for w=1"),
+        (lambda s: mask_invalid_locations(s.long(), 2, 1, False), TypeError, r"scores must be a floating-point tensor"),
+        (lambda s: mask_invalid_locations(s[0], 2, 1, False), ValueError, r"scores must be 4-D"),
+        (lambda s: mask_invalid_locations(s, 2, [1, 2, 3], False), ValueError, r"one value per head: expected length 2, got 3"),
+        (lambda s: mask_invalid_locations(s, -2, 1, False), ValueError, r"w \(one-sided window\) must be >= 0"),
+        (lambda s: mask_invalid_locations(s.tolist(), 2, 1, False), TypeError, r"scores must be a torch.Tensor"),
+    ],
+)
+def test_mask_invalid_locations_rejects(call, error, message):
+    scores = torch.randn(1, 8, 2, 5)
+    with pytest.raises(error, match=message):
+        call(scores)

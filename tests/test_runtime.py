@@ -1,0 +1,143 @@
+"""The loader: lazy, compiler-free loading, and clear errors for missing, stale or foreign libraries."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from longformer_ops import _loader, _manifest, diagonaled_mm
+from longformer_ops.reference import diagonaled_mm_reference
+
+
+def _run_python(code: str, **env) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, cwd=_manifest.REPO_ROOT)
+
+
+def test_import_and_kernel_run_never_load_the_tvm_compiler():
+    result = _run_python(
+        "import sys, torch, longformer_ops\n"
+        "assert 'tvm' not in sys.modules and 'tvm_ffi' not in sys.modules, 'import must load nothing compiled'\n"
+        "q = torch.randn(1, 33, 2, 16)\n"
+        "longformer_ops.diagonaled_mm(q, q, 4, 1)\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "assert 'tvm' not in sys.modules, 'the TVM compiler package was imported'\n"
+        "assert 'libtvm_compiler' not in maps, 'libtvm_compiler.so was mapped'\n"
+        "assert 'libtvm_runtime.so' in maps\n"
+        "print('ok')\n")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def _copy_prebuilt(tmp_path, edit=None):
+    target = tmp_path / "prebuilt"
+    shutil.copytree(_manifest.DEFAULT_PREBUILT, target)
+    if edit:
+        manifest = json.loads((target / "manifest.json").read_text())
+        edit(manifest, target)
+        (target / "manifest.json").write_text(json.dumps(manifest))
+    return target
+
+
+def _call_with_prebuilt(monkeypatch, directory):
+    monkeypatch.setenv(_loader.PREBUILT_ENV, str(directory))
+    _loader._library_for.cache_clear()
+    _loader._manifest_or_raise.cache_clear()
+    try:
+        q = torch.randn(1, 9, 2, 16)
+        return diagonaled_mm(q, q, 2, 1)
+    finally:
+        _loader._library_for.cache_clear()
+        _loader._manifest_or_raise.cache_clear()
+
+
+def test_missing_manifest(tmp_path, monkeypatch):
+    with pytest.raises(_loader.KernelNotAvailableError, match=r"no kernel manifest: expected .*manifest.json.*make kernels"):
+        _call_with_prebuilt(monkeypatch, tmp_path)
+
+
+def test_missing_library(tmp_path, monkeypatch):
+    directory = _copy_prebuilt(tmp_path)
+    for path in directory.glob("cpu-*/longformer_float32.so"):
+        path.unlink()
+    with pytest.raises(_loader.KernelNotAvailableError, match=r"prebuilt kernel library missing: expected .*longformer_float32.so.*make kernels"):
+        _call_with_prebuilt(monkeypatch, directory)
+
+
+def test_stale_library(tmp_path, monkeypatch):
+    def edit(manifest, _):
+        for entry in manifest["libraries"].values():
+            entry["inputs"]["sources_sha256"] = "0" * 64
+    directory = _copy_prebuilt(tmp_path, edit)
+    with pytest.raises(_loader.StaleKernelError, match=r"is stale: built from tvm_kernels sources with sha256 000000000000.*make kernels"):
+        _call_with_prebuilt(monkeypatch, directory)
+
+
+def test_foreign_platform(tmp_path, monkeypatch):
+    directory = _copy_prebuilt(tmp_path, lambda m, _: m.update(platform="darwin-arm64"))
+    with pytest.raises(_loader.KernelNotAvailableError, match=r"are for darwin-arm64, this machine is linux-x86_64"):
+        _call_with_prebuilt(monkeypatch, directory)
+
+
+def test_foreign_cpu(tmp_path, monkeypatch):
+    def edit(manifest, _):
+        for entry in manifest["libraries"].values():
+            entry["cpu_flags"].append("imaginary_isa")
+    directory = _copy_prebuilt(tmp_path, edit)
+    with pytest.raises(_loader.KernelNotAvailableError, match=r"no prebuilt CPU kernel runs on this CPU: missing .*imaginary_isa"):
+        _call_with_prebuilt(monkeypatch, directory)
+
+
+def test_replaced_library(tmp_path, monkeypatch):
+    directory = _copy_prebuilt(tmp_path)
+    for path in directory.glob("cpu-*/longformer_float32.so"):
+        shutil.copy(directory / "cpu-avx2" / "longformer_float64.so", path)
+    with pytest.raises(_loader.KernelNotAvailableError, match=r"does not match its manifest entry"):
+        _call_with_prebuilt(monkeypatch, directory)
+
+
+def test_old_gpu_is_named():
+    manifest = _loader._manifest_or_raise(_loader.prebuilt_dir())
+    with pytest.raises(_loader.KernelNotAvailableError, match=r"this GPU is sm_75, older than sm_80"):
+        _loader.choose_library(manifest, "cuda", "float32", cuda_capability=(7, 5))
+    name, _ = _loader.choose_library(manifest, "cuda", "float32", cuda_capability=(10, 0))  # newer: PTX
+    assert name == "cuda/longformer_float32.so"
+
+
+def test_forced_cpu_target_is_used(monkeypatch):
+    monkeypatch.setenv(_loader.CPU_TARGET_ENV, "cpu-avx2")
+    library = _loader.library_for(torch.device("cpu"), "float32")
+    assert library.name == "cpu-avx2/longformer_float32.so"
+    monkeypatch.setenv(_loader.CPU_TARGET_ENV, "cpu-sse2")
+    with pytest.raises(_loader.KernelNotAvailableError, match=r"LONGFORMER_OPS_CPU_TARGET='cpu-sse2' but no such CPU library"):
+        _loader.library_for(torch.device("cpu"), "float32")
+
+
+def test_info_lists_kernels():
+    result = subprocess.run([sys.executable, "-m", "longformer_ops.info"], capture_output=True, text=True, cwd=_manifest.REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    for dtype in ("float32", "float64", "float16", "bfloat16"):
+        assert f"qk_symmetric          cpu     {dtype}" in result.stdout
+    assert "transposed_causal" in result.stdout and "cuda" in result.stdout
+
+
+def test_committed_prebuilt_matches_sources():
+    """prebuilt/ must be rebuilt (`make kernels`) and committed whenever tvm_kernels/ changes."""
+    manifest = _manifest.read(_manifest.DEFAULT_PREBUILT)
+    sources = _manifest.KERNEL_SOURCES
+    assert manifest["sources_sha256"] == _manifest.sources_digest(sources, _manifest.all_kernel_sources(sources))
+    for name, entry in manifest["libraries"].items():
+        inputs = entry["inputs"]
+        assert inputs["sources_sha256"] == _manifest.sources_digest(sources, inputs["sources"]), name
+        assert entry["sha256"] == _manifest.file_sha256(_manifest.DEFAULT_PREBUILT / name), name
+    for name, digest in manifest["runtime"].items():
+        assert digest == _manifest.file_sha256(_manifest.DEFAULT_PREBUILT / "runtime" / name)
+    expected = {f"{t}/longformer_{d}.so" for t in ("cpu-avx2", "cpu-avx512") for d in ("float32", "float64", "float16", "bfloat16")}
+    expected |= {f"cuda/longformer_{d}.so" for d in ("float32", "float16", "bfloat16")}
+    assert set(manifest["libraries"]) == expected
