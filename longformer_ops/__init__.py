@@ -8,6 +8,11 @@ references live in :mod:`longformer_ops.reference`.
 """
 
 from longformer_ops._loader import KernelNotAvailableError, StaleKernelError
+from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.diagonaled import diagonaled_mm, mask_invalid_locations
+from longformer_ops.layer import LongformerSelfAttention
+from longformer_ops.model import LongformerForMaskedLM, LongformerModel, from_hf_pretrained
 
-__all__ = ["diagonaled_mm", "mask_invalid_locations", "KernelNotAvailableError", "StaleKernelError"]
+__all__ = ["diagonaled_mm", "mask_invalid_locations", "KernelNotAvailableError", "StaleKernelError",
+           "LongformerConfig", "AttentionMode", "LongformerSelfAttention", "LongformerModel",
+           "LongformerForMaskedLM", "from_hf_pretrained"]

@@ -1,0 +1,204 @@
+"""``LongformerConfig``: a typed, validated configuration for the layer and the model.
+
+RoBERTa-style fields (the names of Hugging Face's ``LongformerConfig``) plus
+Longformer's own: a ONE-SIDED ``attention_window`` per layer (Hugging Face's is
+two-sided: HF 512 == 256 here), ``attention_dilation`` per layer (and per head),
+``autoregressive`` and ``attention_mode``. Every invalid value or combination is
+rejected when the config is built, with a message naming the field.
+
+    cfg = LongformerConfig(hidden_size=768, num_attention_heads=12, attention_window=256)
+    cfg = LongformerConfig.from_hf(hf_config)        # transformers.LongformerConfig (or its dict)
+    hf_config = cfg.to_hf()                          # back to transformers (needs it installed)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+# Activations the feed-forward block accepts (Hugging Face's names; "gelu" is the exact erf form).
+HIDDEN_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh")
+
+
+class AttentionMode(str, enum.Enum):
+    """How the local (sliding-window) attention is computed; all give the same numbers.
+
+    - ``TVM``: the prebuilt banded kernels (:func:`longformer_ops.diagonaled_mm`); any
+      window, per-head dilation, autoregressive. The default.
+    - ``SLIDING_CHUNKS``: Hugging Face's pure-PyTorch algorithm
+      (:func:`longformer_ops.reference.sliding_chunks_qk`); no dilation, not autoregressive.
+    - ``FULL``: dense ``n x n`` attention with an explicit mask; a reference, O(n^2) memory.
+    """
+
+    TVM = "tvm"
+    SLIDING_CHUNKS = "sliding_chunks"
+    FULL = "full"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _per_layer(name: str, value, layers: int) -> list:
+    """An int (all layers) or a sequence with one entry per layer -> list of length ``layers``."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != layers:
+            raise ValueError(f"{name} must have one entry per layer: expected {layers} "
+                             f"(num_hidden_layers), got {len(value)}: {list(value)!r}")
+        return list(value)
+    return [value] * layers
+
+
+@dataclass
+class LongformerConfig:
+    """Configuration of :class:`LongformerModel` / :class:`LongformerForMaskedLM`.
+
+    After construction ``attention_window`` is a list with one ONE-SIDED window per
+    layer and ``attention_dilation`` a list with one entry per layer (an int, or a
+    list with one dilation per head); :meth:`layer_dilation` gives a layer's
+    per-head tuple. ``attention_mode`` accepts an :class:`AttentionMode` or its value.
+    Defaults are those of ``allenai/longformer-base-4096``.
+    """
+
+    vocab_size: int = 50265
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 4098
+    type_vocab_size: int = 1
+    layer_norm_eps: float = 1e-5
+    pad_token_id: int = 1
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True
+    # Longformer
+    attention_window: int | list[int] = 256          # one-sided: each token sees w left, itself, w right
+    attention_dilation: int | list[int | list[int]] = 1
+    autoregressive: bool = False                     # keys only at or before the query (global ones too)
+    attention_mode: AttentionMode = AttentionMode.TVM
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                             f"({self.num_attention_heads})")
+        if not _is_int(self.pad_token_id) or not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id must be an int in [0, vocab_size={self.vocab_size}), "
+                             f"got {self.pad_token_id!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+        if isinstance(self.layer_norm_eps, bool) or not isinstance(self.layer_norm_eps, numbers.Real) \
+                or self.layer_norm_eps <= 0:
+            raise ValueError(f"layer_norm_eps must be a positive float, got {self.layer_norm_eps!r}")
+        if not isinstance(self.autoregressive, bool):
+            raise TypeError(f"autoregressive must be a bool, got {type(self.autoregressive).__name__}: "
+                            f"{self.autoregressive!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise TypeError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        try:
+            self.attention_mode = AttentionMode(self.attention_mode)
+        except ValueError:
+            raise ValueError(f"attention_mode must be one of {[m.value for m in AttentionMode]}, "
+                             f"got {self.attention_mode!r}") from None
+
+        layers, heads = self.num_hidden_layers, self.num_attention_heads
+        self.attention_window = _per_layer("attention_window", self.attention_window, layers)
+        for i, w in enumerate(self.attention_window):
+            if not _is_int(w) or w < 0:
+                raise ValueError(f"attention_window (one-sided) must hold ints >= 0, got {w!r} for layer {i}")
+        self.attention_window = [int(w) for w in self.attention_window]
+
+        dilation = self.attention_dilation
+        if isinstance(dilation, (list, tuple)) and len(dilation) != layers and all(_is_int(d) for d in dilation) \
+                and len(dilation) == heads:
+            raise ValueError(f"attention_dilation is a list of {heads} ints but num_hidden_layers={layers}: give one "
+                             f"entry per layer, e.g. [{list(dilation)!r}] * {layers} for per-head dilations")
+        self.attention_dilation = _per_layer("attention_dilation", dilation, layers)
+        for i, d in enumerate(self.attention_dilation):
+            per_head = list(d) if isinstance(d, (list, tuple)) else [d] * heads
+            if len(per_head) != heads or not all(_is_int(x) and x >= 1 for x in per_head):
+                raise ValueError(f"attention_dilation for layer {i} must be an int >= 1 or a list of "
+                                 f"{heads} (num_attention_heads) ints >= 1, got {d!r}")
+            self.attention_dilation[i] = list(map(int, d)) if isinstance(d, (list, tuple)) else int(d)
+
+        if self.attention_mode is AttentionMode.SLIDING_CHUNKS:
+            where = "attention_mode='sliding_chunks' (use 'tvm' or 'full')"
+            if self.autoregressive:
+                raise ValueError(f"autoregressive=True is not supported with {where}")
+            for i in range(layers):
+                if set(self.layer_dilation(i)) != {1}:
+                    raise ValueError(f"attention_dilation={self.attention_dilation[i]!r} (layer {i}) is not "
+                                     f"supported with {where}: it needs dilation 1")
+                if self.attention_window[i] < 1:
+                    raise ValueError(f"attention_window=0 (layer {i}) is not supported with {where}: "
+                                     f"it needs a one-sided window >= 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def layer_dilation(self, layer: int) -> tuple[int, ...]:
+        """Per-head dilations of ``layer``: a tuple of ``num_attention_heads`` ints."""
+        d = self.attention_dilation[layer]
+        return tuple(d) if isinstance(d, list) else (d,) * self.num_attention_heads
+
+    def replace(self, **changes) -> LongformerConfig:
+        """A validated copy with some fields changed (e.g. ``attention_mode``)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ Hugging Face
+    _HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
+                  "type_vocab_size", "layer_norm_eps", "pad_token_id", "initializer_range", "tie_word_embeddings")
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, **overrides) -> LongformerConfig:
+        """From a ``transformers.LongformerConfig`` (or its ``to_dict()`` / config.json dict).
+
+        Hugging Face's ``attention_window`` is two-sided and even: layer windows become
+        ``hf_window // 2``. ``overrides`` set any field (``attention_mode=...``, ...).
+        """
+        hf = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        kwargs = {name: hf[name] for name in cls._HF_FIELDS if name in hf and hf[name] is not None}
+        layers = kwargs.get("num_hidden_layers", cls.num_hidden_layers)
+        windows = _per_layer("attention_window", hf.get("attention_window", 512), layers)
+        for i, w in enumerate(windows):
+            if not _is_int(w) or w <= 0 or w % 2:
+                raise ValueError(f"Hugging Face attention_window (two-sided) must be a positive even int, "
+                                 f"got {w!r} for layer {i}")
+        kwargs["attention_window"] = [w // 2 for w in windows]
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_hf(self):
+        """A ``transformers.LongformerConfig`` (two-sided windows ``2 * w``).
+
+        Raises ``ValueError`` for what transformers cannot express: dilation,
+        autoregressive attention, a window of 0.
+        """
+        if any(set(self.layer_dilation(i)) != {1} for i in range(self.num_hidden_layers)):
+            raise ValueError(f"to_hf: transformers' Longformer has no dilation, got attention_dilation="
+                             f"{self.attention_dilation!r}")
+        if self.autoregressive:
+            raise ValueError("to_hf: transformers' Longformer has no autoregressive attention, got autoregressive=True")
+        if 0 in self.attention_window:
+            raise ValueError(f"to_hf: transformers needs windows >= 1, got attention_window={self.attention_window!r}")
+        import transformers  # lazily: only this conversion needs it
+
+        kwargs = {name: getattr(self, name) for name in self._HF_FIELDS}
+        return transformers.LongformerConfig(attention_window=[2 * w for w in self.attention_window], **kwargs)
+

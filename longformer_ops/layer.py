@@ -1,0 +1,244 @@
+"""``LongformerSelfAttention``: sliding-window attention with global tokens, on the banded kernels.
+
+What it computes (the original authors' and Hugging Face's definition):
+
+- every ordinary token attends, through the ``query``/``key``/``value`` projections, to
+  the keys of its band (``i + d[h] * (j - w)``, per-head dilation ``d``; only keys at or
+  before ``i`` when autoregressive) and to every global token; padding keys and global
+  keys are removed from the band (a global token is reached through the global columns
+  only), keys outside the sequence are ``-inf``;
+- every global token attends to all (non-padding) tokens through the separate
+  ``query_global``/``key_global``/``value_global`` projections, and its output row
+  replaces the local one.
+
+Layout inside: ``[batch, seq, heads, head_dim]``; band tensors ``[batch, seq, heads, c]``
+with ``c = 2w + 1`` (``w + 1`` autoregressive). Scores are masked with the dtype's most
+negative finite value (as Hugging Face does, so that no row is all ``-inf``), softmax
+runs in float32 for half inputs (float64 stays float64), rows of padding queries are zeroed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from longformer_ops.config import AttentionMode, LongformerConfig
+from longformer_ops.diagonaled import diagonaled_mm, mask_invalid_locations
+from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
+
+
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half inputs (and float32); float64 stays float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class GlobalTokens:
+    """Where the global tokens are: ``positions [b, g]`` (ascending; slots past an example's
+    own count point at non-global tokens) and ``valid [b, g]`` (False for those slots)."""
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+    @staticmethod
+    def from_mask(is_global: torch.Tensor) -> GlobalTokens | None:
+        """``is_global [b, n]`` bool -> the global slots, or None when the batch has no global token."""
+        counts = is_global.sum(dim=1)  # [b]
+        g = int(counts.max()) if is_global.numel() else 0
+        if g == 0:
+            return None
+        # A stable sort of "not global" puts the global positions first, in order.
+        order = torch.sort((~is_global).to(torch.uint8), dim=1, stable=True).indices
+        positions = order[:, :g]  # [b, g]
+        valid = torch.arange(g, device=is_global.device) < counts[:, None]
+        return GlobalTokens(positions, valid)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [b, n, ...]`` -> the rows of the global slots ``[b, g, ...]``."""
+        index = self.positions.view(*self.positions.shape, *([1] * (x.dim() - 2)))
+        return torch.gather(x, 1, index.expand(-1, -1, *x.shape[2:]))
+
+
+def band_key_mask(seq_len: int, w: int, dilation: tuple[int, ...], autoregressive: bool,
+                  device: torch.device) -> torch.Tensor:
+    """Bool ``[heads, n, n]``: True where key k is in query i's band (the explicit form of the band)."""
+    d = torch.tensor(dilation, device=device).view(-1, 1, 1)
+    i = torch.arange(seq_len, device=device).view(1, -1, 1)
+    k = torch.arange(seq_len, device=device).view(1, 1, -1)
+    offset = k - i
+    allowed = (offset % d == 0) & (offset.abs() <= w * d)
+    return allowed & (offset <= 0) if autoregressive else allowed
+
+
+class LongformerSelfAttention(nn.Module):
+    """Local + global self-attention of one layer (the ``attention.self`` module of Hugging Face).
+
+    ``forward(hidden_states [b, n, hidden], attention_mask [b, n] or None, output_attentions)``
+    with the mask convention: negative = padding, 0 = local, positive = global. Returns
+    ``(output [b, n, hidden], attentions, global_attentions)``; when ``output_attentions``,
+    ``attentions`` is ``[b, heads, n, g + c]`` (post-softmax; first ``g`` columns: the
+    global tokens in position order, then the band; rows of global tokens zeroed) and
+    ``global_attentions`` is ``[b, heads, n, g]`` (the global token in column ``s`` attends to
+    key ``k`` with weight ``[.., k, s]``; None when the batch has no global token).
+    Any sequence length; no padding is needed by any mode.
+    """
+
+    def __init__(self, config: LongformerConfig, layer_id: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+        self.query_global = nn.Linear(hidden, hidden)
+        self.key_global = nn.Linear(hidden, hidden)
+        self.value_global = nn.Linear(hidden, hidden)
+        self.dropout = config.attention_probs_dropout_prob
+        self.layer_id = layer_id
+        self.window = config.attention_window[layer_id]
+        self.dilation = config.layer_dilation(layer_id)
+        self.autoregressive = config.autoregressive
+        self.attention_mode = config.attention_mode
+
+    def extra_repr(self) -> str:
+        return (f"window={self.window}, dilation={self.dilation}, autoregressive={self.autoregressive}, "
+                f"mode={self.attention_mode.value}")
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:-1], self.num_heads, self.head_dim)  # [b, n, hidden] -> [b, n, h, d]
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                output_attentions: bool = False):
+        b, n, hidden = hidden_states.shape
+        if attention_mask is None:
+            attention_mask = torch.zeros(b, n, device=hidden_states.device)
+        if attention_mask.shape != (b, n):
+            raise ValueError(f"attention_mask must be [batch, seq_len] = {(b, n)} (negative = padding, 0 = local, "
+                             f"positive = global), got shape {tuple(attention_mask.shape)}")
+        is_padding = attention_mask < 0                         # [b, n]
+        is_global = (attention_mask > 0) & ~is_padding          # [b, n]
+        globals_ = GlobalTokens.from_mask(is_global)
+
+        q = self._heads(self.query(hidden_states)) / math.sqrt(self.head_dim)  # [b, n, h, d]
+        k = self._heads(self.key(hidden_states))                                # [b, n, h, d]
+        v = self._heads(self.value(hidden_states))                              # [b, n, h, d]
+
+        if self.attention_mode is AttentionMode.FULL:
+            context, probs = self._local_full(q, k, v, is_padding, is_global, globals_)
+        else:
+            context, probs = self._local_banded(q, k, v, is_padding, is_global, globals_)
+        output = context.reshape(b, n, hidden)                                  # [b, n, h*d]
+
+        global_probs = None
+        if globals_ is not None:
+            global_context, global_probs = self._global_rows(hidden_states, is_padding, globals_)
+            # Scatter the g rows back to their positions; they replace the local rows there.
+            index = globals_.positions[..., None].expand(-1, -1, hidden)
+            scattered = torch.zeros_like(output).scatter(1, index, global_context)  # [b, n, hidden]
+            output = torch.where(is_global[..., None], scattered, output)
+
+        if not output_attentions:
+            return output, None, None
+        # Rows of global tokens are fillers (their output came from the global rows).
+        attentions = probs.masked_fill(is_global[:, :, None, None], 0).transpose(1, 2)  # [b, h, n, g + c]
+        if global_probs is not None:
+            global_probs = global_probs.masked_fill(~globals_.valid[:, None, :, None], 0)
+            global_probs = global_probs.transpose(2, 3)                                  # [b, h, n, g]
+        return output, attentions, global_probs
+
+    # -------------------------------------------------------------- local rows
+    def _softmax(self, scores: torch.Tensor, is_padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        probs = torch.softmax(scores, dim=-1, dtype=_softmax_dtype(dtype))
+        probs = probs.masked_fill(is_padding[:, :, None, None], 0).to(dtype)  # padding queries: 0
+        return nn.functional.dropout(probs, p=self.dropout, training=self.training)
+
+    def _global_key_scores(self, q, k, globals_: GlobalTokens):
+        """Scores of every query against the global tokens' (local) keys: ``[b, n, h, g]``."""
+        n = q.shape[1]
+        scores = torch.einsum("bnhd,bghd->bnhg", q, globals_.gather(k))  # [b, n, h, g]
+        hidden = ~globals_.valid[:, None, None, :]                        # empty slots
+        if self.autoregressive:  # no query sees a global token to its right
+            later = globals_.positions[:, None, :] > torch.arange(n, device=q.device)[None, :, None]
+            hidden = hidden | later[:, :, None, :]
+        return scores.masked_fill(hidden, torch.finfo(q.dtype).min)
+
+    def _local_banded(self, q, k, v, is_padding, is_global, globals_):
+        """TVM kernels or sliding chunks: band scores ``[b, n, h, c]``, never an n x n matrix."""
+        n, w, dil, ar = q.shape[1], self.window, self.dilation, self.autoregressive
+        if self.attention_mode is AttentionMode.TVM:
+            band = diagonaled_mm(q, k, w, dil, is_t1_diagonaled=False, padding=0, autoregressive=ar)
+        else:
+            band = sliding_chunks_qk(q, k, w)                                   # [b, n, h, 2w+1]
+        # Padding and global tokens are removed from the band as keys; then the edges get -inf.
+        keys = key_positions(n, w, torch.tensor(dil, device=q.device), ar).clamp(0, max(n - 1, 0))  # [n, h, c]
+        removed = (is_padding | is_global)[:, keys]                            # [b, n, h, c]
+        band = band.masked_fill(removed, torch.finfo(q.dtype).min)
+        mask_invalid_locations(band, w, dil, ar)
+
+        g = 0 if globals_ is None else globals_.positions.shape[1]
+        scores = band
+        if g:  # the global keys' scores go first
+            scores = torch.cat([self._global_key_scores(q, k, globals_), band], dim=-1)  # [b, n, h, g + c]
+        probs = self._softmax(scores, is_padding, q.dtype)
+
+        band_probs = probs[..., g:].contiguous()                               # [b, n, h, c]
+        if self.attention_mode is AttentionMode.TVM:
+            context = diagonaled_mm(band_probs, v, w, dil, is_t1_diagonaled=True, autoregressive=ar)
+        else:
+            context = sliding_chunks_pv(band_probs, v, w)                      # [b, n, h, d]
+        if globals_ is not None:
+            context = context + torch.einsum("bnhg,bghd->bnhd", probs[..., :g], globals_.gather(v))
+        return context, probs
+
+    def _local_full(self, q, k, v, is_padding, is_global, globals_):
+        """Reference: dense ``n x n`` scores, an explicit mask of allowed (query, key) pairs,
+        one softmax per row; the band layout is only gathered for the returned probabilities."""
+        b, n, h, _ = q.shape
+        w, dil, ar = self.window, self.dilation, self.autoregressive
+        in_band = band_key_mask(n, w, dil, ar, q.device)                              # [h, n, n]
+        allowed = in_band[None] & ~(is_padding | is_global)[:, None, None, :]         # [b, h, n, n]
+        reach_global = is_global[:, None, None, :].expand(b, h, n, n)
+        if ar:
+            reach_global = reach_global & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        allowed = allowed | reach_global
+        scores = torch.einsum("bihd,bkhd->bhik", q, k)                                # [b, h, n, n]
+        scores = scores.masked_fill(~allowed, torch.finfo(q.dtype).min)
+        probs = self._softmax(scores.transpose(1, 2), is_padding, q.dtype).transpose(1, 2)  # [b, h, n, n]
+        context = torch.einsum("bhik,bkhd->bihd", probs, v)                           # [b, n, h, d]
+
+        # The same probabilities in the layout of the other modes: [global columns | band].
+        dense = probs.transpose(1, 2)                                                 # [b, n, h, n]
+        keys = key_positions(n, w, torch.tensor(dil, device=q.device), ar)            # [n, h, c]
+        outside = (keys < 0) | (keys >= n)
+        band = torch.gather(dense, 3, keys.clamp(0, max(n - 1, 0)).expand(b, n, h, -1))
+        band = band.masked_fill(outside | is_global[:, keys.clamp(0, max(n - 1, 0))], 0)
+        if globals_ is None:
+            return context, band
+        index = globals_.positions[:, None, None, :].expand(b, n, h, -1)
+        global_cols = torch.gather(dense, 3, index).masked_fill(~globals_.valid[:, None, None, :], 0)
+        return context, torch.cat([global_cols, band], dim=-1)                        # [b, n, h, g + c]
+
+    # -------------------------------------------------------------- global rows
+    def _global_rows(self, hidden_states, is_padding, globals_: GlobalTokens):
+        """Each global token attends to every non-padding token with the *_global projections.
+
+        Returns ``(context [b, g, hidden], probs [b, h, g, n])``.
+        """
+        b, n, hidden = hidden_states.shape
+        q = self._heads(self.query_global(globals_.gather(hidden_states))) / math.sqrt(self.head_dim)  # [b, g, h, d]
+        k = self._heads(self.key_global(hidden_states))                                               # [b, n, h, d]
+        v = self._heads(self.value_global(hidden_states))                                             # [b, n, h, d]
+        scores = torch.einsum("bghd,bnhd->bhgn", q, k)                                                # [b, h, g, n]
+        hidden_keys = is_padding[:, None, None, :]
+        if self.autoregressive:
+            later = torch.arange(n, device=q.device)[None, None, :] > globals_.positions[:, :, None]  # [b, g, n]
+            hidden_keys = hidden_keys | later[:, None]
+        scores = scores.masked_fill(hidden_keys, torch.finfo(q.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=_softmax_dtype(q.dtype)).to(q.dtype)
+        probs = nn.functional.dropout(probs, p=self.dropout, training=self.training)
+        context = torch.einsum("bhgn,bnhd->bghd", probs, v)                                           # [b, g, h, d]
+        return context.reshape(b, -1, hidden), probs

@@ -1,0 +1,370 @@
+"""A thin Longformer encoder on the banded kernels, weight-compatible with Hugging Face.
+
+``LongformerModel`` (embeddings -> encoder -> pooler) and ``LongformerForMaskedLM`` have
+exactly the ``state_dict()`` key names of ``transformers``' classes of the same names, so
+
+    model = LongformerModel(LongformerConfig.from_hf(hf_model.config))
+    model.load_state_dict(hf_model.state_dict(), strict=True)
+
+works, and :func:`from_hf_pretrained` loads a local checkpoint directory without
+``transformers`` or network access. Outputs follow Hugging Face's shapes and meaning.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from longformer_ops.config import AttentionMode, LongformerConfig
+from longformer_ops.layer import LongformerSelfAttention
+
+_ACTIVATIONS = {  # Hugging Face's names (ACT2FN) -> a fresh module
+    "gelu": nn.GELU,
+    "gelu_new": lambda: nn.GELU(approximate="tanh"),
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+    "relu": nn.ReLU,
+    "silu": nn.SiLU,
+    "swish": nn.SiLU,
+    "tanh": nn.Tanh,
+}
+
+
+@dataclass
+class LongformerModelOutput:
+    """``last_hidden_state [b, n, hidden]``; ``pooler_output [b, hidden]`` (None without pooler);
+    ``hidden_states``: embeddings + one per layer, each ``[b, n, hidden]``; ``attentions``: one per
+    layer ``[b, heads, n, g + 2w + 1]``; ``global_attentions``: one per layer ``[b, heads, n, g]``
+    (None when no token is global). The last three only when asked for."""
+
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+    global_attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MaskedLMOutput:
+    """``logits [b, n, vocab]``; ``loss`` (mean cross-entropy over labels != -100) when labels are given."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+    global_attentions: tuple[torch.Tensor, ...] | None = None
+
+
+# --------------------------------------------------------------------------- embeddings
+class LongformerEmbeddings(nn.Module):
+    """Word + position + token-type embeddings, LayerNorm, dropout (RoBERTa's)."""
+
+    def __init__(self, config: LongformerConfig):
+        super().__init__()
+        self.pad_token_id = config.pad_token_id
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                padding_idx=config.pad_token_id)
+
+    def position_ids(self, input_ids: torch.Tensor | None, shape: torch.Size, device) -> torch.Tensor:
+        """RoBERTa's: real tokens count from pad_token_id + 1, padding tokens get pad_token_id."""
+        if input_ids is None:  # no token ids to tell padding from: plain sequential positions
+            return torch.arange(shape[1], device=device).expand(shape) + self.pad_token_id + 1
+        real = (input_ids != self.pad_token_id).long()
+        return torch.cumsum(real, dim=1) * real + self.pad_token_id
+
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None):
+        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]  # [b, n]
+        device = input_ids.device if input_ids is not None else inputs_embeds.device
+        if position_ids is None:
+            position_ids = self.position_ids(input_ids, shape, device)
+        if position_ids.numel() and int(position_ids.max()) >= self.position_embeddings.num_embeddings:
+            raise ValueError(
+                f"position id {int(position_ids.max())} is out of range: max_position_embeddings="
+                f"{self.position_embeddings.num_embeddings} (with pad_token_id={self.pad_token_id}, at most "
+                f"{self.position_embeddings.num_embeddings - self.pad_token_id - 1} tokens); got shape {tuple(shape)}")
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(shape, dtype=torch.long, device=device)
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        x = inputs_embeds + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.LayerNorm(x))  # [b, n, hidden]
+
+
+# --------------------------------------------------------------------------- encoder
+class _DenseResidualNorm(nn.Module):
+    """``LayerNorm(x + dropout(dense(h)))``: Hugging Face's SelfOutput and Output blocks."""
+
+    def __init__(self, config: LongformerConfig, in_features: int):
+        super().__init__()
+        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(x + self.dropout(self.dense(h)))
+
+
+class LongformerAttention(nn.Module):
+    def __init__(self, config: LongformerConfig, layer_id: int):
+        super().__init__()
+        self.self = LongformerSelfAttention(config, layer_id)
+        self.output = _DenseResidualNorm(config, config.hidden_size)
+
+    def forward(self, x, attention_mask, output_attentions=False):
+        h, attentions, global_attentions = self.self(x, attention_mask, output_attentions)
+        return self.output(h, x), attentions, global_attentions
+
+
+class LongformerIntermediate(nn.Module):
+    def __init__(self, config: LongformerConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = _ACTIVATIONS[config.hidden_act]()
+
+    def forward(self, x):
+        return self.act(self.dense(x))  # [b, n, intermediate]
+
+
+class LongformerLayer(nn.Module):
+    def __init__(self, config: LongformerConfig, layer_id: int):
+        super().__init__()
+        self.attention = LongformerAttention(config, layer_id)
+        self.intermediate = LongformerIntermediate(config)
+        self.output = _DenseResidualNorm(config, config.intermediate_size)
+
+    def forward(self, x, attention_mask, output_attentions=False):
+        x, attentions, global_attentions = self.attention(x, attention_mask, output_attentions)
+        return self.output(self.intermediate(x), x), attentions, global_attentions
+
+
+class LongformerEncoder(nn.Module):
+    def __init__(self, config: LongformerConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(LongformerLayer(config, i) for i in range(config.num_hidden_layers))
+
+    def forward(self, x, attention_mask, output_attentions=False, output_hidden_states=False):
+        hidden_states, attentions, global_attentions = [x], [], []
+        for layer in self.layer:
+            x, a, ga = layer(x, attention_mask, output_attentions)
+            hidden_states.append(x)
+            attentions.append(a)
+            global_attentions.append(ga)
+        has_global = bool((attention_mask > 0).any())
+        return LongformerModelOutput(
+            last_hidden_state=x,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+            global_attentions=tuple(global_attentions) if output_attentions and has_global else None,
+        )
+
+
+class LongformerPooler(nn.Module):
+    """tanh(dense(first token))."""
+
+    def __init__(self, config: LongformerConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, x):
+        return self.activation(self.dense(x[:, 0]))  # [b, hidden]
+
+
+# --------------------------------------------------------------------------- models
+class _PreTrained(nn.Module):
+    """Hugging Face's initialisation: normal(0, initializer_range) weights, zero biases."""
+
+    config: LongformerConfig
+
+    def _init_weights(self, module: nn.Module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+
+def layer_attention_mask(attention_mask: torch.Tensor, global_attention_mask: torch.Tensor) -> torch.Tensor:
+    """HF-style masks (1 keep / 0 pad; 1 global / 0 local) -> the layer's: -1 pad, 0 local, 1 global.
+
+    Padding wins over global.
+    """
+    is_padding = attention_mask == 0
+    is_global = (global_attention_mask != 0) & ~is_padding
+    return is_global.long() - is_padding.long()  # [b, n]
+
+
+class LongformerModel(_PreTrained):
+    """Embeddings, ``num_hidden_layers`` Longformer layers, and (optionally) the pooler.
+
+    Inputs as in Hugging Face: ``attention_mask`` 1 = token / 0 = padding,
+    ``global_attention_mask`` 1 = global / 0 = local, both ``[b, n]``. Any sequence length
+    (up to ``max_position_embeddings - pad_token_id - 1``); nothing is padded to the window.
+    """
+
+    def __init__(self, config: LongformerConfig, add_pooling_layer: bool = True):
+        super().__init__()
+        self.config = config
+        self.embeddings = LongformerEmbeddings(config)
+        self.encoder = LongformerEncoder(config)
+        self.pooler = LongformerPooler(config) if add_pooling_layer else None
+        self.apply(self._init_weights)
+
+    def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, token_type_ids=None,
+                position_ids=None, inputs_embeds=None, output_attentions=False,
+                output_hidden_states=False) -> LongformerModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids [b, n] and inputs_embeds [b, n, hidden]")
+        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        device = input_ids.device if input_ids is not None else inputs_embeds.device
+        if attention_mask is None:
+            attention_mask = torch.ones(shape, dtype=torch.long, device=device)
+        if global_attention_mask is None:
+            global_attention_mask = torch.zeros(shape, dtype=torch.long, device=device)
+        mask = layer_attention_mask(attention_mask, global_attention_mask)  # [b, n]: -1 / 0 / 1
+
+        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [b, n, hidden]
+        out = self.encoder(x, mask, output_attentions, output_hidden_states)
+        if self.pooler is not None:
+            out.pooler_output = self.pooler(out.last_hidden_state)
+        return out
+
+
+class LongformerLMHead(nn.Module):
+    """dense -> gelu -> LayerNorm -> decoder (tied to the word embeddings) + bias."""
+
+    def __init__(self, config: LongformerConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.decoder.bias = self.bias  # one tensor under two names, as in Hugging Face
+
+    def forward(self, x):
+        x = self.layer_norm(nn.functional.gelu(self.dense(x)))
+        return self.decoder(x)  # [b, n, vocab]
+
+
+class LongformerForMaskedLM(_PreTrained):
+    """``longformer`` (a :class:`LongformerModel` without pooler) and ``lm_head``."""
+
+    def __init__(self, config: LongformerConfig):
+        super().__init__()
+        self.config = config
+        self.longformer = LongformerModel(config, add_pooling_layer=False)
+        self.lm_head = LongformerLMHead(config)
+        self.apply(self._init_weights)
+        if config.tie_word_embeddings:
+            self.lm_head.decoder.weight = self.longformer.embeddings.word_embeddings.weight
+
+    def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, token_type_ids=None,
+                position_ids=None, inputs_embeds=None, labels=None, output_attentions=False,
+                output_hidden_states=False) -> MaskedLMOutput:
+        out = self.longformer(input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids,
+                              inputs_embeds, output_attentions, output_hidden_states)
+        logits = self.lm_head(out.last_hidden_state)  # [b, n, vocab]
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                              attentions=out.attentions, global_attentions=out.global_attentions)
+
+
+# --------------------------------------------------------------------------- loading
+_TIED = (("lm_head.decoder.weight", "longformer.embeddings.word_embeddings.weight"),
+         ("lm_head.decoder.bias", "lm_head.bias"))
+_IGNORED_SUFFIXES = ("embeddings.position_ids",)  # a buffer some older checkpoints saved
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face checkpoint directory (safetensors or .bin, sharded or not)."""
+    for single, index, kind in (("model.safetensors", "model.safetensors.index.json", "safetensors"),
+                                ("pytorch_model.bin", "pytorch_model.bin.index.json", "bin")):
+        if (directory / index).is_file():
+            files = sorted(set(json.loads((directory / index).read_text())["weight_map"].values()))
+        elif (directory / single).is_file():
+            files = [single]
+        else:
+            continue
+        state: dict[str, torch.Tensor] = {}
+        for name in files:
+            if kind == "safetensors":
+                try:
+                    from safetensors.torch import load_file
+                except ImportError:
+                    raise ImportError(f"{directory / name} is a safetensors file: `pip install safetensors` "
+                                      f"to read it") from None
+                state.update(load_file(str(directory / name), device="cpu"))
+            else:
+                state.update(torch.load(directory / name, map_location="cpu", weights_only=True))
+        return state
+    raise FileNotFoundError(f"no weights in {directory}: expected model.safetensors or pytorch_model.bin "
+                            f"(or a sharded *.index.json)")
+
+
+def from_hf_pretrained(path, model_class: type | None = None, *, dtype: torch.dtype | None = None,
+                       **config_overrides):
+    """Load a local Hugging Face Longformer checkpoint directory (config.json + weights); no network.
+
+    ``model_class`` is :class:`LongformerModel` or :class:`LongformerForMaskedLM`; by default
+    the MaskedLM when the checkpoint has an ``lm_head``. A base model can be loaded from a MaskedLM
+    checkpoint (its pooler, absent there, keeps a fresh initialisation, with a warning).
+    ``config_overrides`` change config fields, e.g. ``attention_mode="sliding_chunks"``;
+    the default mode is the TVM kernels. Returns the model in eval mode.
+    """
+    directory = Path(path)
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {directory} (expected a Hugging Face checkpoint directory)")
+    hf_config = json.loads(config_file.read_text())
+    if hf_config.get("model_type", "longformer") != "longformer":
+        raise ValueError(f"{config_file} has model_type={hf_config['model_type']!r}, expected 'longformer'")
+    config = LongformerConfig.from_hf(hf_config, **config_overrides)
+
+    state = {k: v for k, v in _read_weights(directory).items() if not k.endswith(_IGNORED_SUFFIXES)}
+    is_mlm_checkpoint = any(k.startswith("lm_head.") for k in state)
+    if model_class is None:
+        model_class = LongformerForMaskedLM if is_mlm_checkpoint else LongformerModel
+    if model_class not in (LongformerModel, LongformerForMaskedLM):
+        raise TypeError(f"model_class must be LongformerModel or LongformerForMaskedLM, got {model_class!r}")
+
+    model = model_class(config)
+    if model_class is LongformerModel and any(k.startswith("longformer.") for k in state):
+        state = {k.removeprefix("longformer."): v for k, v in state.items() if k.startswith("longformer.")}
+    for alias, source in _TIED:  # safetensors stores one name per shared tensor
+        if alias not in state and source in state:
+            state[alias] = state[source]
+
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    fresh = [k for k in missing if k.startswith("pooler.")]
+    missing = [k for k in missing if k not in fresh]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {directory} does not match {model_class.__name__}: "
+                           f"missing {missing}, unexpected {unexpected}")
+    if fresh:
+        warnings.warn(f"{directory} has no pooler weights (a MaskedLM checkpoint?): pooler left at its "
+                      f"initialisation", stacklevel=2)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
+
+
+__all__ = ["AttentionMode", "LongformerConfig", "LongformerModel", "LongformerForMaskedLM", "LongformerModelOutput",
+           "MaskedLMOutput", "from_hf_pretrained"]

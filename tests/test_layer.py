@@ -1,0 +1,278 @@
+"""LongformerConfig and LongformerSelfAttention: validation, the three modes against each other,
+dilation and autoregressive against an explicit-mask attention written here from the definition,
+gradients, half precision, any sequence length."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_helpers import assert_close, hf_config, single_thread
+from longformer_ops import AttentionMode, LongformerConfig, LongformerSelfAttention
+
+_ = single_thread  # autouse fixture: these tiny ops only lose from intra-op threads on a loaded machine
+MODES = list(AttentionMode)
+
+
+def tiny_config(**kwargs) -> LongformerConfig:
+    base = dict(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return LongformerConfig(**{**base, **kwargs})
+
+
+def layer_for(config: LongformerConfig, seed=0, dtype=torch.float64) -> LongformerSelfAttention:
+    torch.manual_seed(seed)
+    layer = LongformerSelfAttention(config, 0).to(dtype).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    return layer
+
+
+def layer_inputs(seed, b, n, hidden, dtype=torch.float64, pad_from=None, globals_=()):
+    """Hidden states and the layer's mask: -1 padding (from position ``pad_from[b]``), 0 local, 1 global."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, n, hidden, generator=gen).to(dtype)
+    mask = torch.zeros(b, n, dtype=torch.long)
+    for bi, start in enumerate(pad_from or []):
+        mask[bi, start:] = -1
+    for bi, pos in globals_:
+        mask[bi, pos] = torch.where(mask[bi, pos] < 0, -1, 1)  # padding wins
+    return x, mask
+
+
+def copy_to(config: LongformerConfig, layer: LongformerSelfAttention) -> LongformerSelfAttention:
+    other = LongformerSelfAttention(config, 0).to(next(layer.parameters()).dtype).eval()
+    other.load_state_dict(layer.state_dict())
+    return other
+
+
+def explicit_attention(layer: LongformerSelfAttention, x, mask, w, dilation, autoregressive):
+    """The definition, one (example, head, query) at a time: the allowed keys as an explicit set."""
+    b, n, hidden = x.shape
+    h, d = layer.num_heads, layer.head_dim
+    split = lambda t: t.view(b, -1, h, d)  # noqa: E731
+    q, k, v = split(layer.query(x)) / math.sqrt(d), split(layer.key(x)), split(layer.value(x))
+    qg, kg, vg = split(layer.query_global(x)) / math.sqrt(d), split(layer.key_global(x)), split(layer.value_global(x))
+    out = torch.zeros(b, n, h, d, dtype=x.dtype)
+    for bi in range(b):
+        pad, glob = mask[bi] < 0, mask[bi] > 0
+        for hi in range(h):
+            for i in range(n):
+                if pad[i]:
+                    continue
+                if glob[i]:  # global row: every non-padding key, with the global projections
+                    keys = [kk for kk in range(n) if not pad[kk] and (not autoregressive or kk <= i)]
+                    qq, kk_, vv = qg[bi, i, hi], kg[bi, keys, hi], vg[bi, keys, hi]
+                else:
+                    band = [i + dilation[hi] * (j - w) for j in range(2 * w + 1)]
+                    band = [kk for kk in band if 0 <= kk < n and not pad[kk] and not glob[kk]
+                            and (not autoregressive or kk <= i)]
+                    glob_keys = [kk for kk in range(n) if glob[kk] and (not autoregressive or kk <= i)]
+                    keys = sorted(set(band) | set(glob_keys))
+                    qq, kk_, vv = q[bi, i, hi], k[bi, keys, hi], v[bi, keys, hi]
+                out[bi, i, hi] = torch.softmax(kk_ @ qq, 0) @ vv
+    return out.reshape(b, n, hidden)
+
+
+# ----------------------------------------------------------------------------- config
+def test_config_normalises_per_layer_fields_and_mode():
+    cfg = tiny_config(num_hidden_layers=3, attention_window=[1, 2, 3], attention_dilation=[1, [1, 2, 3, 4], 2],
+                      attention_mode="full")
+    assert cfg.attention_mode is AttentionMode.FULL
+    assert cfg.attention_window == [1, 2, 3]
+    assert cfg.layer_dilation(0) == (1, 1, 1, 1)
+    assert cfg.layer_dilation(1) == (1, 2, 3, 4)
+    assert cfg.layer_dilation(2) == (2, 2, 2, 2)
+    assert tiny_config(num_hidden_layers=2, attention_window=5).attention_window == [5, 5]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(attention_mode="n2"), ValueError, r"attention_mode must be one of \['tvm', 'sliding_chunks', 'full'\]"),
+    (dict(attention_window=-1), ValueError, r"attention_window .* got -1 for layer 0"),
+    (dict(num_hidden_layers=2, attention_window=[4]), ValueError, r"attention_window must have one entry per layer"),
+    (dict(attention_dilation=0), ValueError, r"attention_dilation for layer 0 must be an int >= 1"),
+    (dict(attention_dilation=[[1, 2]]), ValueError, r"attention_dilation for layer 0 .* 4 \(num_attention_heads\)"),
+    (dict(num_hidden_layers=2, attention_dilation=[1, 2, 3, 4]), ValueError, r"one entry per layer"),
+    (dict(attention_mode="sliding_chunks", attention_dilation=2), ValueError,
+     r"attention_dilation=2 \(layer 0\) is not supported with attention_mode='sliding_chunks'"),
+    (dict(attention_mode="sliding_chunks", autoregressive=True), ValueError,
+     r"autoregressive=True is not supported with attention_mode='sliding_chunks'"),
+    (dict(attention_mode="sliding_chunks", attention_window=0), ValueError, r"attention_window=0 \(layer 0\)"),
+    (dict(autoregressive=1), TypeError, r"autoregressive must be a bool"),
+    (dict(hidden_size=30), ValueError, r"hidden_size \(30\) must be a multiple of num_attention_heads \(4\)"),
+    (dict(hidden_act="mish"), ValueError, r"hidden_act must be one of"),
+    (dict(hidden_dropout_prob=1.5), ValueError, r"hidden_dropout_prob must be a float in \[0, 1\)"),
+])
+def test_config_rejects_invalid_values(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        tiny_config(**kwargs)
+
+
+def test_config_from_hf_and_back():
+    pytest.importorskip("transformers")
+    hf = hf_config([4, 8, 12], layer_norm_eps=1e-7)
+    cfg = LongformerConfig.from_hf(hf, attention_mode="sliding_chunks")
+    assert cfg.attention_window == [2, 4, 6]  # one-sided
+    assert cfg.attention_mode is AttentionMode.SLIDING_CHUNKS
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.layer_norm_eps, cfg.pad_token_id) == (32, 4, 1e-7, 1)
+    assert LongformerConfig.from_hf(hf.to_dict()) == cfg.replace(attention_mode="tvm")
+    back = cfg.to_hf()
+    assert back.attention_window == [4, 8, 12]
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings", "layer_norm_eps"):
+        assert getattr(back, name) == getattr(hf, name)
+    with pytest.raises(ValueError, match=r"two-sided\) must be a positive even int, got 5 for layer 1"):
+        LongformerConfig.from_hf({**hf.to_dict(), "attention_window": [4, 5, 8]})
+    with pytest.raises(ValueError, match=r"to_hf: transformers' Longformer has no dilation"):
+        cfg.replace(attention_mode="tvm", attention_dilation=2).to_hf()
+    with pytest.raises(ValueError, match=r"no autoregressive attention"):
+        cfg.replace(attention_mode="tvm", autoregressive=True).to_hf()
+
+
+# ----------------------------------------------------------------------------- layer
+def test_modes_agree_with_padding_and_globals():
+    """Window larger than some rows' reach, length not a multiple of anything, globals and padding."""
+    cfg = tiny_config(attention_window=3)
+    x, mask = layer_inputs(0, 3, 11, 32, pad_from=[11, 7, 9], globals_=[(0, 0), (0, 5), (0, 9), (1, 2), (2, 10)])
+    results = {}
+    for mode in MODES:
+        layer = copy_to(cfg.replace(attention_mode=mode), layer_for(cfg))
+        results[mode] = layer(x, mask, output_attentions=True)
+    expected = explicit_attention(layer_for(cfg), x, mask, 3, (1,) * 4, False)
+    real = mask >= 0
+    for mode, (out, att, gatt) in results.items():
+        assert_close(out[real], expected[real], 1e-10, f"{mode} output vs explicit")
+        assert att.shape == (3, 4, 11, 3 + 7) and gatt.shape == (3, 4, 11, 3)
+        assert_close(att, results[AttentionMode.FULL][1], 1e-12, f"{mode} attentions")
+        assert_close(gatt, results[AttentionMode.FULL][2], 1e-12, f"{mode} global attentions")
+    out, att, gatt = results[AttentionMode.TVM]
+    assert (out[~real] == 0).all()                  # padding queries attend to nothing
+    assert (att[1, :, 7:] == 0).all()               # ... and have zero rows
+    assert (att[0, :, [0, 5, 9]] == 0).all()        # rows of global tokens are zeroed (HF)
+    assert (gatt[1, :, :, 1:] == 0).all()           # empty global slots hold 0
+    sums = att.sum(-1)[:, :, ~(mask[0] != 0)]       # local rows of example 0 sum to 1
+    assert_close(sums[0], torch.ones_like(sums[0]), 1e-12, "row sums")
+
+
+@pytest.mark.parametrize("autoregressive", [False, True])
+def test_dilation_and_autoregressive_match_explicit_mask(autoregressive):
+    dilation = [1, 2, 3, 1]
+    cfg = tiny_config(attention_window=2, attention_dilation=[dilation], autoregressive=autoregressive)
+    x, mask = layer_inputs(1, 2, 13, 32, pad_from=[13, 10], globals_=[(0, 4), (0, 11), (1, 7)])
+    expected = explicit_attention(layer_for(cfg), x, mask, 2, dilation, autoregressive)
+    real = mask >= 0
+    outs = {}
+    for mode in (AttentionMode.TVM, AttentionMode.FULL):
+        outs[mode] = copy_to(cfg.replace(attention_mode=mode), layer_for(cfg))(x, mask, output_attentions=True)
+        assert_close(outs[mode][0][real], expected[real], 1e-10, f"{mode}")
+    c = 2 + (0 if autoregressive else 2) + 1
+    assert outs[AttentionMode.TVM][1].shape == (2, 4, 13, 2 + c)
+    for i in (1, 2):
+        assert_close(outs[AttentionMode.TVM][i], outs[AttentionMode.FULL][i], 1e-12, f"attentions output {i}")
+
+
+def test_autoregressive_is_causal_with_global_tokens():
+    cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 3]], autoregressive=True)
+    layer = layer_for(cfg)
+    x, mask = layer_inputs(2, 1, 12, 32, globals_=[(0, 2), (0, 9)])
+    changed = x.clone()
+    changed[:, 6:] += torch.randn(1, 6, 32, dtype=x.dtype)
+    assert_close(layer(changed, mask)[0][:, :6], layer(x, mask)[0][:, :6], 1e-12, "prefix depends on the future")
+    assert (layer(changed, mask)[0][:, 6:] - layer(x, mask)[0][:, 6:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("mode", MODES)
+def test_any_sequence_length(mode, n):
+    """Sequences shorter than the window (sliding chunks pads internally; the kernels need nothing)."""
+    cfg = tiny_config(attention_window=4, attention_mode=mode)
+    x, mask = layer_inputs(3, 2, n, 32, pad_from=[n, max(n - 1, 1)], globals_=[(0, n - 1)])
+    out, att, _ = copy_to(cfg, layer_for(cfg))(x, mask, output_attentions=True)
+    expected = explicit_attention(layer_for(cfg), x, mask, 4, (1,) * 4, False)
+    real = mask >= 0
+    assert_close(out[real], expected[real], 1e-10, f"n={n}")
+    assert att.shape == (2, 4, n, 1 + 9)
+
+
+def test_layer_rejects_a_mask_of_the_wrong_shape():
+    layer = layer_for(tiny_config(attention_window=2))
+    with pytest.raises(ValueError, match=r"attention_mask must be \[batch, seq_len\] = \(2, 9\)"):
+        layer(torch.zeros(2, 9, 32, dtype=torch.float64), torch.zeros(2, 1, 1, 9))
+
+
+def test_no_global_tokens_and_no_mask():
+    cfg = tiny_config(attention_window=2)
+    x, _ = layer_inputs(4, 2, 9, 32)
+    out, att, gatt = layer_for(cfg)(x, None, output_attentions=True)
+    assert att.shape == (2, 4, 9, 5) and gatt is None
+    expected = explicit_attention(layer_for(cfg), x, torch.zeros(2, 9, dtype=torch.long), 2, (1,) * 4, False)
+    assert_close(out, expected, 1e-10, "no mask")
+
+
+@pytest.mark.parametrize("mode, dilation, autoregressive", [
+    (AttentionMode.TVM, [1, 2, 1, 3], True),
+    (AttentionMode.TVM, [2, 1, 1, 1], False),
+    (AttentionMode.SLIDING_CHUNKS, [1, 1, 1, 1], False),
+])
+def test_gradients_match_full_mode(mode, dilation, autoregressive):
+    cfg = tiny_config(attention_window=2, attention_dilation=[dilation], autoregressive=autoregressive)
+    x, mask = layer_inputs(5, 2, 10, 32, pad_from=[10, 8], globals_=[(0, 3), (1, 0), (1, 6)])
+    grads = {}
+    for m in (mode, AttentionMode.FULL):
+        layer = copy_to(cfg.replace(attention_mode=m), layer_for(cfg))
+        xi = x.clone().requires_grad_()
+        out, att, gatt = layer(xi, mask, output_attentions=True)
+        weight = torch.linspace(-1, 1, out.numel(), dtype=x.dtype).view_as(out)
+        ((out * weight).sum() + (att ** 2).sum() + gatt.sum()).backward()
+        grads[m] = [xi.grad] + [p.grad for p in layer.parameters()]
+    for a, b in zip(grads[mode], grads[AttentionMode.FULL]):
+        assert_close(a, b, 1e-10, f"{mode} gradient")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_tvm_layer(dtype):
+    """Half inputs: scores in half, softmax in float32; close to the float32 result, no NaN/inf."""
+    cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 1]])
+    x, mask = layer_inputs(6, 2, 12, 32, dtype=torch.float32, pad_from=[12, 8], globals_=[(0, 1), (1, 5)])
+    reference = layer_for(cfg, dtype=torch.float32)(x, mask, output_attentions=True)
+    half = layer_for(cfg, dtype=dtype)(x.to(dtype), mask, output_attentions=True)
+    real = mask >= 0
+    tol = 0.1 if dtype == torch.bfloat16 else 0.02  # outputs are O(1) (weights std 0.3, hidden 32)
+    assert half[0].dtype == dtype and half[1].dtype == dtype
+    assert_close(half[0][real].float(), reference[0][real], tol * reference[0].abs().max().item(), f"{dtype} out")
+    assert_close(half[1].float(), reference[1], tol, f"{dtype} attentions")
+
+
+def test_dropout_in_training_mode():
+    cfg = tiny_config(attention_window=2, attention_probs_dropout_prob=0.5)
+    layer = layer_for(cfg, dtype=torch.float32).train()
+    x, mask = layer_inputs(7, 2, 9, 32, dtype=torch.float32, globals_=[(0, 4)])
+    torch.manual_seed(0)
+    out1 = layer(x, mask)[0]
+    out2 = layer(x, mask)[0]
+    assert not torch.equal(out1, out2)
+    out1.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+    layer.eval()
+    assert torch.equal(layer(x, mask)[0], layer(x, mask)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mode", MODES)
+def test_layer_on_cuda_matches_cpu(mode, dtype):
+    cfg = tiny_config(attention_window=3, attention_mode=mode,
+                      attention_dilation=1 if mode is AttentionMode.SLIDING_CHUNKS else [[1, 2, 1, 3]])
+    x, mask = layer_inputs(8, 2, 14, 32, dtype=torch.float32, pad_from=[14, 9], globals_=[(0, 3), (1, 1), (1, 6)])
+    cpu = layer_for(cfg, dtype=torch.float32)
+    expected = cpu(x, mask, output_attentions=True)
+    cuda = copy_to(cfg, cpu).cuda().to(dtype)
+    out = cuda(x.cuda().to(dtype), mask.cuda(), output_attentions=True)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    real = mask >= 0
+    scale = expected[0].abs().max().item()
+    assert_close(out[0].float().cpu()[real], expected[0][real], tol * scale, f"{mode} {dtype} output")
+    for i in (1, 2):
+        assert_close(out[i].float().cpu(), expected[i], tol, f"{mode} {dtype} attentions {i}")
