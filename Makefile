@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[build,test]"
+	$(PY) -m pip install --quiet -e ".[build,test,bench]"
 	touch $@
 
 kernels: setup

@@ -1,0 +1,200 @@
+"""``python -m bench``: time and memory of local attention and the band products, per method and length.
+
+Writes ``<out>/<device-name>.csv``, ``.md`` (table) and ``.png`` (plot). For each sequence
+length, the methods of one case are timed interleaved (warm-up, then rounds A, B, C, A, B,
+C, ...; medians), then each method's memory is probed in a fresh process (peak extra RSS,
+or CUDA max_memory_allocated, of one call), which also gives its first-call latency. A
+method predicted to exceed --max-call-seconds or the memory budget at a length (scaled
+from the previous length) is recorded as skipped with the reason, as is one that cannot
+run the case at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench import methods, report
+from bench.measure import Case, gemm_gflops, probe_in_fresh_process, time_interleaved
+
+DILATED = "1,1,2,2,4,4,8,8,1,2,4,8"
+QUADRATIC = {"full", "sdpa"}  # time and memory grow with n^2
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _names(allowed):
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        unknown = [x for x in names if x not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {list(allowed)}")
+        return names
+    return parse
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--seq-lens", type=_ints, default=_ints("512,1024,2048,4096,8192,16384,32768"))
+    parser.add_argument("--window", type=int, default=256, help="one-sided window w")
+    parser.add_argument("--dilation", action="append", default=None,
+                        help=f"one int for all heads or one per head; repeat for several configurations "
+                             f"(default: 1 and {DILATED})")
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--ops", type=_names(methods.OPS), default=list(methods.OPS))
+    parser.add_argument("--passes", type=_names(("forward", "forward+backward")), default=["forward", "forward+backward"])
+    parser.add_argument("--methods", type=_names(methods.METHODS), default=list(methods.METHODS))
+    parser.add_argument("--dilated-ops", type=_names(methods.OPS), default=["local_attention"],
+                        help="ops that also run the dilated configurations (others run dilation 1 only)")
+    parser.add_argument("--backward-ops", type=_names(methods.OPS), default=["local_attention"],
+                        help="ops that also run forward+backward when --passes has it (others: forward only)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per method (after one warm-up)")
+    parser.add_argument("--max-call-seconds", type=float, default=3.0,
+                        help="skip a method at a length where one call is predicted to take longer")
+    parser.add_argument("--memory-budget-gib", type=float, default=None,
+                        help="skip a method predicted to need more (default: 60%% of available memory)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory probes")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--name", default=None, help="results file stem (default: the device name)")
+    args = parser.parse_args(argv)
+    args.dilation = args.dilation or ["1", DILATED]
+    return args
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        model = next((line.split(":", 1)[1] for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+        name = f"{model}-{os.cpu_count()}cpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def memory_budget_bytes(args) -> float:
+    if args.memory_budget_gib is not None:
+        return args.memory_budget_gib * 2**30
+    if args.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info()
+        return 0.6 * free
+    available = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+    return 0.6 * available * 1024
+
+
+def _dilation_tuple(spec: str, heads: int) -> tuple[int, ...]:
+    values = _ints(spec)
+    if len(values) == 1:
+        return tuple(values) * heads
+    if len(values) != heads:
+        raise SystemExit(f"--dilation {spec!r}: expected 1 or {heads} values (one per head), got {len(values)}")
+    return tuple(values)
+
+
+def _dilation_label(dilation: tuple[int, ...]) -> str:
+    return str(dilation[0]) if len(set(dilation)) == 1 else ",".join(map(str, dilation))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    torch.manual_seed(0)
+    budget = memory_budget_bytes(args)
+    gemm = gemm_gflops(args.device)
+    groups = [(op, p == "forward+backward", _dilation_tuple(spec, args.heads))
+              for spec in args.dilation for op in args.ops for p in args.passes
+              if (op in args.dilated_ops or set(_dilation_tuple(spec, args.heads)) == {1})
+              and (p == "forward" or op in args.backward_ops)]
+    print(f"device {device_name(args.device)}: same-run float32 GEMM {gemm:.0f} GFLOP/s; "
+          f"{len(groups)} cases x {len(args.seq_lens)} lengths x {len(args.methods)} methods", flush=True)
+
+    rows = []
+    # Per (group, method): the last measured (seq_len, seconds, bytes), or the reason it stopped.
+    last: dict[tuple, tuple] = {}
+    stopped: dict[tuple, str] = {}
+    progress = tqdm(total=len(groups) * len(args.seq_lens), unit="case", dynamic_ncols=True)
+    for seq_len in args.seq_lens:
+        for op, backward, dilation in groups:
+            case = Case(op, backward, seq_len, args.window, dilation, args.heads, args.head_dim, args.batch,
+                        args.dtype, args.device)
+            progress.set_description(f"{op} {case.pass_name} d={_dilation_label(dilation)} n={seq_len}")
+            runnable, skipped = [], {}
+            for method in args.methods:
+                key = (op, backward, dilation, method)
+                reason = methods.unsupported_reason(method, op, backward, dilation, args.device) or stopped.get(key)
+                if reason is None and key in last:
+                    n0, seconds, peak = last[key]
+                    power = 2 if method in QUADRATIC else 1
+                    factor = (seq_len / n0) ** power
+                    if seconds * factor > args.max_call_seconds:
+                        reason = f"too slow: predicted {seconds * factor:.1f} s per call > --max-call-seconds {args.max_call_seconds:g}"
+                    elif peak is not None and peak * factor > budget:
+                        reason = f"out of memory: predicted {peak * factor / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB"
+                    if reason:
+                        stopped[key] = reason
+                (skipped.__setitem__(method, reason) if reason else runnable.append(method))
+            timings = time_interleaved(case, runnable, args.repeats) if runnable else {}
+            flops = methods.useful_flops(op, backward, args.batch, seq_len, args.heads, args.head_dim, args.window)
+            for method in args.methods:
+                row = dict(op=op, method=method, seq_len=seq_len, window=args.window, dilation=_dilation_label(dilation),
+                           heads=args.heads, head_dim=args.head_dim, batch=args.batch, dtype=args.dtype,
+                           device=args.device, **{"pass": case.pass_name})
+                if method in skipped:
+                    rows.append(dict(row, status="skipped", reason=skipped[method]))
+                    continue
+                seconds = timings[method]
+                row.update(status="ok", reason="", time_ms=seconds * 1e3, gflops=flops / seconds / 1e9,
+                           gemm_share=flops / seconds / 1e9 / gemm)
+                peak = None
+                if not args.no_memory:
+                    probe = probe_in_fresh_process(case, method, timeout_s=120 + 20 * seconds)
+                    if "error" in probe:
+                        row.update(reason=probe["error"])
+                    else:
+                        peak = probe["peak_mib"] * 2**20
+                        row.update(peak_mib=probe["peak_mib"], first_call_ms=probe["first_call_ms"])
+                last[(op, backward, dilation, method)] = (seq_len, seconds, peak)
+                rows.append(row)
+                progress.write(f"  {op:15s} {case.pass_name:16s} d={_dilation_label(dilation):24s} n={seq_len:<6d} "
+                               f"{method:15s} {seconds * 1e3:10.1f} ms  "
+                               + (f"{row['peak_mib']:9.1f} MiB" if "peak_mib" in row else ""))
+            progress.update()
+    progress.close()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / (args.name or device_name(args.device))
+    report.write_csv(rows, stem.with_suffix(".csv"))
+    command = "python -m bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    header = (f"# Local attention and band products on {device_name(args.device)}\n\n"
+              f"Command: `{command}` (commit {commit or '?'}, {datetime.date.today()}, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads). Same-run float32 GEMM (torch.mm 4096^3): {gemm:.0f} GFLOP/s. "
+              f"batch {args.batch}, {args.heads} heads of {args.head_dim}, one-sided window {args.window}, {args.dtype}.")
+    stem.with_suffix(".md").write_text(report.markdown(rows, header))
+    report.plot(rows, stem.with_suffix(".png"), f"{device_name(args.device)}: w={args.window}, "
+                f"{args.heads}x{args.head_dim}, batch {args.batch}, {args.dtype}")
+    print(f"wrote {stem}.csv, .md, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The methods compared, at two levels, all computing the same thing.
+
+Levels (``op``):
+- ``qk_band``: band scores ``[b, n, h, 2w+1]`` from Q and K;
+- ``pv_band``: context ``[b, n, h, f]`` from band probabilities and V;
+- ``local_attention``: scores, edge mask, softmax, context (no global tokens).
+
+Methods: ``tvm`` (ours), ``full`` (n x n scores), ``sdpa`` (PyTorch SDPA with a boolean
+band mask), ``sliding_chunks`` (Hugging Face's algorithm), ``flex`` (compiled FlexAttention
+with a sliding-window block mask). A method that cannot run a case says why in
+:func:`unsupported_reason`; the bench records that reason instead of dropping the row.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+
+import torch
+
+from longformer_ops import diagonaled_mm, mask_invalid_locations
+from longformer_ops.reference import invalid_locations, sliding_chunks_pv, sliding_chunks_qk
+
+METHODS = ("tvm", "full", "sdpa", "sliding_chunks", "flex")
+OPS = ("qk_band", "pv_band", "local_attention")
+
+
+def unsupported_reason(method: str, op: str, backward: bool, dilation: tuple[int, ...], device: str) -> str | None:
+    if method in ("sdpa", "flex") and op != "local_attention":
+        return "fused attention: no separate band product"
+    if method == "sliding_chunks" and any(d != 1 for d in dilation):
+        return "sliding chunks has no dilation"
+    if method == "flex":
+        if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+            return f"torch {torch.__version__} has no FlexAttention"
+        if backward and device == "cpu":
+            return "FlexAttention has no backward on CPU"
+    return None
+
+
+def band_flops(batch: int, seq_len: int, heads: int, head_dim: int, w: int) -> float:
+    """Useful FLOPs of one band product: 2 * b * h * n * (2w+1) * head_dim."""
+    return 2.0 * batch * heads * seq_len * (2 * w + 1) * head_dim
+
+
+def useful_flops(op: str, backward: bool, batch, seq_len, heads, head_dim, w) -> float:
+    """Band products the op needs (2 for attention), x3 with backward (each product has two adjoints)."""
+    products = 2 if op == "local_attention" else 1
+    return band_flops(batch, seq_len, heads, head_dim, w) * products * (3 if backward else 1)
+
+
+# ---------------------------------------------------------------------------
+# Dense masks for full / sdpa / flex (allowed[h, query, key]).
+# ---------------------------------------------------------------------------
+
+def _allowed_dense(seq_len: int, w: int, dilation: tuple[int, ...], device) -> torch.Tensor:
+    """Bool [h or 1, n, n]: key = query + d*(j - w), 0 <= j <= 2w."""
+    offsets = torch.arange(seq_len, device=device).view(1, -1) - torch.arange(seq_len, device=device).view(-1, 1)
+    masks = []
+    for d in sorted(set(dilation), key=dilation.index):
+        masks.append((offsets.abs() <= d * w) & (offsets % d == 0))
+    if len(masks) == 1:
+        return masks[0].unsqueeze(0)
+    by_value = dict(zip(sorted(set(dilation), key=dilation.index), masks))
+    return torch.stack([by_value[d] for d in dilation])
+
+
+# ---------------------------------------------------------------------------
+# Implementations. Inputs: q, k, v [b, n, h, f]; probs [b, n, h, 2w+1].
+# ---------------------------------------------------------------------------
+
+def _band_from_dense(dense: torch.Tensor, w: int, dilation, fill: float) -> torch.Tensor:
+    """[b, h, n, n] -> band [b, n, h, 2w+1] by gathering key i + d*(j-w)."""
+    b, h, n, _ = dense.shape
+    d = torch.tensor(dilation, device=dense.device)
+    keys = torch.arange(n, device=dense.device).view(1, n, 1) + d.view(h, 1, 1) * (torch.arange(2 * w + 1, device=dense.device) - w)
+    invalid = (keys < 0) | (keys >= n)
+    band = torch.gather(dense, 3, keys.clamp(0, n - 1).expand(b, h, n, 2 * w + 1))
+    return band.masked_fill(invalid, fill).permute(0, 2, 1, 3)
+
+
+def qk_band(method: str, q, k, w: int, dilation):
+    if method == "tvm":
+        return diagonaled_mm(q, k, w, torch.tensor(dilation))
+    if method == "sliding_chunks":
+        return sliding_chunks_qk(q, k, w)
+    if method == "full":
+        dense = torch.einsum("bihf,bjhf->bhij", q, k)  # [b, h, n, n]
+        return _band_from_dense(dense, w, dilation, 0.0)
+    raise ValueError(method)
+
+
+def pv_band(method: str, probs, v, w: int, dilation):
+    if method == "tvm":
+        return diagonaled_mm(probs, v, w, torch.tensor(dilation), True)
+    if method == "sliding_chunks":
+        return sliding_chunks_pv(probs, v, w)
+    if method == "full":
+        b, n, h, c = probs.shape
+        d = torch.tensor(dilation, device=probs.device)
+        keys = torch.arange(n, device=probs.device).view(1, n, 1) + d.view(h, 1, 1) * (torch.arange(c, device=probs.device) - w)
+        valid = (keys >= 0) & (keys < n)
+        dense = probs.new_zeros(b, h, n, n + 1)  # column n collects invalid positions, then dropped
+        dense.scatter_(3, torch.where(valid, keys, n).expand(b, h, n, c), probs.permute(0, 2, 1, 3))
+        return torch.einsum("bhij,bjhf->bihf", dense[..., :n], v)
+    raise ValueError(method)
+
+
+@functools.lru_cache(maxsize=8)
+def _flex_block_mask(seq_len: int, w: int, dilation: tuple[int, ...], device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    dil = torch.tensor(dilation, device=device)
+
+    def sliding_window(b, h, q_idx, kv_idx):
+        offset = kv_idx - q_idx
+        d = dil[h]
+        return (offset.abs() <= d * w) & (offset % d == 0)
+
+    heads = None if len(set(dilation)) == 1 else len(dilation)
+    return create_block_mask(sliding_window, B=None, H=heads, Q_LEN=seq_len, KV_LEN=seq_len, device=device, _compile=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def local_attention(method: str, q, k, v, w: int, dilation):
+    """softmax(q k^T / sqrt(f) restricted to the band) v, for q, k, v [b, n, h, f] -> [b, n, h, f]."""
+    b, n, h, f = q.shape
+    scale = 1.0 / math.sqrt(f)
+    if method in ("tvm", "sliding_chunks"):
+        if method == "tvm":
+            d = torch.tensor(dilation)
+            scores = diagonaled_mm(q * scale, k, w, d)
+            mask_invalid_locations(scores, w, d, False)
+        else:
+            scores = sliding_chunks_qk(q * scale, k, w, padding=float("-inf"))
+        # float32 softmax for half inputs, as the layer does; float32/float64 stay as they are.
+        softmax_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
+        return pv_band(method, probs, v, w, dilation)
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, n, f]
+    if method == "full":
+        scores = torch.matmul(qh * scale, kh.transpose(-1, -2))  # [b, h, n, n]
+        scores = scores.masked_fill(~_allowed_dense(n, w, dilation, q.device), float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2)
+    if method == "sdpa":
+        mask = _allowed_dense(n, w, dilation, q.device)
+        return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask).transpose(1, 2)
+    if method == "flex":
+        block_mask = _flex_block_mask(n, w, tuple(dilation), q.device.type)
+        return _compiled_flex()(qh, kh, vh, block_mask=block_mask).transpose(1, 2)
+    raise ValueError(method)
+
+
+def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requires_grad: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def tensor(*shape):
+        x = torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
+        return x.requires_grad_(requires_grad)
+
+    if op == "qk_band":
+        return tensor(batch, seq_len, heads, head_dim), tensor(batch, seq_len, heads, head_dim)
+    if op == "pv_band":
+        probs = torch.softmax(torch.randn(batch, seq_len, heads, 2 * w + 1, generator=generator), -1)
+        return probs.to(dtype=dtype, device=device).requires_grad_(requires_grad), tensor(batch, seq_len, heads, head_dim)
+    return tuple(tensor(batch, seq_len, heads, head_dim) for _ in range(3))
+
+
+def runner(op: str, method: str, inputs, w: int, dilation, backward: bool):
+    """A no-argument callable doing one forward (and backward) of ``op`` with ``method``."""
+    function = {"qk_band": qk_band, "pv_band": pv_band, "local_attention": local_attention}[op]
+
+    def run():
+        out = function(method, *inputs, w, dilation)
+        if backward:
+            out.backward(torch.ones_like(out))
+        return out
+
+    return run

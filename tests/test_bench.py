@@ -1,0 +1,56 @@
+"""The benchmark tool runs end to end at tiny sizes and writes its CSV, table and plot."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from bench import methods
+from bench.__main__ import main
+from bench.measure import Case, probe_in_fresh_process
+
+
+@pytest.mark.parametrize("dilation", [(1, 1, 1), (1, 2, 3)])
+def test_methods_agree_on_local_attention(dilation):
+    """Every method the bench compares computes the same local attention (else timings mean nothing)."""
+    inputs = methods.make_inputs("local_attention", 1, 70, 3, 8, 5, torch.float64, "cpu", False)
+    outputs = {m: methods.local_attention(m, *inputs, 5, dilation) for m in ("tvm", "full", "sdpa")}
+    if dilation == (1, 1, 1):
+        outputs["sliding_chunks"] = methods.local_attention("sliding_chunks", *inputs, 5, dilation)
+    for name, out in outputs.items():
+        torch.testing.assert_close(out, outputs["full"], rtol=1e-9, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("op", ["qk_band", "pv_band"])
+def test_methods_agree_on_band_products(op):
+    inputs = methods.make_inputs(op, 2, 40, 2, 8, 3, torch.float64, "cpu", False)
+    runs = {m: methods.runner(op, m, inputs, 3, (1, 1), False)() for m in ("tvm", "full", "sliding_chunks")}
+    for name, out in runs.items():
+        torch.testing.assert_close(out, runs["full"], rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_cli_writes_results(tmp_path):
+    main(["--seq-lens", "64,128", "--window", "8", "--heads", "2", "--head-dim", "16", "--repeats", "1",
+          "--methods", "tvm,full,sliding_chunks,sdpa", "--dilation", "1", "--dilation", "1,2",
+          "--max-call-seconds", "0.5", "--no-memory", "--out", str(tmp_path), "--name", "smoke"])
+    rows = list(csv.DictReader(open(tmp_path / "smoke.csv")))
+    for column in ("op", "method", "seq_len", "window", "dilation", "dtype", "device", "time_ms", "peak_mib"):
+        assert column in rows[0]
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {r["method"] for r in ok} == {"tvm", "full", "sliding_chunks", "sdpa"}
+    skipped = [r for r in rows if r["status"] == "skipped"]
+    assert any(r["reason"] == "sliding chunks has no dilation" for r in skipped)
+    assert all(float(r["time_ms"]) > 0 for r in ok)
+    assert (tmp_path / "smoke.png").stat().st_size > 0
+    assert "| seq_len |" in (tmp_path / "smoke.md").read_text()
+
+
+def test_memory_probe_runs_in_a_fresh_process():
+    case = Case("local_attention", False, 2048, 64, (1,) * 4, 4, 64, 1, "float32", "cpu")
+    probe = probe_in_fresh_process(case, "full", timeout_s=120)
+    assert "error" not in probe, probe
+    # full attention materialises [h, n, n] float32 scores: at least 64 MiB here.
+    assert probe["peak_mib"] >= 4 * 2048 * 2048 * 4 / 2**20, probe
+    assert probe["first_call_ms"] > 0
