@@ -51,12 +51,13 @@ def _compile_library(target: variants.KernelTarget, dtype: str, path: Path) -> N
 
     from tvm_kernels.compute import DEFINITIONS
 
-    schedule = importlib.import_module(f"tvm_kernels.schedules.{target.schedule_module}").schedule
+    schedules = importlib.import_module(f"tvm_kernels.schedules.{target.schedule_module}")
+    options = getattr(schedules, "COMPUTE_OPTIONS", {})  # which formulation of an op the schedule expects
     functions = {}
     for op in OPS:
         for autoregressive in (False, True):
             name = function_name(op, autoregressive)
-            scheduled = schedule(op, DEFINITIONS[op](dtype, autoregressive))["main"]
+            scheduled = schedules.schedule(op, DEFINITIONS[op](dtype, autoregressive, **options.get(op, {})))["main"]
             functions[name] = scheduled.with_attr("global_symbol", name)
     if target.device == "cuda":
         tvm_target = tvm.target.Target(target.tvm_target, host={"kind": "llvm", "mtriple": "x86_64-linux-gnu"})

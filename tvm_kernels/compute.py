@@ -68,12 +68,26 @@ def _clamp(position, seq_len):
     return tirx.max(tirx.min(position, seq_len - 1), 0)
 
 
-def qk(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
+# Keys packed for the band: margin of the packed rows on each side, beyond the window.
+PACK_MARGIN = 64
+
+
+def qk(dtype: str, autoregressive: bool, pack_keys: bool = False) -> tirx.PrimFunc:
     """Q.K^T mode: ``out[b,i,h,j] = sum_f t1[b,i,h,f] * t2[b, i + dil[h]*(j-w), h, f]``.
 
     Arguments of the PrimFunc, in order: ``t1 [b,n,h,f]``, ``t2 [b,n,h,f]``,
     ``dilation [h] int32``, ``padding`` (float64 scalar), ``out [b,n,h,c]``.
     Invalid positions hold exactly ``padding``.
+
+    ``pack_keys`` selects a second formulation of the same product (for CPUs):
+    the keys of each head are first copied, transposed, into "residue-major"
+    order (for dilation d: keys r, r+d, r+2d, ... for r = 0..d-1, one after the
+    other, with zero margins). Then the 2w+1 keys of any query's band are
+    *consecutive* packed positions, for every dilation, so the band columns can
+    be computed as contiguous vectors with no per-column index arithmetic.
+    Stages: ``key_table [h, width]`` (the key at each packed position, -1 in the
+    margins), ``packed [b, h, f, width]``, ``base [h, n]`` (where query i's band
+    starts), then ``acc`` and ``out``.
     """
     s = _Sizes.symbolic()
     acc_dtype = accumulation_dtype(dtype)
@@ -87,14 +101,22 @@ def qk(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
     def key(i, h, j):
         return i + dilation[h].astype("int64") * (j - w)
 
-    acc = te.compute(
-        (s.batch, s.seq_len, s.heads, s.band),
-        lambda b, i, h, j: te.sum(
-            t1[b, i, h, f].astype(acc_dtype) * t2[b, _clamp(key(i, h, j), s.seq_len), h, f].astype(acc_dtype),
-            axis=f,
-        ),
-        name="acc",
-    )
+    if pack_keys:
+        packed, base = _residue_major_keys(t2, dilation, s, w, acc_dtype)
+        acc = te.compute(
+            (s.batch, s.seq_len, s.heads, s.band),
+            lambda b, i, h, j: te.sum(t1[b, i, h, f].astype(acc_dtype) * packed[b, h, f, base[h, i] + j], axis=f),
+            name="acc",
+        )
+    else:
+        acc = te.compute(
+            (s.batch, s.seq_len, s.heads, s.band),
+            lambda b, i, h, j: te.sum(
+                t1[b, i, h, f].astype(acc_dtype) * t2[b, _clamp(key(i, h, j), s.seq_len), h, f].astype(acc_dtype),
+                axis=f,
+            ),
+            name="acc",
+        )
     out = te.compute(
         (s.batch, s.seq_len, s.heads, s.band),
         lambda b, i, h, j: tirx.if_then_else(
@@ -103,6 +125,53 @@ def qk(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
         name="out",
     )
     return te.create_prim_func([t1, t2, dilation, padding, out], index_dtype_override="int64")
+
+
+def _residue_major_keys(t2, dilation, s: _Sizes, w, acc_dtype):
+    """Keys of each head, transposed to ``[b, h, f, position]`` in residue-major order (see :func:`qk`).
+
+    With dilation d and n keys, residue r holds ``L = ceil(n/d)`` keys if ``r < full``
+    (``full = n - d*(L-1)``), else ``L - 1``; it starts at ``r*(L-1) + min(r, full)``.
+    Positions are shifted by ``PACK_MARGIN + w`` so that every band, and the vector
+    tail past its end, reads inside the buffer (zeros, or another residue's keys at
+    positions that are invalid anyway and get the padding value).
+    """
+    n = s.seq_len
+    margin = PACK_MARGIN + w
+    width = n + 2 * margin + PACK_MARGIN
+
+    def geometry(h):
+        d = dilation[h].astype("int64")
+        longest = tirx.floordiv(n + d - 1, d)
+        return d, longest, n - d * (longest - 1)
+
+    def key_at(h, p):  # inverse of position_of
+        d, longest, full = geometry(h)
+        in_full = p < full * longest
+        rest = p - full * longest
+        shorter = tirx.max(longest - 1, 1)
+        r = tirx.if_then_else(in_full, tirx.floordiv(p, longest), full + tirx.floordiv(rest, shorter))
+        q = tirx.if_then_else(in_full, tirx.floormod(p, longest), tirx.floormod(rest, shorter))
+        return r + d * q
+
+    def position_of(h, m):
+        d, longest, full = geometry(h)
+        r = tirx.floormod(m, d)
+        return r * (longest - 1) + tirx.min(r, full) + tirx.floordiv(m, d)
+
+    key_table = te.compute(
+        (s.heads, width),
+        lambda h, t: tirx.if_then_else(tirx.all(t >= margin, t < margin + n), key_at(h, t - margin), tirx.const(-1, "int64")),
+        name="key_table",
+    )
+    packed = te.compute(
+        (s.batch, s.heads, s.head_dim, width),
+        lambda b, h, f, t: tirx.if_then_else(
+            key_table[h, t] >= 0, t2[b, tirx.max(key_table[h, t], 0), h, f].astype(acc_dtype), tirx.const(0, acc_dtype)),
+        name="packed",
+    )
+    base = te.compute((s.heads, n), lambda h, i: position_of(h, i) + margin - w, name="base")
+    return packed, base
 
 
 def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool) -> tirx.PrimFunc:
