@@ -65,6 +65,8 @@ def parse_args(argv):
                         help="ops that also run the dilated configurations (others run dilation 1 only)")
     parser.add_argument("--backward-ops", type=_names(methods.OPS), default=["local_attention"],
                         help="ops that also run forward+backward when --passes has it (others: forward only)")
+    parser.add_argument("--dilated-passes", type=_names(("forward", "forward+backward")), default=["forward"],
+                        help="passes that also run the dilated configurations")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per method (after one warm-up)")
     parser.add_argument("--max-call-seconds", type=float, default=3.0,
                         help="skip a method at a length where one call is predicted to take longer")
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
     gemm = gemm_gflops(args.device)
     groups = [(op, p == "forward+backward", _dilation_tuple(spec, args.heads))
               for spec in args.dilation for op in args.ops for p in args.passes
-              if (op in args.dilated_ops or set(_dilation_tuple(spec, args.heads)) == {1})
+              if (set(_dilation_tuple(spec, args.heads)) == {1} or (op in args.dilated_ops and p in args.dilated_passes))
               and (p == "forward" or op in args.backward_ops)]
     print(f"device {device_name(args.device)}: same-run float32 GEMM {gemm:.0f} GFLOP/s; "
           f"{len(groups)} cases x {len(args.seq_lens)} lengths x {len(args.methods)} methods", flush=True)
