@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 TARGETS ?=
 DTYPES ?=
 
-.PHONY: setup kernels test bench info clean
+.PHONY: setup kernels test bench info gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,13 @@ bench: kernels
 
 info: setup
 	$(PY) -m longformer_ops.info
+
+# On a machine with a CUDA GPU (and a CUDA build of torch: TORCH_SPEC=torch): the CUDA tests,
+# then every kernel under compute-sanitizer's memcheck and racecheck.
+gpu-check: setup
+	$(PY) -m pytest tests -k "cuda or layer or model"
+	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) tools/sanitize_cuda_kernels.py
+	compute-sanitizer --tool racecheck --error-exitcode 1 $(PY) tools/sanitize_cuda_kernels.py
 
 clean:
 	rm -rf build $(VENV) .pytest_cache

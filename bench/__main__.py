@@ -68,7 +68,7 @@ def parse_args(argv):
     parser.add_argument("--dilated-passes", type=_names(("forward", "forward+backward")), default=["forward"],
                         help="passes that also run the dilated configurations")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per method (after one warm-up)")
-    parser.add_argument("--max-call-seconds", type=float, default=3.0,
+    parser.add_argument("--max-call-seconds", type=float, default=6.0,
                         help="skip a method at a length where one call is predicted to take longer")
     parser.add_argument("--memory-budget-gib", type=float, default=None,
                         help="skip a method predicted to need more (default: 60%% of available memory)")
@@ -112,6 +112,21 @@ def _dilation_label(dilation: tuple[int, ...]) -> str:
     return str(dilation[0]) if len(set(dilation)) == 1 else ",".join(map(str, dilation))
 
 
+def _predicted_limit(measured, method: str, seq_len: int, budget: float, max_seconds: float) -> str | None:
+    """Why ``method`` should not run at ``seq_len``, scaled from its last measurement (n or n^2), or None."""
+    if measured is None:
+        return None
+    n0, seconds, peak = measured
+    factor = (seq_len / n0) ** (2 if method in QUADRATIC else 1)
+    if peak is not None and peak * factor > budget:
+        return (f"out of memory: predicted {peak * factor / 2**30:.1f} GiB (from {peak / 2**20:.0f} MiB at n={n0}) "
+                f"> budget {budget / 2**30:.1f} GiB")
+    if seconds * factor > max_seconds:
+        return (f"too slow: predicted {seconds * factor:.1f} s per call (from {seconds:.2f} s at n={n0}) "
+                f"> --max-call-seconds {max_seconds:g}")
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -127,9 +142,7 @@ def main(argv=None) -> int:
           f"{len(groups)} cases x {len(args.seq_lens)} lengths x {len(args.methods)} methods", flush=True)
 
     rows = []
-    # Per (group, method): the last measured (seq_len, seconds, bytes), or the reason it stopped.
-    last: dict[tuple, tuple] = {}
-    stopped: dict[tuple, str] = {}
+    last: dict[tuple, tuple] = {}  # (op, backward, dilation, method) -> last measured (seq_len, seconds, bytes)
     progress = tqdm(total=len(groups) * len(args.seq_lens), unit="case", dynamic_ncols=True)
     for seq_len in args.seq_lens:
         for op, backward, dilation in groups:
@@ -138,18 +151,9 @@ def main(argv=None) -> int:
             progress.set_description(f"{op} {case.pass_name} d={_dilation_label(dilation)} n={seq_len}")
             runnable, skipped = [], {}
             for method in args.methods:
-                key = (op, backward, dilation, method)
-                reason = methods.unsupported_reason(method, op, backward, dilation, args.device) or stopped.get(key)
-                if reason is None and key in last:
-                    n0, seconds, peak = last[key]
-                    power = 2 if method in QUADRATIC else 1
-                    factor = (seq_len / n0) ** power
-                    if seconds * factor > args.max_call_seconds:
-                        reason = f"too slow: predicted {seconds * factor:.1f} s per call > --max-call-seconds {args.max_call_seconds:g}"
-                    elif peak is not None and peak * factor > budget:
-                        reason = f"out of memory: predicted {peak * factor / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB"
-                    if reason:
-                        stopped[key] = reason
+                reason = (methods.unsupported_reason(method, op, backward, dilation, args.device)
+                          or _predicted_limit(last.get((op, backward, dilation, method)), method, seq_len, budget,
+                                              args.max_call_seconds))
                 (skipped.__setitem__(method, reason) if reason else runnable.append(method))
             timings = time_interleaved(case, runnable, args.repeats) if runnable else {}
             flops = methods.useful_flops(op, backward, args.batch, seq_len, args.heads, args.head_dim, args.window)
@@ -182,7 +186,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (args.name or device_name(args.device))
     report.write_csv(rows, stem.with_suffix(".csv"))
-    command = "python -m bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = " ".join(["python -m bench", *(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))])
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:

@@ -126,6 +126,11 @@ def _flex_block_mask(seq_len: int, w: int, dilation: tuple[int, ...], device: st
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
+    # One compilation per (length, mask) in a sweep: more than Dynamo's default limit of 8,
+    # past which it silently runs FlexAttention eagerly (seconds per call). Raise the limit,
+    # and fail loudly rather than ever timing the eager fallback.
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -1,0 +1,50 @@
+"""Run every CUDA kernel (each mode, dtype, symmetric/causal, mixed dilation) once at an awkward size.
+
+Meant to run under NVIDIA's compute-sanitizer on a GPU machine (`make gpu-check`):
+
+    compute-sanitizer --tool memcheck  python tools/sanitize_cuda_kernels.py
+    compute-sanitizer --tool racecheck python tools/sanitize_cuda_kernels.py
+
+Exits non-zero if a result differs from the float64 reference.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from longformer_ops import diagonaled_mm
+from longformer_ops.reference import diagonaled_mm_reference
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 1
+    failures = 0
+    b, n, h, f, w = 2, 67, 3, 33, 5          # awkward: odd length, head_dim not a multiple of anything
+    d = [1, 3, 7]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for autoregressive in (False, True):
+            c = w + (0 if autoregressive else w) + 1
+            q = torch.randn(b, n, h, f, device="cuda", dtype=dtype, requires_grad=True)
+            k = torch.randn(b, n, h, f, device="cuda", dtype=dtype, requires_grad=True)
+            p = torch.randn(b, n, h, c, device="cuda", dtype=dtype, requires_grad=True)
+            s = diagonaled_mm(q, k, w, d, False, 0, autoregressive)
+            o = diagonaled_mm(p, k, w, d, True, 0, autoregressive)
+            (s.float().sum() + o.float().sum()).backward()  # runs the transposed mode too
+            torch.cuda.synchronize()
+            ref_s = diagonaled_mm_reference(q.double(), k.double(), w, d, False, 0, autoregressive)
+            ref_o = diagonaled_mm_reference(p.double(), k.double(), w, d, True, 0, autoregressive)
+            tol = 1e-3 if dtype == torch.float32 else 0.1
+            for name, got, ref in (("qk", s, ref_s), ("pv", o, ref_o)):
+                error = (got.double() - ref).abs().max().item()
+                ok = error <= tol * (1 + ref.abs().max().item())
+                failures += not ok
+                print(f"{name:3s} {str(dtype):15s} autoregressive={autoregressive!s:5s} max error {error:.2e} {'ok' if ok else 'FAIL'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
