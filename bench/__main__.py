@@ -68,7 +68,7 @@ def parse_args(argv):
     parser.add_argument("--dilated-passes", type=_names(("forward", "forward+backward")), default=["forward"],
                         help="passes that also run the dilated configurations")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per method (after one warm-up)")
-    parser.add_argument("--max-call-seconds", type=float, default=6.0,
+    parser.add_argument("--max-call-seconds", type=float, default=5.0,
                         help="skip a method at a length where one call is predicted to take longer")
     parser.add_argument("--memory-budget-gib", type=float, default=None,
                         help="skip a method predicted to need more (default: 60%% of available memory)")

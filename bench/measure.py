@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -116,21 +112,42 @@ def probe_in_this_process(case: Case, method: str) -> dict:
     return {"first_call_ms": first_call_ms, "peak_mib": peak / 2**20}
 
 
-def probe_in_fresh_process(case: Case, method: str, timeout_s: float) -> dict:
-    request = json.dumps({"case": asdict(case), "method": method})
+_FORKSERVER = None
+
+
+def _fresh_process_context():
+    """Processes forked from a server that has imported torch and the bench but run nothing:
+    each probe is still a fresh process (its own allocator, no kernel loaded or compiled), without
+    paying Python's and torch's start-up (~2.5 s) per probe."""
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        import multiprocessing
+
+        _FORKSERVER = multiprocessing.get_context("forkserver")
+        _FORKSERVER.set_forkserver_preload(["torch", "bench.methods", "bench.measure"])
+    return _FORKSERVER
+
+
+def _probe_child(case: Case, method: str, connection) -> None:
     try:
-        result = subprocess.run([sys.executable, "-m", "bench.measure", request], capture_output=True, text=True,
-                                timeout=timeout_s, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    except subprocess.TimeoutExpired:
-        return {"error": f"memory probe exceeded {timeout_s:.0f} s"}
-    if result.returncode != 0:
-        last = (result.stderr.strip().splitlines() or ["killed"])[-1]
-        return {"error": f"memory probe failed: {last[:200]}"}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+        connection.send(probe_in_this_process(case, method))
+    except BaseException as error:  # reported to the parent, which records the reason
+        connection.send({"error": f"memory probe failed: {type(error).__name__}: {str(error)[:200]}"})
 
 
-if __name__ == "__main__":  # the fresh process of probe_in_fresh_process
-    request = json.loads(sys.argv[1])
-    case_fields = request["case"]
-    case_fields["dilation"] = tuple(case_fields["dilation"])
-    print(json.dumps(probe_in_this_process(Case(**case_fields), request["method"])))
+def probe_in_fresh_process(case: Case, method: str, timeout_s: float) -> dict:
+    context = _fresh_process_context()
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_probe_child, args=(case, method, sender))
+    process.start()
+    sender.close()
+    try:
+        if not receiver.poll(timeout_s):
+            process.kill()
+            return {"error": f"memory probe exceeded {timeout_s:.0f} s"}
+        return receiver.recv()
+    except EOFError:  # died without answering: killed for memory, or crashed
+        process.join()
+        return {"error": f"memory probe process died (exit code {process.exitcode})"}
+    finally:
+        process.join(timeout=10)
