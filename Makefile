@@ -9,6 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 # Which kernel libraries `make kernels` (re)builds; default: CPU, plus CUDA when nvcc exists.
 TARGETS ?=
 DTYPES ?=
+# Extra arguments for the benchmark, e.g. BENCH_ARGS="--seq-lens 512,1024 --out /tmp/quick".
+BENCH_ARGS ?=
 
 .PHONY: setup kernels test bench info gpu-check clean
 
@@ -30,7 +32,7 @@ test: setup
 	$(PY) -m pytest
 
 bench: kernels
-	$(PY) -m bench
+	$(PY) -m bench $(BENCH_ARGS)
 
 info: setup
 	$(PY) -m longformer_ops.info
