@@ -196,8 +196,7 @@ def main(argv=None) -> int:
               f"{torch.get_num_threads()} threads). Same-run float32 GEMM (torch.mm 4096^3): {gemm:.0f} GFLOP/s. "
               f"batch {args.batch}, {args.heads} heads of {args.head_dim}, one-sided window {args.window}, {args.dtype}.")
     stem.with_suffix(".md").write_text(report.markdown(rows, header))
-    report.plot(rows, stem.with_suffix(".png"), f"{device_name(args.device)}: w={args.window}, "
-                f"{args.heads}x{args.head_dim}, batch {args.batch}, {args.dtype}")
+    report.plot(rows, stem.with_suffix(".png"), report.plot_title(device_name(args.device), rows[0]))
     print(f"wrote {stem}.csv, .md, .png")
     return 0
 

@@ -47,7 +47,42 @@ def markdown(rows: list[dict], header: str) -> str:
             lines.append(f"| {n} | " + " | ".join(_cell(by_key.get((n, m))) for m in method_names) + " |")
         lines.append("")
     lines.append("Cells: median time per call / peak extra memory of one call (fresh process).")
+    lines += ["", "### Rates and first calls", "",
+              "Useful GFLOP/s (2 b h n (2w+1) head_dim per band product; x2 for attention, x3 with backward), "
+              "its share of the same-run float32 GEMM rate, and the first call in a fresh process "
+              "(library load or compilation included), at the largest length every listed method ran:", "",
+              "| op | pass | dilation | n | method | time ms | GFLOP/s | share of GEMM | first call ms |",
+              "|---|---|---|---:|---|---:|---:|---:|---:|"]
+    for (op, pass_name, dilation), members in groups(rows).items():
+        ok = [r for r in members if r["status"] == "ok"]
+        methods_ok = {r["method"] for r in ok}
+        common = [n for n in sorted({r["seq_len"] for r in ok}) if {r["method"] for r in ok if r["seq_len"] == n} == methods_ok]
+        if not common:
+            continue
+        for r in (r for r in ok if r["seq_len"] == common[-1]):
+            first = f"{r['first_call_ms']:.0f}" if r.get("first_call_ms") not in (None, "") else ""
+            lines.append(f"| {op} | {pass_name} | {dilation} | {r['seq_len']} | {r['method']} | {r['time_ms']:.1f} | "
+                         f"{r['gflops']:.1f} | {100 * r['gemm_share']:.0f}% | {first} |")
     return "\n".join(lines) + "\n"
+
+
+def read_csv(path: Path) -> list[dict]:
+    """Rows of a results CSV with numbers as numbers (the inverse of write_csv)."""
+    numeric = {"seq_len": int, "window": int, "heads": int, "head_dim": int, "batch": int, "time_ms": float,
+               "gflops": float, "gemm_share": float, "peak_mib": float, "first_call_ms": float}
+    rows = []
+    for raw in csv.DictReader(open(path)):
+        rows.append({k: (numeric[k](v) if k in numeric and v != "" else v) for k, v in raw.items()})
+    return rows
+
+
+# One colour per method in every panel.
+METHOD_COLOURS = {"tvm": "tab:blue", "full": "tab:orange", "sdpa": "tab:green", "sliding_chunks": "tab:red",
+                  "flex": "tab:purple"}
+
+
+def plot_title(device_name: str, row: dict) -> str:
+    return f"{device_name}: w={row['window']}, {row['heads']}x{row['head_dim']}, batch {row['batch']}, {row['dtype']}"
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -64,11 +99,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             ok = sorted((r for r in members if r["method"] == method and r["status"] == "ok"), key=lambda r: r["seq_len"])
             if not ok:
                 continue
-            time_axis.plot([r["seq_len"] for r in ok], [r["time_ms"] for r in ok], marker="o", label=method)
+            style = dict(marker="o", label=method, color=METHOD_COLOURS.get(method))
+            time_axis.plot([r["seq_len"] for r in ok], [r["time_ms"] for r in ok], **style)
             with_memory = [r for r in ok if r.get("peak_mib") not in (None, "")]
             if with_memory:
                 memory_axis.plot([r["seq_len"] for r in with_memory], [max(r["peak_mib"], 0.1) for r in with_memory],
-                                 marker="o", label=method)
+                                 **style)
         for axis, label in ((time_axis, "time per call (ms)"), (memory_axis, "peak extra memory (MiB)")):
             if not axis.lines:  # e.g. memory with --no-memory
                 axis.text(0.5, 0.5, "not measured", ha="center", va="center", transform=axis.transAxes)
@@ -81,6 +117,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             axis.grid(True, which="both", alpha=0.3)
             axis.legend(fontsize=8)
     figure.suptitle(title, fontsize=10)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0, 1, 0.98))
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+if __name__ == "__main__":
+    # Re-render the table and plot of a results CSV (keeping the table's header paragraph).
+    import sys
+
+    csv_path = Path(sys.argv[1])
+    rows = read_csv(csv_path)
+    table = csv_path.with_suffix(".md")
+    header = table.read_text().split("\n\n###", 1)[0] if table.exists() else f"# {csv_path.stem}"
+    table.write_text(markdown(rows, header))
+    plot(rows, csv_path.with_suffix(".png"), plot_title(csv_path.stem, rows[0]))
+    print(f"wrote {table} and {csv_path.with_suffix('.png')}")

@@ -44,7 +44,14 @@ def test_cli_writes_results(tmp_path):
     assert any(r["reason"] == "sliding chunks has no dilation" for r in skipped)
     assert all(float(r["time_ms"]) > 0 for r in ok)
     assert (tmp_path / "smoke.png").stat().st_size > 0
-    assert "| seq_len |" in (tmp_path / "smoke.md").read_text()
+    table = (tmp_path / "smoke.md").read_text()
+    assert "| seq_len |" in table and "### Rates and first calls" in table
+
+    # The table and plot re-render from the CSV alone, identically.
+    from bench import report
+
+    rows_back = report.read_csv(tmp_path / "smoke.csv")
+    assert report.markdown(rows_back, table.split("\n\n###", 1)[0]) == table
 
 
 def test_memory_probe_runs_in_a_fresh_process():
