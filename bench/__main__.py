@@ -112,12 +112,21 @@ def _dilation_label(dilation: tuple[int, ...]) -> str:
     return str(dilation[0]) if len(set(dilation)) == 1 else ",".join(map(str, dilation))
 
 
+def _scale(method: str, seq_len: int, n0: int) -> float:
+    """How time and memory grow from n0 to seq_len: n^2 for dense attention, n otherwise."""
+    return (seq_len / n0) ** (2 if method in QUADRATIC else 1)
+
+
+def _expected_seconds(measured, method: str, seq_len: int) -> float:
+    return 0.0 if measured is None else measured[1] * _scale(method, seq_len, measured[0])
+
+
 def _predicted_limit(measured, method: str, seq_len: int, budget: float, max_seconds: float) -> str | None:
     """Why ``method`` should not run at ``seq_len``, scaled from its last measurement (n or n^2), or None."""
     if measured is None:
         return None
     n0, seconds, peak = measured
-    factor = (seq_len / n0) ** (2 if method in QUADRATIC else 1)
+    factor = _scale(method, seq_len, n0)
     if peak is not None and peak * factor > budget:
         return (f"out of memory: predicted {peak * factor / 2**30:.1f} GiB (from {peak / 2**20:.0f} MiB at n={n0}) "
                 f"> budget {budget / 2**30:.1f} GiB")
@@ -155,7 +164,8 @@ def main(argv=None) -> int:
                           or _predicted_limit(last.get((op, backward, dilation, method)), method, seq_len, budget,
                                               args.max_call_seconds))
                 (skipped.__setitem__(method, reason) if reason else runnable.append(method))
-            timings = time_interleaved(case, runnable, args.repeats) if runnable else {}
+            expected = {m: _expected_seconds(last.get((op, backward, dilation, m)), m, seq_len) for m in runnable}
+            timings = time_interleaved(case, runnable, args.repeats, expected) if runnable else {}
             flops = methods.useful_flops(op, backward, args.batch, seq_len, args.heads, args.head_dim, args.window)
             for method in args.methods:
                 row = dict(op=op, method=method, seq_len=seq_len, window=args.window, dilation=_dilation_label(dilation),

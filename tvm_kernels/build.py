@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import platform
 import shutil
 import sys
@@ -71,9 +72,7 @@ def _compile_library(target: variants.KernelTarget, dtype: str, path: Path) -> N
 
 def _copy_runtime(out: Path, need_cuda: bool) -> dict:
     """Copy TVM's runtime libraries (not the compiler) into ``out/runtime``."""
-    import tvm  # noqa: F401  (locates the installed wheel)
-
-    lib_dir = Path(importlib.util.find_spec("tvm").origin).parent / "lib"
+    lib_dir = Path(importlib.util.find_spec("tvm").origin).parent / "lib"  # located, not imported
     runtime_dir = out / "runtime"
     runtime_dir.mkdir(parents=True, exist_ok=True)
     names = ["libtvm_runtime.so"] + (["libtvm_runtime_cuda.so"] if need_cuda else [])
@@ -97,17 +96,24 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
         from tvm_kernels import cuda_toolchain
 
         nvcc_version = cuda_toolchain.nvcc_version(cuda_toolchain.find_nvcc())
-        _prepare_cuda_callback(next(t for t in chosen if t.device == "cuda"))  # before anything imports tvm
+
+    def up_to_date(target, dtype) -> bool:
+        entry, path = libraries.get(variants.library_name(target, dtype)), out / variants.library_name(target, dtype)
+        return (not force and entry is not None and entry.get("inputs") == _inputs_of(target, dtype, nvcc_version)
+                and path.exists() and entry.get("sha256") == _manifest.file_sha256(path))
+
+    stale = {(t.name, d) for t, d in jobs if not up_to_date(t, d)}
+    cuda_stale = [variants.TARGETS[name] for name, _ in stale if variants.TARGETS[name].device == "cuda"]
+    if cuda_stale:
+        _prepare_cuda_callback(cuda_stale[0])  # before anything imports tvm
 
     built = 0
     for index, (target, dtype) in enumerate(jobs, start=1):
         name = variants.library_name(target, dtype)
         path = out / name
         inputs = _inputs_of(target, dtype, nvcc_version)
-        entry = libraries.get(name)
         label = f"[{index}/{len(jobs)}] {name}"
-        if (not force and entry and entry.get("inputs") == inputs and path.exists()
-                and entry.get("sha256") == _manifest.file_sha256(path)):
+        if (target.name, dtype) not in stale:
             print(f"{label}: up to date", flush=True)
             continue
         print(f"{label}: building {2 * len(OPS)} functions for {target.tvm_target} ...", end="", flush=True)
