@@ -20,6 +20,8 @@ def write_csv(rows: list[dict], path: Path) -> None:
 def _cell(row: dict | None) -> str:
     if row is None:
         return ""
+    if row["status"] == "memory only":
+        return f"not timed / {row['peak_mib']:.0f} MiB ({row['reason']})"
     if row["status"] != "ok":
         return f"skipped: {row['reason']}"
     memory = f" / {row['peak_mib']:.0f} MiB" if row.get("peak_mib") not in (None, "") else ""
@@ -46,7 +48,8 @@ def markdown(rows: list[dict], header: str) -> str:
         for n in lengths:
             lines.append(f"| {n} | " + " | ".join(_cell(by_key.get((n, m))) for m in method_names) + " |")
         lines.append("")
-    lines.append("Cells: median time per call / peak extra memory of one call (fresh process).")
+    lines.append("Cells: median time per call / peak extra memory of one call (fresh process). "
+                 "'not timed': too slow to time repeatedly, memory from one call.")
     lines += ["", "### Rates and first calls", "",
               "Useful GFLOP/s (2 b h n (2w+1) head_dim per band product; x2 for attention, x3 with backward), "
               "its share of the same-run float32 GEMM rate, and the first call in a fresh process "
@@ -97,11 +100,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         members = grouped[(op, pass_name, dilation)]
         for method in dict.fromkeys(r["method"] for r in members):
             ok = sorted((r for r in members if r["method"] == method and r["status"] == "ok"), key=lambda r: r["seq_len"])
-            if not ok:
+            measured = sorted((r for r in members if r["method"] == method and r["status"] in ("ok", "memory only")),
+                              key=lambda r: r["seq_len"])
+            if not measured:
                 continue
             style = dict(marker="o", label=method, color=METHOD_COLOURS.get(method))
             time_axis.plot([r["seq_len"] for r in ok], [r["time_ms"] for r in ok], **style)
-            with_memory = [r for r in ok if r.get("peak_mib") not in (None, "")]
+            with_memory = [r for r in measured if r.get("peak_mib") not in (None, "")]
             if with_memory:
                 memory_axis.plot([r["seq_len"] for r in with_memory], [max(r["peak_mib"], 0.1) for r in with_memory],
                                  **style)

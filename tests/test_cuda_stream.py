@@ -37,7 +37,8 @@ def test_runs_on_a_non_default_stream_without_synchronising():
 def test_no_hidden_synchronisation_per_call():
     q = torch.randn(1, 513, 4, 64, device="cuda", requires_grad=True)
     k = torch.randn(1, 513, 4, 64, device="cuda", requires_grad=True)
-    diagonaled_mm(q, k, 16, 2)  # first call: loads the library (may synchronise)
+    # First call: loads the library and caches the dilations on the device (both may synchronise).
+    diagonaled_mm(torch.softmax(diagonaled_mm(q, k, 16, [1, 2, 4, 8]), -1), k, 16, [1, 2, 4, 8], True).sum().backward()
     torch.cuda.set_sync_debug_mode("error")
     try:
         scores = diagonaled_mm(q, k, 16, [1, 2, 4, 8])
