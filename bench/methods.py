@@ -20,7 +20,7 @@ import math
 import torch
 
 from longformer_ops import diagonaled_mm, mask_invalid_locations
-from longformer_ops.reference import invalid_locations, sliding_chunks_pv, sliding_chunks_qk
+from longformer_ops.reference import sliding_chunks_pv, sliding_chunks_qk
 
 METHODS = ("tvm", "full", "sdpa", "sliding_chunks", "flex")
 COMPILES_PER_SHAPE = {"flex"}  # its first call at a new length compiles
@@ -63,7 +63,7 @@ def _allowed_dense(seq_len: int, w: int, dilation: tuple[int, ...], device) -> t
         masks.append((offsets.abs() <= d * w) & (offsets % d == 0))
     if len(masks) == 1:
         return masks[0].unsqueeze(0)
-    by_value = dict(zip(sorted(set(dilation), key=dilation.index), masks))
+    by_value = dict(zip(sorted(set(dilation), key=dilation.index), masks, strict=True))
     return torch.stack([by_value[d] for d in dilation])
 
 

@@ -96,7 +96,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     grouped = groups(rows)
     figure, axes = plt.subplots(len(grouped), 2, figsize=(11, 3.6 * len(grouped)), squeeze=False)
-    for (op, pass_name, dilation), (time_axis, memory_axis) in zip(grouped, axes):
+    for (op, pass_name, dilation), (time_axis, memory_axis) in zip(grouped, axes, strict=True):
         members = grouped[(op, pass_name, dilation)]
         for method in dict.fromkeys(r["method"] for r in members):
             ok = sorted((r for r in members if r["method"] == method and r["status"] == "ok"), key=lambda r: r["seq_len"])

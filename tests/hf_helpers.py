@@ -59,7 +59,7 @@ def random_batch(seed: int, lengths: list[int], vocab: int, globals_per_example:
     ids = torch.randint(PAD + 2, vocab, (len(lengths), n), generator=gen)
     attention_mask = torch.zeros(len(lengths), n, dtype=torch.long)
     global_mask = torch.zeros(len(lengths), n, dtype=torch.long)
-    for b, (length, g) in enumerate(zip(lengths, globals_per_example)):
+    for b, (length, g) in enumerate(zip(lengths, globals_per_example, strict=True)):
         attention_mask[b, :length] = 1
         ids[b, length:] = PAD
         global_mask[b, torch.randperm(length, generator=gen)[:g]] = 1

@@ -227,7 +227,7 @@ def test_gradients_match_full_mode(mode, dilation, autoregressive):
         weight = torch.linspace(-1, 1, out.numel(), dtype=x.dtype).view_as(out)
         ((out * weight).sum() + (att ** 2).sum() + gatt.sum()).backward()
         grads[m] = [xi.grad] + [p.grad for p in layer.parameters()]
-    for a, b in zip(grads[mode], grads[AttentionMode.FULL]):
+    for a, b in zip(grads[mode], grads[AttentionMode.FULL], strict=True):
         assert_close(a, b, 1e-10, f"{mode} gradient")
 
 

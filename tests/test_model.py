@@ -51,15 +51,15 @@ def compare_outputs(out, ref, attention_mask, global_mask, what):
     real = attention_mask.bool()  # [b, n]
     assert_close(out.last_hidden_state[real], ref.last_hidden_state[real], ATOL, f"{what} last_hidden_state")
     assert len(out.hidden_states) == len(ref.hidden_states)
-    for i, (a, r) in enumerate(zip(out.hidden_states, ref.hidden_states)):
+    for i, (a, r) in enumerate(zip(out.hidden_states, ref.hidden_states, strict=True)):
         assert_close(a[real], r[real], ATOL, f"{what} hidden_states[{i}]")
-    for i, (a, r) in enumerate(zip(out.attentions, ref.attentions)):  # [b, h, n, g + 2w + 1]
+    for i, (a, r) in enumerate(zip(out.attentions, ref.attentions, strict=True)):  # [b, h, n, g + 2w + 1]
         assert a.shape == r.shape, (a.shape, r.shape)
         assert_close(a.transpose(1, 2)[real], r.transpose(1, 2)[real], ATOL, f"{what} attentions[{i}]")
     # global_attentions [b, h, n, g]: transformers leaves them at its internally padded length and fills
     # the empty global slots of an example with 1/n; compare the real keys of the real slots.
     counts = (global_mask.bool() & real).sum(1)
-    for i, (a, r) in enumerate(zip(out.global_attentions, ref.global_attentions)):
+    for i, (a, r) in enumerate(zip(out.global_attentions, ref.global_attentions, strict=True)):
         assert a.shape[:2] == r.shape[:2] and a.shape[2] == real.shape[1] and a.shape[3] == r.shape[3]
         r = r[:, :, : real.shape[1]]
         for b, c in enumerate(counts.tolist()):
@@ -196,7 +196,7 @@ def test_batch_consistency_padded_batch_equals_one_by_one():
                 one = model(ids[b:b + 1, :length], None, global_mask[b:b + 1, :length], output_attentions=True)
                 assert_close(batch.last_hidden_state[b, :length], one.last_hidden_state[0], ATOL, f"example {b}")
                 g = int(global_mask[b].sum())
-                for a_batch, a_one in zip(batch.attentions, one.attentions):  # [1, h, n, g_one + c]
+                for a_batch, a_one in zip(batch.attentions, one.attentions, strict=True):  # [1, h, n, g_one + c]
                     assert_close(a_batch[b, :, :length, :g], a_one[0, :, :, :g], ATOL, "global columns")
                     assert_close(a_batch[b, :, :length, 3:], a_one[0, :, :, g:], ATOL, "band columns")
 

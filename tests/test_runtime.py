@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from longformer_ops import _loader, _manifest, diagonaled_mm
-from longformer_ops.reference import diagonaled_mm_reference
 
 
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:
