@@ -1,8 +1,8 @@
 """``python -m bench``: time and memory of local attention and the band products, per method and length.
 
 Writes ``<out>/<device-name>.csv``, ``.md`` (table) and ``.png`` (plot). For each sequence
-length, the methods of one case are timed interleaved (warm-up, then rounds A, B, C, A, B,
-C, ...; medians), then each method's memory is probed in a fresh process (peak extra RSS,
+length, the methods of one case are timed interleaved (a warm-up round for calls under a
+second and for FlexAttention, which compiles per shape; then rounds A, B, C, A, B, C, ...; medians), then each method's memory is probed in a fresh process (peak extra RSS,
 or CUDA max_memory_allocated, of one call), which also gives its first-call latency. A
 method predicted to exceed --max-call-seconds or the memory budget at a length (scaled
 from the previous length) is recorded as skipped with the reason, as is one that cannot
@@ -67,7 +67,7 @@ def parse_args(argv):
                         help="ops that also run forward+backward when --passes has it (others: forward only)")
     parser.add_argument("--dilated-passes", type=_names(("forward", "forward+backward")), default=["forward"],
                         help="passes that also run the dilated configurations")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per method (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per method (medians)")
     parser.add_argument("--max-call-seconds", type=float, default=5.0,
                         help="skip a method at a length where one call is predicted to take longer")
     parser.add_argument("--memory-budget-gib", type=float, default=None,

@@ -20,7 +20,8 @@ import math
 import torch
 
 from longformer_ops import diagonaled_mm, mask_invalid_locations
-from longformer_ops.reference import sliding_chunks_pv, sliding_chunks_qk
+from longformer_ops.layer import band_key_mask
+from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
 
 METHODS = ("tvm", "full", "sdpa", "sliding_chunks", "flex")
 COMPILES_PER_SHAPE = {"flex"}  # its first call at a new length compiles
@@ -52,30 +53,18 @@ def useful_flops(op: str, backward: bool, batch, seq_len, heads, head_dim, w) ->
 
 
 # ---------------------------------------------------------------------------
-# Dense masks for full / sdpa / flex (allowed[h, query, key]).
-# ---------------------------------------------------------------------------
-
-def _allowed_dense(seq_len: int, w: int, dilation: tuple[int, ...], device) -> torch.Tensor:
-    """Bool [h or 1, n, n]: key = query + d*(j - w), 0 <= j <= 2w."""
-    offsets = torch.arange(seq_len, device=device).view(1, -1) - torch.arange(seq_len, device=device).view(-1, 1)
-    masks = []
-    for d in sorted(set(dilation), key=dilation.index):
-        masks.append((offsets.abs() <= d * w) & (offsets % d == 0))
-    if len(masks) == 1:
-        return masks[0].unsqueeze(0)
-    by_value = dict(zip(sorted(set(dilation), key=dilation.index), masks, strict=True))
-    return torch.stack([by_value[d] for d in dilation])
-
-
-# ---------------------------------------------------------------------------
 # Implementations. Inputs: q, k, v [b, n, h, f]; probs [b, n, h, 2w+1].
 # ---------------------------------------------------------------------------
+
+def _keys(seq_len: int, w: int, dilation, device) -> torch.Tensor:
+    """Key of every band position, ``[h, n, 2w+1]`` (int64; outside [0, n) where invalid)."""
+    return key_positions(seq_len, w, torch.tensor(dilation, device=device), False).permute(1, 0, 2)
+
 
 def _band_from_dense(dense: torch.Tensor, w: int, dilation, fill: float) -> torch.Tensor:
     """[b, h, n, n] -> band [b, n, h, 2w+1] by gathering key i + d*(j-w)."""
     b, h, n, _ = dense.shape
-    d = torch.tensor(dilation, device=dense.device)
-    keys = torch.arange(n, device=dense.device).view(1, n, 1) + d.view(h, 1, 1) * (torch.arange(2 * w + 1, device=dense.device) - w)
+    keys = _keys(n, w, dilation, dense.device)
     invalid = (keys < 0) | (keys >= n)
     band = torch.gather(dense, 3, keys.clamp(0, n - 1).expand(b, h, n, 2 * w + 1))
     return band.masked_fill(invalid, fill).permute(0, 2, 1, 3)
@@ -99,8 +88,7 @@ def pv_band(method: str, probs, v, w: int, dilation):
         return sliding_chunks_pv(probs, v, w)
     if method == "full":
         b, n, h, c = probs.shape
-        d = torch.tensor(dilation, device=probs.device)
-        keys = torch.arange(n, device=probs.device).view(1, n, 1) + d.view(h, 1, 1) * (torch.arange(c, device=probs.device) - w)
+        keys = _keys(n, w, dilation, probs.device)
         valid = (keys >= 0) & (keys < n)
         dense = probs.new_zeros(b, h, n, n + 1)  # column n collects invalid positions, then dropped
         dense.scatter_(3, torch.where(valid, keys, n).expand(b, h, n, c), probs.permute(0, 2, 1, 3))
@@ -153,10 +141,10 @@ def local_attention(method: str, q, k, v, w: int, dilation):
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, n, f]
     if method == "full":
         scores = torch.matmul(qh * scale, kh.transpose(-1, -2))  # [b, h, n, n]
-        scores = scores.masked_fill(~_allowed_dense(n, w, dilation, q.device), float("-inf"))
+        scores = scores.masked_fill(~band_key_mask(n, w, tuple(dilation), False, q.device), float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2)
     if method == "sdpa":
-        mask = _allowed_dense(n, w, dilation, q.device)
+        mask = band_key_mask(n, w, tuple(dilation), False, q.device)  # [h or 1, n, n]
         return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask).transpose(1, 2)
     if method == "flex":
         block_mask = _flex_block_mask(n, w, tuple(dilation), q.device.type)

@@ -64,8 +64,11 @@ class GlobalTokens:
 
 def band_key_mask(seq_len: int, w: int, dilation: tuple[int, ...], autoregressive: bool,
                   device: torch.device) -> torch.Tensor:
-    """Bool ``[heads, n, n]``: True where key k is in query i's band (the explicit form of the band)."""
-    d = torch.tensor(dilation, device=device).view(-1, 1, 1)
+    """Bool ``[heads, n, n]``: True where key k is in query i's band (the explicit form of the band).
+
+    ``[1, n, n]`` when every head has the same dilation (it broadcasts over heads, at 1/heads the memory).
+    """
+    d = torch.tensor(dilation if len(set(dilation)) > 1 else dilation[:1], device=device).view(-1, 1, 1)
     i = torch.arange(seq_len, device=device).view(1, -1, 1)
     k = torch.arange(seq_len, device=device).view(1, 1, -1)
     offset = k - i
@@ -199,7 +202,7 @@ class LongformerSelfAttention(nn.Module):
         one softmax per row; the band layout is only gathered for the returned probabilities."""
         b, n, h, _ = q.shape
         w, dil, ar = self.window, self.dilation, self.autoregressive
-        in_band = band_key_mask(n, w, dil, ar, q.device)                              # [h, n, n]
+        in_band = band_key_mask(n, w, dil, ar, q.device)                              # [h or 1, n, n]
         allowed = in_band[None] & ~(is_padding | is_global)[:, None, None, :]         # [b, h, n, n]
         reach_global = is_global[:, None, None, :].expand(b, h, n, n)
         if ar:
