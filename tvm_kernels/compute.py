@@ -102,7 +102,7 @@ def qk(dtype: str, autoregressive: bool, pack_keys: bool = False) -> tirx.PrimFu
         return i + dilation[h].astype("int64") * (j - w)
 
     if pack_keys:
-        packed, base = _residue_major_keys(t2, dilation, s, w, acc_dtype)
+        packed, base = _residue_major(t2, dilation, s, w, w, acc_dtype, transpose=True)
         acc = te.compute(
             (s.batch, s.seq_len, s.heads, s.band),
             lambda b, i, h, j: te.sum(t1[b, i, h, f].astype(acc_dtype) * packed[b, h, f, base[h, i] + j], axis=f),
@@ -127,8 +127,11 @@ def qk(dtype: str, autoregressive: bool, pack_keys: bool = False) -> tirx.PrimFu
     return te.create_prim_func([t1, t2, dilation, padding, out], index_dtype_override="int64")
 
 
-def _residue_major_keys(t2, dilation, s: _Sizes, w, acc_dtype):
-    """Keys of each head, transposed to ``[b, h, f, position]`` in residue-major order (see :func:`qk`).
+def _residue_major(t2, dilation, s: _Sizes, w, offset, acc_dtype, transpose: bool):
+    """Rows of ``t2`` per head in residue-major order (see :func:`qk`): ``[b, h, f, position]`` when
+    ``transpose`` (keys for qk), else ``[b, h, position, f]`` (rows for pv / transposed). Returns the
+    packed rows and ``base [h, n]``: the packed position of band column 0 of query i, whose row is
+    ``i - dil*offset`` (so band column j is at ``base + j``).
 
     With dilation d and n keys, residue r holds ``L = ceil(n/d)`` keys if ``r < full``
     (``full = n - d*(L-1)``), else ``L - 1``; it starts at ``r*(L-1) + min(r, full)``.
@@ -164,17 +167,19 @@ def _residue_major_keys(t2, dilation, s: _Sizes, w, acc_dtype):
         lambda h, t: tirx.if_then_else(tirx.all(t >= margin, t < margin + n), key_at(h, t - margin), tirx.const(-1, "int64")),
         name="key_table",
     )
-    packed = te.compute(
-        (s.batch, s.heads, s.head_dim, width),
-        lambda b, h, f, t: tirx.if_then_else(
-            key_table[h, t] >= 0, t2[b, tirx.max(key_table[h, t], 0), h, f].astype(acc_dtype), tirx.const(0, acc_dtype)),
-        name="packed",
-    )
-    base = te.compute((s.heads, n), lambda h, i: position_of(h, i) + margin - w, name="base")
+    def row(b, h, t, f):
+        return tirx.if_then_else(
+            key_table[h, t] >= 0, t2[b, tirx.max(key_table[h, t], 0), h, f].astype(acc_dtype), tirx.const(0, acc_dtype))
+
+    if transpose:
+        packed = te.compute((s.batch, s.heads, s.head_dim, width), lambda b, h, f, t: row(b, h, t, f), name="packed")
+    else:
+        packed = te.compute((s.batch, s.heads, width, s.head_dim), row, name="packed")
+    base = te.compute((s.heads, n), lambda h, i: position_of(h, i) + margin - offset, name="base")
     return packed, base
 
 
-def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool) -> tirx.PrimFunc:
+def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool, pack_rows: bool) -> tirx.PrimFunc:
     s = _Sizes.symbolic()
     acc_dtype = accumulation_dtype(dtype)
     w, w_upper = _one_sided_windows(s.band, autoregressive)
@@ -182,6 +187,8 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool) -> tirx
     rows = te.placeholder((s.batch, s.seq_len, s.heads, s.head_dim), dtype, name="t2")
     dilation = te.placeholder((s.heads,), "int32", name="dilation")
     j = te.reduce_axis((0, s.band), name="j")
+    if pack_rows:  # row of band column j at packed position base[h, i] + j, for any dilation
+        packed, base = _residue_major(rows, dilation, s, w, w_upper if transposed else w, acc_dtype, transpose=False)
 
     def term(b, i, h, f):
         d = dilation[h].astype("int64")
@@ -192,7 +199,11 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool) -> tirx
         else:
             p = i + d * (j - w)
             band_value = band[b, i, h, j]
-        product = band_value.astype(acc_dtype) * rows[b, _clamp(p, s.seq_len), h, f].astype(acc_dtype)
+        if pack_rows:
+            row_value = packed[b, h, base[h, i] + j, f]
+        else:
+            row_value = rows[b, _clamp(p, s.seq_len), h, f].astype(acc_dtype)
+        product = band_value.astype(acc_dtype) * row_value
         return tirx.if_then_else(_valid(p, s.seq_len), product, tirx.const(0, acc_dtype))
 
     acc = te.compute(
@@ -204,16 +215,17 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool) -> tirx
     return te.create_prim_func([band, rows, dilation, out], index_dtype_override="int64")
 
 
-def pv(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
+def pv(dtype: str, autoregressive: bool, pack_rows: bool = False) -> tirx.PrimFunc:
     """probs.V mode: ``out[b,i,h,f] = sum_j t1[b,i,h,j] * t2[b, i + dil[h]*(j-w), h, f]`` over valid j.
 
     Arguments: ``t1 [b,n,h,c]`` (the band), ``t2 [b,n,h,f]``, ``dilation [h] int32``,
-    ``out [b,n,h,f]``.
+    ``out [b,n,h,f]``. ``pack_rows``: read ``t2`` packed residue-major (see :func:`qk`), so the
+    rows of a query's band are consecutive.
     """
-    return _band_times_rows(dtype, autoregressive, transposed=False)
+    return _band_times_rows(dtype, autoregressive, transposed=False, pack_rows=pack_rows)
 
 
-def transposed(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
+def transposed(dtype: str, autoregressive: bool, pack_rows: bool = False) -> tirx.PrimFunc:
     """Transposed mode (backward): ``out[b,i,h,f] = sum_j t1[b,p,h,(w+w_upper)-j] * t2[b,p,h,f]``,
     ``p = i + dil[h]*(j - w_upper)``, over valid p.
 
@@ -221,7 +233,7 @@ def transposed(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
     for ``S = qk(Q, K)``, ``dK = transposed(dS, Q)``; for ``O = pv(P, V)``,
     ``dV = transposed(P, dO)``. Arguments as for :func:`pv`.
     """
-    return _band_times_rows(dtype, autoregressive, transposed=True)
+    return _band_times_rows(dtype, autoregressive, transposed=True, pack_rows=pack_rows)
 
 
 DEFINITIONS = {"qk": qk, "pv": pv, "transposed": transposed}
