@@ -47,12 +47,16 @@ def _inputs_of(target: variants.KernelTarget, dtype: str, nvcc_version: str | No
     return inputs
 
 
+def _schedule_module(target: variants.KernelTarget):
+    return importlib.import_module(f"tvm_kernels.schedules.{target.schedule_module}")
+
+
 def _compile_library(target: variants.KernelTarget, dtype: str, path: Path) -> None:
     import tvm
 
     from tvm_kernels.compute import DEFINITIONS
 
-    schedules = importlib.import_module(f"tvm_kernels.schedules.{target.schedule_module}")
+    schedules = _schedule_module(target)
     options = getattr(schedules, "COMPUTE_OPTIONS", {})  # which formulation of an op the schedule expects
     functions = {}
     for op in OPS:
@@ -126,7 +130,8 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
             "device": target.device,
             "dtype": dtype,
             "functions": [function_name(op, a) for op in OPS for a in (False, True)],
-            "feature_multiple": target.feature_multiple,
+            # The schedule's contract on head_dim (its feature loops are split without a guard).
+            "feature_multiple": _schedule_module(target).FEATURE_MULTIPLE,
             "preference": target.preference,
             "cpu_flags": list(target.cpu_flags),
             "cuda_archs": list(target.cuda_archs),

@@ -32,7 +32,6 @@ class KernelTarget:
     tvm_target: dict              # dict-form tvm.target.Target (host in "host" for CUDA)
     schedule_module: str          # tvm_kernels.schedules.<this>
     dtypes: tuple[str, ...]
-    feature_multiple: int         # head_dim must be a multiple of this (runtime pads)
     preference: int = 0           # higher wins when several targets run on this machine
     cpu_flags: tuple[str, ...] = ()
     cuda_archs: tuple[str, ...] = ()
@@ -52,7 +51,6 @@ TARGETS: dict[str, KernelTarget] = {
             tvm_target={**_LLVM_COMMON, "mcpu": "x86-64-v3"},
             schedule_module="cpu",
             dtypes=("float32", "float64", "float16", "bfloat16"),
-            feature_multiple=16,
             preference=1,
             cpu_flags=_V3_FLAGS,
         ),
@@ -62,7 +60,6 @@ TARGETS: dict[str, KernelTarget] = {
             tvm_target={**_LLVM_COMMON, "mcpu": "x86-64-v4"},
             schedule_module="cpu",
             dtypes=("float32", "float64", "float16", "bfloat16"),
-            feature_multiple=16,
             preference=2,
             cpu_flags=_V4_FLAGS,
         ),
@@ -72,7 +69,6 @@ TARGETS: dict[str, KernelTarget] = {
             tvm_target={"kind": "cuda", "arch": CUDA_ARCHS[0]},
             schedule_module="cuda",
             dtypes=("float32", "float16", "bfloat16"),
-            feature_multiple=1,
             cuda_archs=CUDA_ARCHS,
             extra_sources=("cuda_toolchain.py",),
         ),
