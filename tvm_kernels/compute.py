@@ -19,11 +19,17 @@ autoregressive), which is why symmetric and autoregressive are separate
 variants. Index arithmetic is 64-bit (``index_dtype_override="int64"``), so
 ``batch * seq * heads * band`` may exceed 2**31.
 
-Half types (float16, bfloat16) accumulate in float32; every product has two
+Half types (float16, bfloat16) accumulate in float32; every product ends in two
 stages: ``acc`` (the reduction, in the accumulation dtype) and ``out`` (the
 cast, and for Q.K^T the padding value at invalid positions). Keeping the
 condition out of the reduction is what TE requires, and it lets schedules
 fuse the two stages freely.
+
+Each product also has a second, equivalent formulation (``pack_keys`` /
+``pack_rows``) in which the second operand is first copied, inside the kernel,
+into residue-major order (stages ``key_table``, ``packed``, ``base``), so that
+the rows a query's band touches are consecutive for any dilation. A schedule
+module says which formulation it expects (``COMPUTE_OPTIONS``).
 """
 
 from __future__ import annotations
