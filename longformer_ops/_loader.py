@@ -134,9 +134,27 @@ _lock = threading.Lock()
 _runtime_loaded: set[str] = set()
 
 
+THREADS_ENV = "TVM_NUM_THREADS"
+
+
+def _match_torch_threads() -> None:
+    """Give TVM's CPU thread pool as many threads as torch uses, unless the user chose.
+
+    TVM reads ``TVM_NUM_THREADS`` when its pool starts (the first parallel kernel call).
+    Without it, TVM assumes x86 cores are hyper-threaded and takes half of them, so on a
+    2-core machine every kernel ran on one core.
+    """
+    if THREADS_ENV not in os.environ:
+        import torch
+
+        os.environ[THREADS_ENV] = str(torch.get_num_threads())
+
+
 def _load_runtime(directory: Path, manifest: dict, cuda: bool) -> None:
     """Load TVM's runtime libraries globally, once, before any kernel library."""
     import tvm_ffi  # noqa: F401  (provides libtvm_ffi.so, which the runtime links)
+
+    _match_torch_threads()
 
     names = ["libtvm_runtime.so"] + (["libtvm_runtime_cuda.so"] if cuda else [])
     for name in names:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,8 +15,6 @@ from longformer_ops import _loader, _manifest, diagonaled_mm
 
 
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:
-    import os
-
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, **env}, cwd=_manifest.REPO_ROOT)
 
@@ -32,6 +31,28 @@ def test_import_and_kernel_run_never_load_the_tvm_compiler():
         "assert 'libtvm_runtime.so' in maps\n"
         "print('ok')\n")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+_THREADS_PROBE = (
+    "import torch, tvm_ffi, longformer_ops\n"
+    "q = torch.randn(1, 64, 4, 16)\n"
+    "longformer_ops.diagonaled_mm(q, q, 4, 1)\n"
+    "print(torch.get_num_threads(), tvm_ffi.get_global_func('runtime.NumThreads')())\n")
+
+
+def test_kernels_use_as_many_threads_as_torch():
+    # TVM on its own takes half the cores on x86 (it assumes hyper-threading).
+    env = {k: v for k, v in os.environ.items() if k != _loader.THREADS_ENV}
+    result = subprocess.run([sys.executable, "-c", _THREADS_PROBE], capture_output=True, text=True, env=env,
+                            cwd=_manifest.REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    torch_threads, tvm_threads = map(int, result.stdout.split())
+    assert tvm_threads == min(torch_threads, os.cpu_count()) > 0
+
+
+def test_an_explicit_tvm_thread_count_is_respected():
+    result = _run_python(_THREADS_PROBE, **{_loader.THREADS_ENV: "1"})
+    assert result.returncode == 0 and result.stdout.split()[1] == "1", result.stderr
 
 
 def _copy_prebuilt(tmp_path, edit=None):
