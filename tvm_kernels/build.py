@@ -58,17 +58,22 @@ def _compile_library(target: variants.KernelTarget, dtype: str, path: Path) -> N
 
     schedules = _schedule_module(target)
     options = getattr(schedules, "COMPUTE_OPTIONS", {})  # which formulation of an op the schedule expects
+    hand_written = getattr(schedules, "HAND_WRITTEN", {})  # ops whose kernel the module writes in TIR itself
     functions = {}
     for op in OPS:
         for autoregressive in (False, True):
             name = function_name(op, autoregressive)
-            scheduled = schedules.schedule(op, DEFINITIONS[op](dtype, autoregressive, **options.get(op, {})))["main"]
+            if op in hand_written:
+                scheduled = hand_written[op](dtype, autoregressive, target.vector_bits)
+            else:
+                scheduled = schedules.schedule(op, DEFINITIONS[op](dtype, autoregressive, **options.get(op, {})))["main"]
             functions[name] = scheduled.with_attr("global_symbol", name)
     if target.device == "cuda":
         tvm_target = tvm.target.Target(target.tvm_target, host={"kind": "llvm", "mtriple": "x86_64-linux-gnu"})
     else:
         tvm_target = tvm.target.Target(target.tvm_target)
-    executable = tvm.compile(tvm.IRModule(functions), target=tvm_target)
+    with tvm.transform.PassContext(config=getattr(schedules, "PASS_CONFIG", {})):
+        executable = tvm.compile(tvm.IRModule(functions), target=tvm_target)
     tmp = path.with_name(path.name + ".tmp.so")
     executable.export_library(str(tmp))
     tmp.replace(path)

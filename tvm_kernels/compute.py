@@ -25,11 +25,14 @@ cast, and for Q.K^T the padding value at invalid positions). Keeping the
 condition out of the reduction is what TE requires, and it lets schedules
 fuse the two stages freely.
 
-Each product also has a second, equivalent formulation (``pack_keys`` /
-``pack_rows``) in which the second operand is first copied, inside the kernel,
-into residue-major order (stages ``key_table``, ``packed``, ``base``), so that
-the rows a query's band touches are consecutive for any dilation. A schedule
-module says which formulation it expects (``COMPUTE_OPTIONS``).
+The band-times-rows products also have a second, equivalent formulation
+(``pack_rows``) in which the rows are first copied, inside the kernel, into
+residue-major order (stages ``key_table``, ``packed``, ``base``), so that the
+rows a query's band touches are consecutive for any dilation. A schedule module
+says which formulation it expects (``COMPUTE_OPTIONS``). The CPU's Q.K^T and
+probs.V kernels are written directly in TIR instead
+(``tvm_kernels/schedules/cpu_tiled.py``); these definitions remain the
+specification they implement.
 """
 
 from __future__ import annotations
@@ -78,22 +81,13 @@ def _clamp(position, seq_len):
 PACK_MARGIN = 64
 
 
-def qk(dtype: str, autoregressive: bool, pack_keys: bool = False) -> tirx.PrimFunc:
+def qk(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
     """Q.K^T mode: ``out[b,i,h,j] = sum_f t1[b,i,h,f] * t2[b, i + dil[h]*(j-w), h, f]``.
 
     Arguments of the PrimFunc, in order: ``t1 [b,n,h,f]``, ``t2 [b,n,h,f]``,
     ``dilation [h] int32``, ``padding`` (float64 scalar), ``out [b,n,h,c]``.
-    Invalid positions hold exactly ``padding``.
-
-    ``pack_keys`` selects a second formulation of the same product (for CPUs):
-    the keys of each head are first copied, transposed, into "residue-major"
-    order (for dilation d: keys r, r+d, r+2d, ... for r = 0..d-1, one after the
-    other, with zero margins). Then the 2w+1 keys of any query's band are
-    *consecutive* packed positions, for every dilation, so the band columns can
-    be computed as contiguous vectors with no per-column index arithmetic.
-    Stages: ``key_table [h, width]`` (the key at each packed position, -1 in the
-    margins), ``packed [b, h, f, width]``, ``base [h, n]`` (where query i's band
-    starts), then ``acc`` and ``out``.
+    Invalid positions hold exactly ``padding``. (The CPU runs a hand-written TIR kernel of
+    this same product: ``tvm_kernels/schedules/cpu_tiled.py``.)
     """
     s = _Sizes.symbolic()
     acc_dtype = accumulation_dtype(dtype)
@@ -107,22 +101,14 @@ def qk(dtype: str, autoregressive: bool, pack_keys: bool = False) -> tirx.PrimFu
     def key(i, h, j):
         return i + dilation[h].astype("int64") * (j - w)
 
-    if pack_keys:
-        packed, base = _residue_major(t2, dilation, s, w, w, acc_dtype, transpose=True)
-        acc = te.compute(
-            (s.batch, s.seq_len, s.heads, s.band),
-            lambda b, i, h, j: te.sum(t1[b, i, h, f].astype(acc_dtype) * packed[b, h, f, base[h, i] + j], axis=f),
-            name="acc",
-        )
-    else:
-        acc = te.compute(
-            (s.batch, s.seq_len, s.heads, s.band),
-            lambda b, i, h, j: te.sum(
-                t1[b, i, h, f].astype(acc_dtype) * t2[b, _clamp(key(i, h, j), s.seq_len), h, f].astype(acc_dtype),
-                axis=f,
-            ),
-            name="acc",
-        )
+    acc = te.compute(
+        (s.batch, s.seq_len, s.heads, s.band),
+        lambda b, i, h, j: te.sum(
+            t1[b, i, h, f].astype(acc_dtype) * t2[b, _clamp(key(i, h, j), s.seq_len), h, f].astype(acc_dtype),
+            axis=f,
+        ),
+        name="acc",
+    )
     out = te.compute(
         (s.batch, s.seq_len, s.heads, s.band),
         lambda b, i, h, j: tirx.if_then_else(
@@ -133,9 +119,9 @@ def qk(dtype: str, autoregressive: bool, pack_keys: bool = False) -> tirx.PrimFu
     return te.create_prim_func([t1, t2, dilation, padding, out], index_dtype_override="int64")
 
 
-def _residue_major(t2, dilation, s: _Sizes, w, offset, acc_dtype, transpose: bool):
-    """Rows of ``t2`` per head in residue-major order (see :func:`qk`): ``[b, h, f, position]`` when
-    ``transpose`` (keys for qk), else ``[b, h, position, f]`` (rows for pv / transposed). Returns the
+def _residue_major(t2, dilation, s: _Sizes, w, offset, acc_dtype):
+    """Rows of ``t2`` per head in residue-major order: for dilation d, rows r, r+d, r+2d, ...
+    for r = 0..d-1, one after the other, with zero margins; ``[b, h, position, f]``. Returns the
     packed rows and ``base [h, n]``: the packed position of band column 0 of query i, whose row is
     ``i - dil*offset`` (so band column j is at ``base + j``).
 
@@ -177,10 +163,7 @@ def _residue_major(t2, dilation, s: _Sizes, w, offset, acc_dtype, transpose: boo
         return tirx.if_then_else(
             key_table[h, t] >= 0, t2[b, tirx.max(key_table[h, t], 0), h, f].astype(acc_dtype), tirx.const(0, acc_dtype))
 
-    if transpose:
-        packed = te.compute((s.batch, s.heads, s.head_dim, width), lambda b, h, f, t: row(b, h, t, f), name="packed")
-    else:
-        packed = te.compute((s.batch, s.heads, width, s.head_dim), row, name="packed")
+    packed = te.compute((s.batch, s.heads, width, s.head_dim), row, name="packed")
     base = te.compute((s.heads, n), lambda h, i: position_of(h, i) + margin - offset, name="base")
     return packed, base
 
@@ -194,7 +177,7 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool, pack_ro
     dilation = te.placeholder((s.heads,), "int32", name="dilation")
     j = te.reduce_axis((0, s.band), name="j")
     if pack_rows:  # row of band column j at packed position base[h, i] + j, for any dilation
-        packed, base = _residue_major(rows, dilation, s, w, w_upper if transposed else w, acc_dtype, transpose=False)
+        packed, base = _residue_major(rows, dilation, s, w, w_upper if transposed else w, acc_dtype)
 
     def term(b, i, h, f):
         d = dilation[h].astype("int64")

@@ -35,11 +35,13 @@ class KernelTarget:
     preference: int = 0           # higher wins when several targets run on this machine
     cpu_flags: tuple[str, ...] = ()
     cuda_archs: tuple[str, ...] = ()
+    vector_bits: int = 0          # CPU SIMD width the hand-written kernels tile for
     extra_sources: tuple[str, ...] = field(default=())
 
 
 # Reassociation is not enabled anywhere: partial sums are ordered explicitly by
 # the schedules (contraction into FMA is allowed).
+_CPU_SOURCES = ("schedules/cpu_tiled.py",)
 _LLVM_COMMON = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "fast-math-contract": True}
 
 TARGETS: dict[str, KernelTarget] = {
@@ -53,6 +55,8 @@ TARGETS: dict[str, KernelTarget] = {
             dtypes=("float32", "float64", "float16", "bfloat16"),
             preference=1,
             cpu_flags=_V3_FLAGS,
+            vector_bits=256,
+            extra_sources=_CPU_SOURCES,
         ),
         KernelTarget(
             name="cpu-avx512",
@@ -62,6 +66,8 @@ TARGETS: dict[str, KernelTarget] = {
             dtypes=("float32", "float64", "float16", "bfloat16"),
             preference=2,
             cpu_flags=_V4_FLAGS,
+            vector_bits=512,
+            extra_sources=_CPU_SOURCES,
         ),
         KernelTarget(
             name="cuda",

@@ -1,20 +1,17 @@
-"""x86-64 CPU schedules: parallel over (batch, query) rows, 16-lane vectors over head_dim.
+"""x86-64 CPU kernels: Q.K^T and probs.V hand-written in TIR, transposed scheduled from TE.
+
+- qk, pv: GEMM-like register tiles over residue classes, written directly in TIR
+  (``cpu_tiled.py``; why there, not as a schedule, is explained in its docstring).
+- transposed (rows packed residue-major by ``compute.transposed(pack_rows=True)``):
+  per query, a tile of 4 x 16 features stays in registers while the band's rows,
+  now consecutive, stream through: one broadcast of the band value and four vector
+  FMAs per band column. No reuse across queries yet; see bench/NOTES.md.
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
-(64). The feature loop is split by that factor without a guard, which is what
-lets it vectorise with a symbolic head_dim (a guard inside a vectorised loop
+(64). Feature loops are split by that factor without a guard, which is what
+lets them vectorise with a symbolic head_dim (a guard inside a vectorised loop
 scalarises it); the runtime zero-pads features when needed (exact: zero
 features add nothing to a dot product, and padded output features are dropped).
-
-- qk (keys packed residue-major by ``compute.qk(pack_keys=True)``): per
-  (batch, head) and query, the band is a contiguous run of packed keys, so
-  tiles of 4 x 16 band columns accumulate in registers with one broadcast of
-  the query feature and four vector FMAs per feature.
-- pv / transposed (rows packed residue-major by ``pack_rows=True``): per query,
-  a tile of 4 x 16 features stays in registers while the band's rows, now
-  consecutive, stream through: one broadcast of the band value and four vector
-  FMAs per band column.
-GEMM-like tiling (reuse across queries) is the next step; see bench/NOTES.md.
 """
 
 from __future__ import annotations
@@ -22,35 +19,19 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir
 
+from tvm_kernels.schedules import cpu_tiled
+
 LANES = 16             # float32 lanes of a 512-bit vector (two 256-bit ones on AVX2)
-BAND_VECTORS = 4       # qk: band columns of one register tile, 4 x 16
 FEATURE_VECTORS = 4    # pv / transposed: features of one register tile, 4 x 16
 FEATURE_MULTIPLE = LANES * FEATURE_VECTORS  # head_dim the kernels accept (the runtime zero-pads)
-COMPUTE_OPTIONS = {  # the formulation each op's schedule expects (tvm_kernels.compute)
-    "qk": {"pack_keys": True},
+HAND_WRITTEN = {"qk": cpu_tiled.qk, "pv": cpu_tiled.pv}  # GEMM-like tiles over residue classes: see cpu_tiled.py
+# cpu_tiled keeps its register tiles on the stack through an allocation annotation that
+# StorageRewrite would drop (the tiles would then become heap workspaces, 3x slower).
+PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
+COMPUTE_OPTIONS = {  # the formulation each scheduled op expects (tvm_kernels.compute)
     "pv": {"pack_rows": True},
     "transposed": {"pack_rows": True},
 }
-
-
-def _schedule_packed_qk(sch: s_tir.Schedule) -> None:
-    for table in ("key_table", "base"):
-        sch.parallel(sch.get_loops(sch.get_sblock(table))[0])
-    b, h, f, t = sch.get_loops(sch.get_sblock("packed"))
-    sch.reorder(t, f)  # read each key row once, contiguously
-    sch.parallel(sch.fuse(b, h))
-    acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
-    sch.set_scope(acc, 0, "local")
-    b, i, h, j, f = sch.get_loops(acc)
-    sch.reorder(h, i)  # one head's packed keys stay in cache across its queries
-    sch.parallel(sch.fuse(b, h))
-    # The tile may run past the band's end: those columns read the zero margin and are not stored.
-    tile, vector, lane = sch.split(j, [None, BAND_VECTORS, LANES], disable_predication=True)
-    sch.reorder(f, vector, lane)
-    sch.unroll(vector)
-    sch.vectorize(lane)
-    sch.reverse_compute_at(out, tile)
-    sch.decompose_reduction(acc, f)
 
 
 def _schedule_packed_rows(sch: s_tir.Schedule) -> None:
@@ -75,8 +56,5 @@ def _schedule_packed_rows(sch: s_tir.Schedule) -> None:
 
 def schedule(op: str, func: tvm.tirx.PrimFunc) -> tvm.IRModule:
     sch = s_tir.Schedule(tvm.IRModule({"main": func}))
-    if op == "qk":
-        _schedule_packed_qk(sch)
-    else:
-        _schedule_packed_rows(sch)
+    _schedule_packed_rows(sch)
     return sch.mod
