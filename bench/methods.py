@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from longformer_ops import diagonaled_mm, mask_invalid_locations
+from longformer_ops import diagonaled_mm
 from longformer_ops.layer import band_key_mask
 from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
 
@@ -128,15 +128,16 @@ def local_attention(method: str, q, k, v, w: int, dilation):
     b, n, h, f = q.shape
     scale = 1.0 / math.sqrt(f)
     if method in ("tvm", "sliding_chunks"):
-        if method == "tvm":
-            d = torch.tensor(dilation)
-            scores = diagonaled_mm(q * scale, k, w, d)
-            mask_invalid_locations(scores, w, d, False)
+        if method == "tvm":  # the kernel writes -inf at keys outside the sequence itself
+            scores = diagonaled_mm(q * scale, k, w, torch.tensor(dilation), padding=float("-inf"))
         else:
             scores = sliding_chunks_qk(q * scale, k, w, padding=float("-inf"))
         # float32 softmax for half inputs, as the layer does; float32/float64 stay as they are.
         softmax_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
+        if softmax_dtype == scores.dtype and not (torch.is_grad_enabled() and scores.requires_grad):
+            probs = torch.softmax(scores, dim=-1, out=scores)  # inference: no second band in memory
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
         return pv_band(method, probs, v, w, dilation)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, n, f]
     if method == "full":

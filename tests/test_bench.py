@@ -12,10 +12,12 @@ from bench.__main__ import main
 from bench.measure import Case, probe_in_fresh_process
 
 
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("dilation", [(1, 1, 1), (1, 2, 3)])
-def test_methods_agree_on_local_attention(dilation):
-    """Every method the bench compares computes the same local attention (else timings mean nothing)."""
-    inputs = methods.make_inputs("local_attention", 1, 70, 3, 8, 5, torch.float64, "cpu", False)
+def test_methods_agree_on_local_attention(dilation, requires_grad):
+    """Every method the bench compares computes the same local attention (else timings mean nothing).
+    Inference takes another path (softmax in place) than training."""
+    inputs = methods.make_inputs("local_attention", 1, 70, 3, 8, 5, torch.float64, "cpu", requires_grad)
     outputs = {m: methods.local_attention(m, *inputs, 5, dilation) for m in ("tvm", "full", "sdpa")}
     if dilation == (1, 1, 1):
         outputs["sliding_chunks"] = methods.local_attention("sliding_chunks", *inputs, 5, dilation)
