@@ -57,7 +57,6 @@ def _compile_library(target: variants.KernelTarget, dtype: str, path: Path) -> N
     from tvm_kernels.compute import DEFINITIONS
 
     schedules = _schedule_module(target)
-    options = getattr(schedules, "COMPUTE_OPTIONS", {})  # which formulation of an op the schedule expects
     hand_written = getattr(schedules, "HAND_WRITTEN", {})  # ops whose kernel the module writes in TIR itself
     functions = {}
     for op in OPS:
@@ -66,7 +65,7 @@ def _compile_library(target: variants.KernelTarget, dtype: str, path: Path) -> N
             if op in hand_written:
                 scheduled = hand_written[op](dtype, autoregressive, target.vector_bits)
             else:
-                scheduled = schedules.schedule(op, DEFINITIONS[op](dtype, autoregressive, **options.get(op, {})))["main"]
+                scheduled = schedules.schedule(op, DEFINITIONS[op](dtype, autoregressive))["main"]
             functions[name] = scheduled.with_attr("global_symbol", name)
     if target.device == "cuda":
         tvm_target = tvm.target.Target(target.tvm_target, host={"kind": "llvm", "mtriple": "x86_64-linux-gnu"})

@@ -25,14 +25,9 @@ cast, and for Q.K^T the padding value at invalid positions). Keeping the
 condition out of the reduction is what TE requires, and it lets schedules
 fuse the two stages freely.
 
-The band-times-rows products also have a second, equivalent formulation
-(``pack_rows``) in which the rows are first copied, inside the kernel, into
-residue-major order (stages ``key_table``, ``packed``, ``base``), so that the
-rows a query's band touches are consecutive for any dilation. A schedule module
-says which formulation it expects (``COMPUTE_OPTIONS``). The CPU's Q.K^T and
-probs.V kernels are written directly in TIR instead
-(``tvm_kernels/schedules/cpu_tiled.py``); these definitions remain the
-specification they implement.
+The CPU kernels are written directly in TIR instead (``tvm_kernels/schedules/cpu.py``):
+these definitions are the specification they implement, and what the CUDA schedules
+take.
 """
 
 from __future__ import annotations
@@ -77,17 +72,12 @@ def _clamp(position, seq_len):
     return tirx.max(tirx.min(position, seq_len - 1), 0)
 
 
-# Keys packed for the band: margin of the packed rows on each side, beyond the window.
-PACK_MARGIN = 64
-
-
 def qk(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
     """Q.K^T mode: ``out[b,i,h,j] = sum_f t1[b,i,h,f] * t2[b, i + dil[h]*(j-w), h, f]``.
 
     Arguments of the PrimFunc, in order: ``t1 [b,n,h,f]``, ``t2 [b,n,h,f]``,
     ``dilation [h] int32``, ``padding`` (float64 scalar), ``out [b,n,h,c]``.
-    Invalid positions hold exactly ``padding``. (The CPU runs a hand-written TIR kernel of
-    this same product: ``tvm_kernels/schedules/cpu_tiled.py``.)
+    Invalid positions hold exactly ``padding``.
     """
     s = _Sizes.symbolic()
     acc_dtype = accumulation_dtype(dtype)
@@ -119,56 +109,7 @@ def qk(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
     return te.create_prim_func([t1, t2, dilation, padding, out], index_dtype_override="int64")
 
 
-def _residue_major(t2, dilation, s: _Sizes, w, offset, acc_dtype):
-    """Rows of ``t2`` per head in residue-major order: for dilation d, rows r, r+d, r+2d, ...
-    for r = 0..d-1, one after the other, with zero margins; ``[b, h, position, f]``. Returns the
-    packed rows and ``base [h, n]``: the packed position of band column 0 of query i, whose row is
-    ``i - dil*offset`` (so band column j is at ``base + j``).
-
-    With dilation d and n keys, residue r holds ``L = ceil(n/d)`` keys if ``r < full``
-    (``full = n - d*(L-1)``), else ``L - 1``; it starts at ``r*(L-1) + min(r, full)``.
-    Positions are shifted by ``PACK_MARGIN + w`` so that every band, and the vector
-    tail past its end, reads inside the buffer (zeros, or another residue's keys at
-    positions that are invalid anyway and get the padding value).
-    """
-    n = s.seq_len
-    margin = PACK_MARGIN + w
-    width = n + 2 * margin + PACK_MARGIN
-
-    def geometry(h):
-        d = dilation[h].astype("int64")
-        longest = tirx.floordiv(n + d - 1, d)
-        return d, longest, n - d * (longest - 1)
-
-    def key_at(h, p):  # inverse of position_of
-        d, longest, full = geometry(h)
-        in_full = p < full * longest
-        rest = p - full * longest
-        shorter = tirx.max(longest - 1, 1)
-        r = tirx.if_then_else(in_full, tirx.floordiv(p, longest), full + tirx.floordiv(rest, shorter))
-        q = tirx.if_then_else(in_full, tirx.floormod(p, longest), tirx.floormod(rest, shorter))
-        return r + d * q
-
-    def position_of(h, m):
-        d, longest, full = geometry(h)
-        r = tirx.floormod(m, d)
-        return r * (longest - 1) + tirx.min(r, full) + tirx.floordiv(m, d)
-
-    key_table = te.compute(
-        (s.heads, width),
-        lambda h, t: tirx.if_then_else(tirx.all(t >= margin, t < margin + n), key_at(h, t - margin), tirx.const(-1, "int64")),
-        name="key_table",
-    )
-    def row(b, h, t, f):
-        return tirx.if_then_else(
-            key_table[h, t] >= 0, t2[b, tirx.max(key_table[h, t], 0), h, f].astype(acc_dtype), tirx.const(0, acc_dtype))
-
-    packed = te.compute((s.batch, s.heads, width, s.head_dim), row, name="packed")
-    base = te.compute((s.heads, n), lambda h, i: position_of(h, i) + margin - offset, name="base")
-    return packed, base
-
-
-def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool, pack_rows: bool) -> tirx.PrimFunc:
+def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool) -> tirx.PrimFunc:
     s = _Sizes.symbolic()
     acc_dtype = accumulation_dtype(dtype)
     w, w_upper = _one_sided_windows(s.band, autoregressive)
@@ -176,8 +117,6 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool, pack_ro
     rows = te.placeholder((s.batch, s.seq_len, s.heads, s.head_dim), dtype, name="t2")
     dilation = te.placeholder((s.heads,), "int32", name="dilation")
     j = te.reduce_axis((0, s.band), name="j")
-    if pack_rows:  # row of band column j at packed position base[h, i] + j, for any dilation
-        packed, base = _residue_major(rows, dilation, s, w, w_upper if transposed else w, acc_dtype)
 
     def term(b, i, h, f):
         d = dilation[h].astype("int64")
@@ -188,10 +127,7 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool, pack_ro
         else:
             p = i + d * (j - w)
             band_value = band[b, i, h, j]
-        if pack_rows:
-            row_value = packed[b, h, base[h, i] + j, f]
-        else:
-            row_value = rows[b, _clamp(p, s.seq_len), h, f].astype(acc_dtype)
+        row_value = rows[b, _clamp(p, s.seq_len), h, f].astype(acc_dtype)
         product = band_value.astype(acc_dtype) * row_value
         return tirx.if_then_else(_valid(p, s.seq_len), product, tirx.const(0, acc_dtype))
 
@@ -204,17 +140,16 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool, pack_ro
     return te.create_prim_func([band, rows, dilation, out], index_dtype_override="int64")
 
 
-def pv(dtype: str, autoregressive: bool, pack_rows: bool = False) -> tirx.PrimFunc:
+def pv(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
     """probs.V mode: ``out[b,i,h,f] = sum_j t1[b,i,h,j] * t2[b, i + dil[h]*(j-w), h, f]`` over valid j.
 
     Arguments: ``t1 [b,n,h,c]`` (the band), ``t2 [b,n,h,f]``, ``dilation [h] int32``,
-    ``out [b,n,h,f]``. ``pack_rows``: read ``t2`` packed residue-major (see :func:`qk`), so the
-    rows of a query's band are consecutive.
+    ``out [b,n,h,f]``.
     """
-    return _band_times_rows(dtype, autoregressive, transposed=False, pack_rows=pack_rows)
+    return _band_times_rows(dtype, autoregressive, transposed=False)
 
 
-def transposed(dtype: str, autoregressive: bool, pack_rows: bool = False) -> tirx.PrimFunc:
+def transposed(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
     """Transposed mode (backward): ``out[b,i,h,f] = sum_j t1[b,p,h,(w+w_upper)-j] * t2[b,p,h,f]``,
     ``p = i + dil[h]*(j - w_upper)``, over valid p.
 
@@ -222,7 +157,7 @@ def transposed(dtype: str, autoregressive: bool, pack_rows: bool = False) -> tir
     for ``S = qk(Q, K)``, ``dK = transposed(dS, Q)``; for ``O = pv(P, V)``,
     ``dV = transposed(P, dO)``. Arguments as for :func:`pv`.
     """
-    return _band_times_rows(dtype, autoregressive, transposed=True, pack_rows=pack_rows)
+    return _band_times_rows(dtype, autoregressive, transposed=True)
 
 
 DEFINITIONS = {"qk": qk, "pv": pv, "transposed": transposed}

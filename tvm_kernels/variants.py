@@ -41,7 +41,6 @@ class KernelTarget:
 
 # Reassociation is not enabled anywhere: partial sums are ordered explicitly by
 # the schedules (contraction into FMA is allowed).
-_CPU_SOURCES = ("schedules/cpu_tiled.py",)
 _LLVM_COMMON = {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "fast-math-contract": True}
 
 TARGETS: dict[str, KernelTarget] = {
@@ -56,7 +55,6 @@ TARGETS: dict[str, KernelTarget] = {
             preference=1,
             cpu_flags=_V3_FLAGS,
             vector_bits=256,
-            extra_sources=_CPU_SOURCES,
         ),
         KernelTarget(
             name="cpu-avx512",
@@ -67,7 +65,6 @@ TARGETS: dict[str, KernelTarget] = {
             preference=2,
             cpu_flags=_V4_FLAGS,
             vector_bits=512,
-            extra_sources=_CPU_SOURCES,
         ),
         KernelTarget(
             name="cuda",

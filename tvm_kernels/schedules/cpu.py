@@ -1,60 +1,280 @@
-"""x86-64 CPU kernels: Q.K^T and probs.V hand-written in TIR, transposed scheduled from TE.
+"""x86-64 CPU kernels: the three banded products hand-written in TIR, GEMM-like tiles for any dilation.
 
-- qk, pv: GEMM-like register tiles over residue classes, written directly in TIR
-  (``cpu_tiled.py``; why there, not as a schedule, is explained in its docstring).
-- transposed (rows packed residue-major by ``compute.transposed(pack_rows=True)``):
-  per query, a tile of 4 x 16 features stays in registers while the band's rows,
-  now consecutive, stream through: one broadcast of the band value and four vector
-  FMAs per band column. No reuse across queries yet; see bench/NOTES.md.
+Why not TE schedules: the fast loop nests run over *residue classes* whose size
+depends on each head's runtime dilation, compute dense tiles wider than the band
+and store them skewed into the band layout. Schedule primitives cannot reorder a
+TE output that way (bench/NOTES.md has the schedules tried first), so these kernels
+are written directly in TIR (TVMScript). Each computes exactly its definition in
+:mod:`tvm_kernels.compute` and is tested against the same plain references.
+
+Common structure, per (batch, head) in parallel: the second operand is packed
+residue-major (dilation d: rows r, r+d, r+2d, ... for r = 0..d-1, with zero
+margins). In packed order every query's band is a run of consecutive rows, for
+any dilation: dilation d is d interleaved undilated problems laid end to end.
+Then tiles of ``rows`` consecutive packed queries run a register-blocked
+micro-kernel (8 rows x 2 vectors of accumulators on AVX-512, 6 x 2 on AVX2).
+
+- qk: keys packed in blocks of ``cols`` (two vectors), transposed so that for a
+  fixed feature a block's keys are contiguous. Per feature: one broadcast per
+  row, one load per vector, 16 FMAs. Each block result goes, skewed by its row,
+  into a small row buffer; then each row's band is copied to its query's output
+  row, ``padding`` outside the sequence (two bounds per row, no division per
+  column).
+- pv / transposed: the tile's weights (its band rows, shifted by row and zeroed
+  at invalid keys; for transposed, entries of *other* rows' bands) are gathered
+  into a small buffer; then the output features accumulate in registers while
+  the packed rows the tile touches stream through once.
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
-(64). Feature loops are split by that factor without a guard, which is what
-lets them vectorise with a symbolic head_dim (a guard inside a vectorised loop
-scalarises it); the runtime zero-pads features when needed (exact: zero
-features add nothing to a dot product, and padded output features are dropped).
+for pv and transposed (their feature loops are whole register tiles; the runtime
+zero-pads, which is exact). Scratch per (batch, head): the packed rows (about one
+head's slice of the input), a row table and a per-tile buffer; accumulators live
+in registers.
 """
 
 from __future__ import annotations
 
-import tvm
-from tvm import s_tir
+from tvm.script import tirx as T
 
-from tvm_kernels.schedules import cpu_tiled
+from tvm_kernels.compute import accumulation_dtype
 
-LANES = 16             # float32 lanes of a 512-bit vector (two 256-bit ones on AVX2)
-FEATURE_VECTORS = 4    # pv / transposed: features of one register tile, 4 x 16
-FEATURE_MULTIPLE = LANES * FEATURE_VECTORS  # head_dim the kernels accept (the runtime zero-pads)
-HAND_WRITTEN = {"qk": cpu_tiled.qk, "pv": cpu_tiled.pv}  # GEMM-like tiles over residue classes: see cpu_tiled.py
-# cpu_tiled keeps its register tiles on the stack through an allocation annotation that
-# StorageRewrite would drop (the tiles would then become heap workspaces, 3x slower).
+FEATURE_MULTIPLE = 32  # pv / transposed feature tile: 2 vectors (32 float32 lanes on AVX-512; the others divide it)
+
+# Keep small per-tile buffers on the stack (LLVM promotes them to registers).
+# TVM otherwise lowers every allocation inside a parallel loop to a heap workspace
+# call (3x slower kernels); the annotation survives only if StorageRewrite is off.
+_ON_STACK = {"disable_lower_builtin": True}
 PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
-COMPUTE_OPTIONS = {  # the formulation each scheduled op expects (tvm_kernels.compute)
-    "pv": {"pack_rows": True},
-    "transposed": {"pack_rows": True},
-}
 
 
-def _schedule_packed_rows(sch: s_tir.Schedule) -> None:
-    for table in ("key_table", "base"):
-        sch.parallel(sch.get_loops(sch.get_sblock(table))[0])
-    b, h, t, f = sch.get_loops(sch.get_sblock("packed"))
-    sch.parallel(sch.fuse(b, h))
-    sch.vectorize(sch.split(f, [None, LANES], disable_predication=True)[1])
-    acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
-    sch.set_scope(acc, 0, "local")
-    b, i, h, f, j = sch.get_loops(acc)
-    sch.reorder(h, i)
-    sch.parallel(sch.fuse(b, h))
-    # 4 x 16 features in registers (4 independent FMA chains), band columns streamed over them.
-    tile, vector, lane = sch.split(f, [None, FEATURE_VECTORS, LANES], disable_predication=True)
-    sch.reorder(tile, j, vector, lane)
-    sch.unroll(vector)
-    sch.vectorize(lane)
-    sch.reverse_compute_at(out, tile)
-    sch.decompose_reduction(acc, j)
+@T.macro
+def _fill_residue_major(row_of, n, d):
+    """row_of[p] = the sequence row at packed position p: rows r, r+d, r+2d, ... for r = 0..d-1."""
+    start = T.alloc_local((1,), "int64", annotations=_ON_STACK)
+    start[0] = T.int64(0)
+    for residue in range(T.min(d, n)):
+        for step in range((n - residue + d - T.int64(1)) // d):
+            row_of[start[0] + step] = residue + d * step
+        start[0] = start[0] + (n - residue + d - T.int64(1)) // d
 
 
-def schedule(op: str, func: tvm.tirx.PrimFunc) -> tvm.IRModule:
-    sch = s_tir.Schedule(tvm.IRModule({"main": func}))
-    _schedule_packed_rows(sch)
-    return sch.mod
+def qk(dtype: str, autoregressive: bool, vector_bits: int):
+    """The Q.K^T PrimFunc; same arguments as :func:`tvm_kernels.compute.qk`."""
+    acc_dtype = accumulation_dtype(dtype)
+    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
+    rows = 8 if vector_bits >= 512 else 6   # rows x 2 vectors of accumulators + operands fit the register file
+    cols = 2 * lanes                        # keys per packed block = one register tile's width
+    slack = rows + cols                     # row buffer margin on each side of the band
+    causal = 1 if autoregressive else 0
+
+    @T.prim_func
+    def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, padding: T.float64,
+             out_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        band = T.int64()
+        t1 = T.match_buffer(t1_handle, (batch, n, heads, head_dim), dtype)
+        t2 = T.match_buffer(t2_handle, (batch, n, heads, head_dim), dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        out = T.match_buffer(out_handle, (batch, n, heads, band), dtype)
+        # One-sided window: band = 2w + 1 (symmetric) or w + 1 (autoregressive).
+        w: T.let = T.int64(causal) * (band - T.int64(1)) + T.int64(1 - causal) * ((band - T.int64(1)) // T.int64(2))
+        margin: T.let = w + T.int64(cols)  # packed columns before the first key
+        for bh in T.parallel(batch * heads):
+            b: T.let = bh // heads
+            h: T.let = bh % heads
+            d: T.let = T.Cast("int64", dilation[h])
+            # Buffer shapes cannot name let-bound values (TVM 0.27), hence the repeated expressions.
+            row_of = T.decl_buffer((n,), "int64")
+            packed = T.decl_buffer(
+                ((n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
+                 head_dim, T.int64(cols)), acc_dtype)
+            row_buffer = T.decl_buffer((T.int64(rows), band + T.int64(2 * slack)), acc_dtype)
+            query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            acc_lo = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
+            acc_hi = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
+            _fill_residue_major(row_of, n, d)
+            for block in range((n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1)):
+                for lane in range(T.int64(cols)):
+                    p: T.let = block * T.int64(cols) + lane - margin  # packed position
+                    if p >= T.int64(0) and p < n:
+                        for f in range(head_dim):
+                            packed[block, f, lane] = T.Cast(acc_dtype, t2[b, row_of[p], h, f])
+                    else:
+                        for f in range(head_dim):
+                            packed[block, f, lane] = T.Cast(acc_dtype, 0)
+            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+                p0: T.let = tile * T.int64(rows)
+                for r in T.unroll(rows):
+                    query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
+                first: T.let = p0 - w + margin  # packed column of row 0's band column 0
+                for block in range(first // T.int64(cols), (first + T.int64(rows - 2) + band) // T.int64(cols) + T.int64(1)):
+                    for r in T.unroll(rows):
+                        for lane in T.vectorized(lanes):
+                            acc_lo[r, lane] = T.Cast(acc_dtype, 0)
+                            acc_hi[r, lane] = T.Cast(acc_dtype, 0)
+                    for f in range(head_dim):
+                        for r in T.unroll(rows):
+                            for lane in T.vectorized(lanes):
+                                acc_lo[r, lane] = acc_lo[r, lane] + T.Cast(acc_dtype, t1[b, query[r], h, f]) * packed[block, f, lane]
+                                acc_hi[r, lane] = acc_hi[r, lane] + T.Cast(acc_dtype, t1[b, query[r], h, f]) * packed[block, f, T.int64(lanes) + lane]
+                    for r in T.unroll(rows):
+                        for lane in T.vectorized(lanes):
+                            # Row r's band column j is packed column first + r + j.
+                            row_buffer[r, block * T.int64(cols) - first - T.int64(r) + T.int64(slack) + lane] = acc_lo[r, lane]
+                            row_buffer[r, block * T.int64(cols) - first - T.int64(r) + T.int64(slack + lanes) + lane] = acc_hi[r, lane]
+                for r in range(rows):
+                    if p0 + T.int64(r) < n:
+                        i: T.let = query[r]
+                        # Valid band columns: 0 <= i + d*(j - w) < n  <=>  low <= j < high.
+                        low: T.let = T.max(w - i // d, T.int64(0))
+                        high: T.let = T.min(w + (n - T.int64(1) - i) // d + T.int64(1), band)
+                        for vector in range(band // T.int64(lanes)):
+                            for lane in T.vectorized(lanes):
+                                out[b, i, h, vector * T.int64(lanes) + lane] = T.Select(
+                                    vector * T.int64(lanes) + lane >= low and vector * T.int64(lanes) + lane < high,
+                                    T.Cast(dtype, row_buffer[r, T.int64(slack) + vector * T.int64(lanes) + lane]),
+                                    T.Cast(dtype, padding))
+                        for j in range(band // T.int64(lanes) * T.int64(lanes), band):
+                            out[b, i, h, j] = T.Select(j >= low and j < high,
+                                                       T.Cast(dtype, row_buffer[r, T.int64(slack) + j]), T.Cast(dtype, padding))
+
+    return main
+
+
+def pv(dtype: str, autoregressive: bool, vector_bits: int):
+    """The probs.V PrimFunc; same arguments as :func:`tvm_kernels.compute.pv`.
+
+    The transpose of the Q.K^T tiling: per tile of ``rows`` consecutive packed queries,
+    their band rows are first copied, each shifted by its row offset and zeroed at invalid
+    keys, into a weight buffer (``weights[r, k]``: row r's weight for the k-th packed row
+    the tile touches); then the tile's output features accumulate in registers
+    (``rows x 2`` vectors) while the packed value rows stream through once, one broadcast
+    weight per row and two vector FMAs each. ``head_dim`` must be a multiple of
+    ``2 * lanes`` (the runtime zero-pads).
+    """
+    return _band_times_rows(dtype, autoregressive, vector_bits, transposed=False)
+
+
+def transposed(dtype: str, autoregressive: bool, vector_bits: int):
+    """The transposed (backward) PrimFunc; same arguments as :func:`tvm_kernels.compute.transposed`.
+
+    The probs.V loop nest with other weights: query i's weight for row
+    ``p = i + d*(j - w_upper)`` is ``t1[p, band - 1 - j]``, a column of *another* band row.
+    For a tile of consecutive packed queries, the weights of the k-th packed row they touch
+    are ``rows`` consecutive entries of that row's band, so the weight buffer is built
+    transposed (``weights[k, r]``), one short vector load per row.
+    """
+    return _band_times_rows(dtype, autoregressive, vector_bits, transposed=True)
+
+
+def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transposed: bool):
+    acc_dtype = accumulation_dtype(dtype)
+    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
+    rows = 8 if vector_bits >= 512 else 6
+    cols = 2 * lanes  # output features of one register tile
+    causal = 1 if autoregressive else 0
+    # Row offset of band column 0: w for probs.V; w_upper (w, or 0 when causal) for transposed.
+    offset_is_w = 0 if transposed and autoregressive else 1
+
+    @T.prim_func
+    def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, out_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        band = T.int64()
+        t1 = T.match_buffer(t1_handle, (batch, n, heads, band), dtype)
+        t2 = T.match_buffer(t2_handle, (batch, n, heads, head_dim), dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
+        w: T.let = T.int64(causal) * (band - T.int64(1)) + T.int64(1 - causal) * ((band - T.int64(1)) // T.int64(2))
+        offset: T.let = T.int64(offset_is_w) * w
+        margin: T.let = w + T.int64(rows)  # packed rows before the first row
+        for bh in T.parallel(batch * heads):
+            b: T.let = bh // heads
+            h: T.let = bh % heads
+            d: T.let = T.Cast("int64", dilation[h])
+            row_of = T.decl_buffer((n,), "int64")
+            packed = T.decl_buffer((n + T.int64(2) * band + T.int64(2 * rows), head_dim), acc_dtype)
+            weights = T.decl_buffer((band + T.int64(rows), T.int64(rows)) if transposed
+                                    else (T.int64(rows), band + T.int64(rows)), acc_dtype)
+            query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            acc_lo = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
+            acc_hi = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
+            _fill_residue_major(row_of, n, d)
+            for t in range(n + T.int64(2) * band + T.int64(2 * rows)):
+                p: T.let = t - margin  # packed position
+                if p >= T.int64(0) and p < n:
+                    for vector in range(head_dim // T.int64(lanes)):
+                        for lane in T.vectorized(lanes):
+                            packed[t, vector * T.int64(lanes) + lane] = T.Cast(
+                                acc_dtype, t2[b, row_of[p], h, vector * T.int64(lanes) + lane])
+                else:
+                    for vector in range(head_dim // T.int64(lanes)):
+                        for lane in T.vectorized(lanes):
+                            packed[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
+            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+                p0: T.let = tile * T.int64(rows)
+                for r in range(rows):
+                    query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
+                    # Valid band columns: 0 <= i + d*(j - offset) < n  <=>  low <= j < high.
+                    low[r] = T.max(offset - query[r] // d, T.int64(0))
+                    high[r] = T.min(offset + (n - T.int64(1) - query[r]) // d + T.int64(1), band)
+                # Row r's weight for the k-th packed row (p0 - offset + k) belongs to band column j = k - r.
+                if transposed:
+                    for k in range(band + T.int64(rows - 1)):
+                        # That row's band holds the weights of rows r = 0.. at columns band - 1 - k + r.
+                        row: T.let = row_of[T.max(T.min(p0 - offset + k, n - T.int64(1)), T.int64(0))]
+                        if k >= T.int64(rows - 1) and k < band:
+                            for r in T.vectorized(rows):
+                                weights[k, r] = T.Select(
+                                    k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
+                                    T.Cast(acc_dtype, t1[b, row, h, band - T.int64(1) - k + T.int64(r)]), T.Cast(acc_dtype, 0))
+                        else:  # the band's first and last columns: clamp the read, the weight is 0 anyway
+                            for r in range(rows):
+                                weights[k, r] = T.Select(
+                                    k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
+                                    T.Cast(acc_dtype, t1[b, row, h, T.max(T.min(band - T.int64(1) - k + T.int64(r), band - T.int64(1)), T.int64(0))]),
+                                    T.Cast(acc_dtype, 0))
+                else:
+                    for r in range(rows):
+                        for k in range(r):
+                            weights[r, k] = T.Cast(acc_dtype, 0)
+                        for vector in range(band // T.int64(lanes)):
+                            for lane in T.vectorized(lanes):
+                                weights[r, T.int64(r) + vector * T.int64(lanes) + lane] = T.Select(
+                                    vector * T.int64(lanes) + lane >= low[r] and vector * T.int64(lanes) + lane < high[r],
+                                    T.Cast(acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane]), T.Cast(acc_dtype, 0))
+                        for j in range(band // T.int64(lanes) * T.int64(lanes), band):
+                            weights[r, T.int64(r) + j] = T.Select(j >= low[r] and j < high[r],
+                                                                  T.Cast(acc_dtype, t1[b, query[r], h, j]), T.Cast(acc_dtype, 0))
+                        for k in range(T.int64(r) + band, band + T.int64(rows - 1)):
+                            weights[r, k] = T.Cast(acc_dtype, 0)
+                first: T.let = p0 - offset + margin  # packed row of k = 0
+                for feature_tile in range(head_dim // T.int64(cols)):
+                    for r in T.unroll(rows):
+                        for lane in T.vectorized(lanes):
+                            acc_lo[r, lane] = T.Cast(acc_dtype, 0)
+                            acc_hi[r, lane] = T.Cast(acc_dtype, 0)
+                    for k in range(band + T.int64(rows - 1)):
+                        for r in T.unroll(rows):
+                            for lane in T.vectorized(lanes):
+                                acc_lo[r, lane] = acc_lo[r, lane] + (weights[k, r] if transposed else weights[r, k]) * packed[first + k, feature_tile * T.int64(cols) + lane]
+                                acc_hi[r, lane] = acc_hi[r, lane] + (weights[k, r] if transposed else weights[r, k]) * packed[first + k, feature_tile * T.int64(cols) + T.int64(lanes) + lane]
+                    for r in T.unroll(rows):
+                        if p0 + T.int64(r) < n:
+                            for lane in T.vectorized(lanes):
+                                out[b, query[r], h, feature_tile * T.int64(cols) + lane] = T.Cast(dtype, acc_lo[r, lane])
+                                out[b, query[r], h, feature_tile * T.int64(cols) + T.int64(lanes) + lane] = T.Cast(dtype, acc_hi[r, lane])
+
+    return main
+
+
+HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed}
