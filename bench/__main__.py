@@ -56,7 +56,8 @@ def parse_args(argv):
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
+    parser.add_argument("--dtype", type=_names(("float32", "float16", "bfloat16", "float64")), default=["float32"],
+                        help="one dtype, or several comma-separated: each its own cases, timed in the same run")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--ops", type=_names(methods.OPS), default=list(methods.OPS))
     parser.add_argument("--passes", type=_names(("forward", "forward+backward")), default=["forward", "forward+backward"])
@@ -143,44 +144,44 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     budget = memory_budget_bytes(args)
     gemm = gemm_gflops(args.device)
-    groups = [(op, p == "forward+backward", _dilation_tuple(spec, args.heads))
-              for spec in args.dilation for op in args.ops for p in args.passes
+    groups = [(op, p == "forward+backward", _dilation_tuple(spec, args.heads), dtype)
+              for dtype in args.dtype for spec in args.dilation for op in args.ops for p in args.passes
               if (set(_dilation_tuple(spec, args.heads)) == {1} or (op in args.dilated_ops and p in args.dilated_passes))
               and (p == "forward" or op in args.backward_ops)]
     print(f"device {device_name(args.device)}: same-run float32 GEMM {gemm:.0f} GFLOP/s; "
           f"{len(groups)} cases x {len(args.seq_lens)} lengths x {len(args.methods)} methods", flush=True)
 
     rows = []
-    last: dict[tuple, tuple] = {}  # (op, backward, dilation, method) -> last measured (seq_len, seconds, bytes)
+    last: dict[tuple, tuple] = {}  # (op, backward, dilation, dtype, method) -> last measured (seq_len, seconds, bytes)
     progress = tqdm(total=len(groups) * len(args.seq_lens), unit="case", dynamic_ncols=True)
     for seq_len in args.seq_lens:
-        for op, backward, dilation in groups:
+        for op, backward, dilation, dtype in groups:
             case = Case(op, backward, seq_len, args.window, dilation, args.heads, args.head_dim, args.batch,
-                        args.dtype, args.device)
-            progress.set_description(f"{op} {case.pass_name} d={_dilation_label(dilation)} n={seq_len}")
+                        dtype, args.device)
+            progress.set_description(f"{op} {case.pass_name} d={_dilation_label(dilation)} {dtype} n={seq_len}")
             runnable, skipped = [], {}
             for method in args.methods:
                 reason = (methods.unsupported_reason(method, op, backward, dilation, args.device)
-                          or _predicted_limit(last.get((op, backward, dilation, method)), method, seq_len, budget,
+                          or _predicted_limit(last.get((op, backward, dilation, dtype, method)), method, seq_len, budget,
                                               args.max_call_seconds))
                 (skipped.__setitem__(method, reason) if reason else runnable.append(method))
-            expected = {m: _expected_seconds(last.get((op, backward, dilation, m)), m, seq_len) for m in runnable}
+            expected = {m: _expected_seconds(last.get((op, backward, dilation, dtype, m)), m, seq_len) for m in runnable}
             timings = time_interleaved(case, runnable, args.repeats, expected) if runnable else {}
             flops = methods.useful_flops(op, backward, args.batch, seq_len, args.heads, args.head_dim, args.window)
             for method in args.methods:
                 row = dict(op=op, method=method, seq_len=seq_len, window=args.window, dilation=_dilation_label(dilation),
-                           heads=args.heads, head_dim=args.head_dim, batch=args.batch, dtype=args.dtype,
+                           heads=args.heads, head_dim=args.head_dim, batch=args.batch, dtype=dtype,
                            device=args.device, **{"pass": case.pass_name})
                 if method in skipped:
                     reason = skipped[method]
-                    measured = last.get((op, backward, dilation, method))
+                    measured = last.get((op, backward, dilation, dtype, method))
                     if (not args.no_memory and not backward and reason.startswith("too slow")
                             and _expected_seconds(measured, method, seq_len) <= 2 * args.max_call_seconds):
                         # Too slow to time repeatedly, but it fits: one fresh-process call for its memory,
                         # so memory comparisons rest on measurements as far as the method can go.
                         probe = probe_in_fresh_process(case, method, timeout_s=120 + 40 * args.max_call_seconds)
                         if "error" not in probe:
-                            last[(op, backward, dilation, method)] = (
+                            last[(op, backward, dilation, dtype, method)] = (
                                 seq_len, _expected_seconds(measured, method, seq_len), probe["peak_mib"] * 2**20)
                             rows.append(dict(row, status="memory only", reason=reason + "; memory measured once",
                                              peak_mib=probe["peak_mib"], first_call_ms=probe["first_call_ms"]))
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
                     else:
                         peak = probe["peak_mib"] * 2**20
                         row.update(peak_mib=probe["peak_mib"], first_call_ms=probe["first_call_ms"])
-                last[(op, backward, dilation, method)] = (seq_len, seconds, peak)
+                last[(op, backward, dilation, dtype, method)] = (seq_len, seconds, peak)
                 rows.append(row)
                 progress.write(f"  {op:15s} {case.pass_name:16s} d={_dilation_label(dilation):24s} n={seq_len:<6d} "
                                f"{method:15s} {seconds * 1e3:10.1f} ms  "
@@ -219,9 +220,9 @@ def main(argv=None) -> int:
     header = (f"# Local attention and band products on {device_name(args.device)}\n\n"
               f"Command: `{command}` (commit {commit or '?'}, {datetime.date.today()}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads). Same-run float32 GEMM (torch.mm 4096^3): {gemm:.0f} GFLOP/s. "
-              f"batch {args.batch}, {args.heads} heads of {args.head_dim}, one-sided window {args.window}, {args.dtype}.")
+              f"batch {args.batch}, {args.heads} heads of {args.head_dim}, one-sided window {args.window}, {', '.join(args.dtype)}.")
     stem.with_suffix(".md").write_text(report.markdown(rows, header))
-    report.plot(rows, stem.with_suffix(".png"), report.plot_title(device_name(args.device), rows[0]))
+    report.plot(rows, stem.with_suffix(".png"), report.plot_title(device_name(args.device), rows))
     print(f"wrote {stem}.csv, .md, .png")
     return 0
 

@@ -29,19 +29,19 @@ def _cell(row: dict | None) -> str:
 
 
 def groups(rows: list[dict]):
-    """(op, pass, dilation) -> rows, in first-seen order."""
+    """(op, pass, dilation, dtype) -> rows, in first-seen order."""
     grouped: dict[tuple, list[dict]] = {}
     for row in rows:
-        grouped.setdefault((row["op"], row["pass"], row["dilation"]), []).append(row)
+        grouped.setdefault((row["op"], row["pass"], row["dilation"], row["dtype"]), []).append(row)
     return grouped
 
 
 def markdown(rows: list[dict], header: str) -> str:
     lines = [header, ""]
-    for (op, pass_name, dilation), members in groups(rows).items():
+    for (op, pass_name, dilation, dtype), members in groups(rows).items():
         method_names = list(dict.fromkeys(r["method"] for r in members))
         lengths = sorted({r["seq_len"] for r in members})
-        lines += [f"### {op}, {pass_name}, dilation {dilation}", "",
+        lines += [f"### {op}, {pass_name}, dilation {dilation}, {dtype}", "",
                   "| seq_len | " + " | ".join(method_names) + " |",
                   "|---:|" + "---|" * len(method_names)]
         by_key = {(r["seq_len"], r["method"]): r for r in members}
@@ -54,9 +54,9 @@ def markdown(rows: list[dict], header: str) -> str:
               "Useful GFLOP/s (2 b h n (2w+1) head_dim per band product; x2 for attention, x3 with backward), "
               "its share of the same-run float32 GEMM rate, and the first call in a fresh process "
               "(library load or compilation included), at the largest length every listed method ran:", "",
-              "| op | pass | dilation | n | method | time ms | GFLOP/s | share of GEMM | first call ms |",
-              "|---|---|---|---:|---|---:|---:|---:|---:|"]
-    for (op, pass_name, dilation), members in groups(rows).items():
+              "| op | pass | dilation | dtype | n | method | time ms | GFLOP/s | share of GEMM | first call ms |",
+              "|---|---|---|---|---:|---|---:|---:|---:|---:|"]
+    for (op, pass_name, dilation, dtype), members in groups(rows).items():
         ok = [r for r in members if r["status"] == "ok"]
         methods_ok = {r["method"] for r in ok}
         common = [n for n in sorted({r["seq_len"] for r in ok}) if {r["method"] for r in ok if r["seq_len"] == n} == methods_ok]
@@ -64,7 +64,7 @@ def markdown(rows: list[dict], header: str) -> str:
             continue
         for r in (r for r in ok if r["seq_len"] == common[-1]):
             first = f"{r['first_call_ms']:.0f}" if r.get("first_call_ms") not in (None, "") else ""
-            lines.append(f"| {op} | {pass_name} | {dilation} | {r['seq_len']} | {r['method']} | {r['time_ms']:.1f} | "
+            lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {r['seq_len']} | {r['method']} | {r['time_ms']:.1f} | "
                          f"{r['gflops']:.1f} | {100 * r['gemm_share']:.0f}% | {first} |")
     return "\n".join(lines) + "\n"
 
@@ -84,8 +84,9 @@ METHOD_COLOURS = {"tvm": "tab:blue", "full": "tab:orange", "sdpa": "tab:green", 
                   "flex": "tab:purple"}
 
 
-def plot_title(device_name: str, row: dict) -> str:
-    return f"{device_name}: w={row['window']}, {row['heads']}x{row['head_dim']}, batch {row['batch']}, {row['dtype']}"
+def plot_title(device_name: str, rows: list[dict]) -> str:
+    row, dtypes = rows[0], ", ".join(dict.fromkeys(r["dtype"] for r in rows))
+    return f"{device_name}: w={row['window']}, {row['heads']}x{row['head_dim']}, batch {row['batch']}, {dtypes}"
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -96,8 +97,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     grouped = groups(rows)
     figure, axes = plt.subplots(len(grouped), 2, figsize=(11, 3.6 * len(grouped)), squeeze=False)
-    for (op, pass_name, dilation), (time_axis, memory_axis) in zip(grouped, axes, strict=True):
-        members = grouped[(op, pass_name, dilation)]
+    for (op, pass_name, dilation, dtype), (time_axis, memory_axis) in zip(grouped, axes, strict=True):
+        members = grouped[(op, pass_name, dilation, dtype)]
         for method in dict.fromkeys(r["method"] for r in members):
             ok = sorted((r for r in members if r["method"] == method and r["status"] == "ok"), key=lambda r: r["seq_len"])
             measured = sorted((r for r in members if r["method"] == method and r["status"] in ("ok", "memory only")),
@@ -118,7 +119,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             axis.set_yscale("log")
             axis.set_xlabel("sequence length")
             axis.set_ylabel(label)
-            axis.set_title(f"{op}, {pass_name}, dilation {dilation}", fontsize=9)
+            axis.set_title(f"{op}, {pass_name}, dilation {dilation}, {dtype}", fontsize=9)
             axis.grid(True, which="both", alpha=0.3)
             axis.legend(fontsize=8)
     figure.suptitle(title, fontsize=10)
@@ -136,5 +137,5 @@ if __name__ == "__main__":
     table = csv_path.with_suffix(".md")
     header = table.read_text().split("\n\n###", 1)[0] if table.exists() else f"# {csv_path.stem}"
     table.write_text(markdown(rows, header))
-    plot(rows, csv_path.with_suffix(".png"), plot_title(csv_path.stem, rows[0]))
+    plot(rows, csv_path.with_suffix(".png"), plot_title(csv_path.stem, rows))
     print(f"wrote {table} and {csv_path.with_suffix('.png')}")

@@ -56,6 +56,17 @@ def test_cli_writes_results(tmp_path):
     assert report.markdown(rows_back, table.split("\n\n###", 1)[0]) == table
 
 
+def test_cli_times_several_dtypes_in_one_run(tmp_path):
+    main(["--seq-lens", "64", "--window", "8", "--heads", "2", "--head-dim", "16", "--repeats", "1",
+          "--ops", "qk_band", "--methods", "tvm,full", "--dtype", "float32,bfloat16", "--dilation", "1",
+          "--no-memory", "--out", str(tmp_path), "--name", "dtypes"])
+    rows = list(csv.DictReader(open(tmp_path / "dtypes.csv")))
+    assert sorted((r["dtype"], r["method"]) for r in rows) == [
+        ("bfloat16", "full"), ("bfloat16", "tvm"), ("float32", "full"), ("float32", "tvm")]
+    table = (tmp_path / "dtypes.md").read_text()
+    assert "### qk_band, forward, dilation 1, float32" in table and "### qk_band, forward, dilation 1, bfloat16" in table
+
+
 def test_memory_probe_runs_in_a_fresh_process():
     case = Case("local_attention", False, 2048, 64, (1,) * 4, 4, 64, 1, "float32", "cpu")
     probe = probe_in_fresh_process(case, "full", timeout_s=120)
