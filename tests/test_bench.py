@@ -25,6 +25,16 @@ def test_methods_agree_on_local_attention(dilation, requires_grad):
         torch.testing.assert_close(out, outputs["full"], rtol=1e-9, atol=1e-9, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_inference_path_matches_float32(dtype):
+    """Inference softmaxes half-precision scores in place; it must agree with the float32 computation."""
+    inputs = methods.make_inputs("local_attention", 1, 70, 3, 16, 5, dtype, "cpu", False)
+    out = methods.local_attention("tvm", *inputs, 5, (1, 2, 3))
+    ref = methods.local_attention("full", *(x.float() for x in inputs), 5, (1, 2, 3))
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=3e-2)
+
+
 @pytest.mark.parametrize("op", ["qk_band", "pv_band"])
 def test_methods_agree_on_band_products(op):
     inputs = methods.make_inputs(op, 2, 40, 2, 8, 3, torch.float64, "cpu", False)
