@@ -26,8 +26,8 @@ micro-kernel (12 or 8 rows x 2 vectors of accumulators on AVX-512, 6 x 2 on AVX2
   the packed rows the tile touches stream through once.
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
-for pv and transposed (their feature loops are whole register tiles; the runtime
-zero-pads, which is exact). Scratch per (batch, head): the packed rows (about one
+(feature loops run over whole vectors or register tiles; the runtime zero-pads,
+which is exact). Scratch per (batch, head): the packed rows (about one
 head's slice of the input), a row table and a per-tile buffer; accumulators live
 in registers.
 """
@@ -38,7 +38,7 @@ from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
 
-FEATURE_MULTIPLE = 32  # pv / transposed feature tile: 2 vectors (32 float32 lanes on AVX-512; the others divide it)
+FEATURE_MULTIPLE = 32  # head_dim: whole vectors for qk, whole 2-vector tiles for pv / transposed (32 float32 lanes on AVX-512; the others divide it)
 
 # Keep small per-tile buffers on the stack (LLVM promotes them to registers).
 # TVM otherwise lowers every allocation inside a parallel loop to a heap workspace
@@ -93,6 +93,7 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
                 ((n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
                  head_dim, T.int64(cols)), acc_dtype)
             row_buffer = T.decl_buffer((T.int64(rows), band + T.int64(2 * slack)), acc_dtype)
+            queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)  # the tile's query rows, converted once
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             acc_lo = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
             acc_hi = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
@@ -110,6 +111,11 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
                 p0: T.let = tile * T.int64(rows)
                 for r in T.unroll(rows):
                     query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
+                for r in range(rows):
+                    for vector in range(head_dim // T.int64(lanes)):
+                        for lane in T.vectorized(lanes):
+                            queries[r, vector * T.int64(lanes) + lane] = T.Cast(
+                                acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane])
                 first: T.let = p0 - w + margin  # packed column of row 0's band column 0
                 for block in range(first // T.int64(cols), (first + T.int64(rows - 2) + band) // T.int64(cols) + T.int64(1)):
                     for r in T.unroll(rows):
@@ -119,8 +125,8 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
                     for f in range(head_dim):
                         for r in T.unroll(rows):
                             for lane in T.vectorized(lanes):
-                                acc_lo[r, lane] = acc_lo[r, lane] + T.Cast(acc_dtype, t1[b, query[r], h, f]) * packed[block, f, lane]
-                                acc_hi[r, lane] = acc_hi[r, lane] + T.Cast(acc_dtype, t1[b, query[r], h, f]) * packed[block, f, T.int64(lanes) + lane]
+                                acc_lo[r, lane] = acc_lo[r, lane] + queries[r, f] * packed[block, f, lane]
+                                acc_hi[r, lane] = acc_hi[r, lane] + queries[r, f] * packed[block, f, T.int64(lanes) + lane]
                     for r in T.unroll(rows):
                         for lane in T.vectorized(lanes):
                             # Row r's band column j is packed column first + r + j.
