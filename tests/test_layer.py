@@ -276,3 +276,18 @@ def test_layer_on_cuda_matches_cpu(mode, dtype):
     assert_close(out[0].float().cpu()[real], expected[0][real], tol * scale, f"{mode} {dtype} output")
     for i in (1, 2):
         assert_close(out[i].float().cpu(), expected[i], tol, f"{mode} {dtype} attentions {i}")
+
+
+@pytest.mark.parametrize("autoregressive", [False, True])
+@pytest.mark.parametrize("n, w, dilation", [(1, 0, (1,)), (9, 3, (1, 2, 5)), (40, 7, (3, 1, 9, 2))])
+def test_fill_band_at_keys_matches_an_explicit_gather(n, w, dilation, autoregressive):
+    from longformer_ops.layer import _fill_band_at_keys_
+    from longformer_ops.reference import key_positions
+
+    flags = torch.rand(2, n, generator=torch.Generator().manual_seed(n)) < 0.3
+    keys = key_positions(n, w, torch.tensor(dilation), autoregressive)          # [n, h, c]
+    inside = (keys >= 0) & (keys < n)
+    expected = flags[:, keys.clamp(0, n - 1)] & inside
+    band = torch.zeros(expected.shape)
+    assert _fill_band_at_keys_(band, flags, w, dilation, autoregressive, 1.0) is band
+    assert torch.equal(band.bool(), expected)
