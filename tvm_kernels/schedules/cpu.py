@@ -45,6 +45,7 @@ FEATURE_MULTIPLE = 32  # head_dim: whole vectors for qk, whole 2-vector tiles fo
 # call (3x slower kernels); the annotation survives only if StorageRewrite is off.
 _ON_STACK = {"disable_lower_builtin": True}
 PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
+_BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
 
 
 @T.macro
@@ -183,6 +184,7 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
     rows = 8 if vector_bits >= 512 else 6  # 12 measured no faster for pv, 1.5x slower for transposed
     cols = 2 * lanes  # output features of one register tile
     causal = 1 if autoregressive else 0
+    per_line = 64 * 8 // _BITS[dtype]  # elements of one 64-byte cache line
     # Row offset of band column 0: w for probs.V; w_upper (w, or 0 when causal) for transposed.
     offset_is_w = 0 if transposed and autoregressive else 1
 
@@ -263,6 +265,16 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
                                                                   T.Cast(acc_dtype, t1[b, query[r], h, j]), T.Cast(acc_dtype, 0))
                         for k in range(T.int64(r) + band, band + T.int64(rows - 1)):
                             weights[r, k] = T.Cast(acc_dtype, 0)
+                if not transposed:
+                    # Fetch the next tile's band rows while this tile computes: without it the weight
+                    # copy above waits on memory for a third of the kernel's time (perf). (Transposed
+                    # reads a few entries per row, in an order the hardware prefetcher follows.)
+                    for r in range(rows):
+                        for line in range((band + T.int64(per_line - 1)) // T.int64(per_line)):
+                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                                t1[b, row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))], h,
+                                   T.min(line * T.int64(per_line), band - T.int64(1))]),
+                                T.int32(0), T.int32(3), T.int32(1)))
                 first: T.let = p0 - offset + margin  # packed row of k = 0
                 for feature_tile in range(head_dim // T.int64(cols)):
                     for r in T.unroll(rows):
