@@ -131,6 +131,44 @@ def test_gradcheck_float64(is_t1_diagonaled, autoregressive):
         lambda a, bb: diagonaled_mm(a, bb, w, d, is_t1_diagonaled, 0, autoregressive), (t1, t2))
 
 
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_band_entries_at_invalid_keys_are_ignored(cpu_library, autoregressive):
+    """NaN in the band where the key lies outside the sequence never reaches a result.
+
+    Covers both CPU code paths of probs.V and transposed: tiles of one residue class read
+    the band directly (and must skip invalid keys by their loop bounds), tiles across
+    classes or past the end gather masked weights. Also checks all gradients in float64 at a
+    size with many whole tiles, dilations 1, 3 and 8.
+    """
+    b, n, h, f, w = 1, 301, 3, 64, 24
+    d = torch.tensor([1, 3, 8])
+    c = w + (0 if autoregressive else w) + 1
+    g = torch.Generator().manual_seed(11)
+    invalid = invalid_locations(n, w, d, autoregressive)
+    band = torch.randn(b, n, h, c, generator=g, dtype=torch.float64)
+    q, k = (torch.randn(b, n, h, f, generator=g, dtype=torch.float64) for _ in range(2))
+    expected_context = diagonaled_mm_reference(band, k, w, d, True, 0, autoregressive)
+    poisoned = band.clone()
+    poisoned[:, invalid] = float("nan")
+    torch.testing.assert_close(diagonaled_mm(poisoned, k, w, d, True, 0, autoregressive), expected_context)
+
+    # Backward of Q.K^T: dQ = pv(dS, K), dK = transposed(dS, Q), with NaN in dS at invalid keys.
+    q.requires_grad_(), k.requires_grad_()
+    scores = diagonaled_mm(q, k, w, d, False, 0, autoregressive)
+    dq, dk = torch.autograd.grad(scores, (q, k), poisoned)
+    eq, ek = torch.autograd.grad(diagonaled_mm_reference(q, k, w, d, False, 0, autoregressive), (q, k), band)
+    torch.testing.assert_close(dq, eq)
+    torch.testing.assert_close(dk, ek)
+
+    # Backward of probs.V (dP = qk(dO, V), dV = transposed(P, dO)).
+    band.requires_grad_()
+    grad = torch.randn(b, n, h, f, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(diagonaled_mm(band, k, w, d, True, 0, autoregressive), (band, k), grad)
+    want = torch.autograd.grad(diagonaled_mm_reference(band, k, w, d, True, 0, autoregressive), (band, k), grad)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y)
+
+
 def test_positional_call_form_of_the_original():
     q, k = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 4)
     scores = diagonaled_mm(q, k, 2, 1, False, 0, False)

@@ -48,6 +48,44 @@ PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 _BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
 
 
+# Packing reads one head's slice of every row: a few lines, then a jump of heads * head_dim
+# elements, which crosses a 4 KiB page almost every row, where hardware prefetchers stop.
+_ROWS_AHEAD = 8
+
+
+@T.macro
+def _prefetch_row(x, b, row, h, length, per_line):
+    """Ask for the cache lines of x[b, row, h, 0:length] (a hint: no fault, no effect on results)."""
+    for line in range((length + T.int64(per_line - 1)) // T.int64(per_line)):
+        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[b, row, h, line * T.int64(per_line)]),
+                                      T.int32(0), T.int32(3), T.int32(1)))
+
+
+@T.macro
+def _zero_tile(acc_lo, acc_hi, rows, lanes, acc_dtype):
+    for r in T.unroll(rows):
+        for lane in T.vectorized(lanes):
+            acc_lo[r, lane] = T.Cast(acc_dtype, 0)
+            acc_hi[r, lane] = T.Cast(acc_dtype, 0)
+
+
+@T.macro
+def _accumulate(acc_lo, acc_hi, r, packed, row, column, lanes, weight):
+    """Tile row r += weight * packed[row, column : column + 2 vectors] (one broadcast, two FMAs)."""
+    for lane in T.vectorized(lanes):
+        acc_lo[r, lane] = acc_lo[r, lane] + weight * packed[row, column + lane]
+        acc_hi[r, lane] = acc_hi[r, lane] + weight * packed[row, column + T.int64(lanes) + lane]
+
+
+@T.macro
+def _store_tile(out, acc_lo, acc_hi, b, h, query, p0, n, column, rows, lanes, dtype):
+    for r in T.unroll(rows):
+        if p0 + T.int64(r) < n:
+            for lane in T.vectorized(lanes):
+                out[b, query[r], h, column + lane] = T.Cast(dtype, acc_lo[r, lane])
+                out[b, query[r], h, column + T.int64(lanes) + lane] = T.Cast(dtype, acc_hi[r, lane])
+
+
 @T.macro
 def _fill_residue_major(row_of, n, d):
     """row_of[p] = the sequence row at packed position p: rows r, r+d, r+2d, ... for r = 0..d-1."""
@@ -66,6 +104,7 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
     rows = 12 if vector_bits >= 512 else 6  # rows x 2 vector accumulators + 2 loads + 1 broadcast <= 32 zmm (16 ymm)
     cols = 2 * lanes                        # keys per packed block = one register tile's width
     slack = rows + cols                     # row buffer margin on each side of the band
+    per_line = 64 * 8 // _BITS[dtype]       # elements of one 64-byte cache line
     causal = 1 if autoregressive else 0
 
     @T.prim_func
@@ -103,8 +142,10 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
                 for lane in range(T.int64(cols)):
                     p: T.let = block * T.int64(cols) + lane - margin  # packed position
                     if p >= T.int64(0) and p < n:
+                        key: T.let = row_of[p]  # bound once: LLVM would reload it per feature (the stores may alias it)
+                        _prefetch_row(t2, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line)
                         for f in range(head_dim):
-                            packed[block, f, lane] = T.Cast(acc_dtype, t2[b, row_of[p], h, f])
+                            packed[block, f, lane] = T.Cast(acc_dtype, t2[b, key, h, f])
                     else:
                         for f in range(head_dim):
                             packed[block, f, lane] = T.Cast(acc_dtype, 0)
@@ -178,6 +219,27 @@ def transposed(dtype: str, autoregressive: bool, vector_bits: int):
     return _band_times_rows(dtype, autoregressive, vector_bits, transposed=True)
 
 
+def _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, clamp):
+    """Row r's weight for the tile's k-th packed row, read from the band (a plain Python helper
+    that builds the expression; ``clamp`` keeps the read inside the buffers where the weight
+    may be invalid, for the caller to select away).
+
+    probs.V: band column k - r of row r's own band row. Transposed: column band - 1 - k + r of
+    the band row of packed row p0 - offset + k.
+    """
+    if transposed:
+        source = p0 - offset + k
+        column = band - T.int64(1) - k + T.int64(r)
+        if clamp:
+            source = T.max(T.min(source, n - T.int64(1)), T.int64(0))
+            column = T.max(T.min(column, band - T.int64(1)), T.int64(0))
+        return T.Cast(acc_dtype, t1[b, row_of[source], h, column])
+    column = k - T.int64(r)
+    if clamp:
+        column = T.max(T.min(column, band - T.int64(1)), T.int64(0))
+    return T.Cast(acc_dtype, t1[b, query[r], h, column])
+
+
 def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transposed: bool):
     acc_dtype = accumulation_dtype(dtype)
     lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
@@ -220,10 +282,12 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
             for t in range(n + T.int64(2) * band + T.int64(2 * rows)):
                 p: T.let = t - margin  # packed position
                 if p >= T.int64(0) and p < n:
+                    source: T.let = row_of[p]
+                    _prefetch_row(t2, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line)
                     for vector in range(head_dim // T.int64(lanes)):
                         for lane in T.vectorized(lanes):
                             packed[t, vector * T.int64(lanes) + lane] = T.Cast(
-                                acc_dtype, t2[b, row_of[p], h, vector * T.int64(lanes) + lane])
+                                acc_dtype, t2[b, source, h, vector * T.int64(lanes) + lane])
                 else:
                     for vector in range(head_dim // T.int64(lanes)):
                         for lane in T.vectorized(lanes):
@@ -235,62 +299,79 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
                     # Valid band columns: 0 <= i + d*(j - offset) < n  <=>  low <= j < high.
                     low[r] = T.max(offset - query[r] // d, T.int64(0))
                     high[r] = T.min(offset + (n - T.int64(1) - query[r]) // d + T.int64(1), band)
-                # Row r's weight for the k-th packed row (p0 - offset + k) belongs to band column j = k - r.
-                if transposed:
-                    for k in range(band + T.int64(rows - 1)):
-                        # That row's band holds the weights of rows r = 0.. at columns band - 1 - k + r.
-                        row: T.let = row_of[T.max(T.min(p0 - offset + k, n - T.int64(1)), T.int64(0))]
-                        if k >= T.int64(rows - 1) and k < band:
-                            for r in T.vectorized(rows):
-                                weights[k, r] = T.Select(
-                                    k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
-                                    T.Cast(acc_dtype, t1[b, row, h, band - T.int64(1) - k + T.int64(r)]), T.Cast(acc_dtype, 0))
-                        else:  # the band's first and last columns: clamp the read, the weight is 0 anyway
-                            for r in range(rows):
-                                weights[k, r] = T.Select(
-                                    k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
-                                    T.Cast(acc_dtype, t1[b, row, h, T.max(T.min(band - T.int64(1) - k + T.int64(r), band - T.int64(1)), T.int64(0))]),
-                                    T.Cast(acc_dtype, 0))
-                else:
-                    for r in range(rows):
-                        for k in range(r):
-                            weights[r, k] = T.Cast(acc_dtype, 0)
-                        for vector in range(band // T.int64(lanes)):
-                            for lane in T.vectorized(lanes):
-                                weights[r, T.int64(r) + vector * T.int64(lanes) + lane] = T.Select(
-                                    vector * T.int64(lanes) + lane >= low[r] and vector * T.int64(lanes) + lane < high[r],
-                                    T.Cast(acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane]), T.Cast(acc_dtype, 0))
-                        for j in range(band // T.int64(lanes) * T.int64(lanes), band):
-                            weights[r, T.int64(r) + j] = T.Select(j >= low[r] and j < high[r],
-                                                                  T.Cast(acc_dtype, t1[b, query[r], h, j]), T.Cast(acc_dtype, 0))
-                        for k in range(T.int64(r) + band, band + T.int64(rows - 1)):
-                            weights[r, k] = T.Cast(acc_dtype, 0)
                 if not transposed:
                     # Fetch the next tile's band rows while this tile computes: without it the weight
-                    # copy above waits on memory for a third of the kernel's time (perf). (Transposed
+                    # copy below waits on memory for a third of the kernel's time (perf). (Transposed
                     # reads a few entries per row, in an order the hardware prefetcher follows.)
                     for r in range(rows):
-                        for line in range((band + T.int64(per_line - 1)) // T.int64(per_line)):
-                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                                t1[b, row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))], h,
-                                   T.min(line * T.int64(per_line), band - T.int64(1))]),
-                                T.int32(0), T.int32(3), T.int32(1)))
+                        _prefetch_row(t1, b, row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))], h, band, per_line)
                 first: T.let = p0 - offset + margin  # packed row of k = 0
-                for feature_tile in range(head_dim // T.int64(cols)):
-                    for r in T.unroll(rows):
-                        for lane in T.vectorized(lanes):
-                            acc_lo[r, lane] = T.Cast(acc_dtype, 0)
-                            acc_hi[r, lane] = T.Cast(acc_dtype, 0)
-                    for k in range(band + T.int64(rows - 1)):
-                        for r in T.unroll(rows):
-                            for lane in T.vectorized(lanes):
-                                acc_lo[r, lane] = acc_lo[r, lane] + (weights[k, r] if transposed else weights[r, k]) * packed[first + k, feature_tile * T.int64(cols) + lane]
-                                acc_hi[r, lane] = acc_hi[r, lane] + (weights[k, r] if transposed else weights[r, k]) * packed[first + k, feature_tile * T.int64(cols) + T.int64(lanes) + lane]
-                    for r in T.unroll(rows):
-                        if p0 + T.int64(r) < n:
-                            for lane in T.vectorized(lanes):
-                                out[b, query[r], h, feature_tile * T.int64(cols) + lane] = T.Cast(dtype, acc_lo[r, lane])
-                                out[b, query[r], h, feature_tile * T.int64(cols) + T.int64(lanes) + lane] = T.Cast(dtype, acc_hi[r, lane])
+                # Row r's weight for the k-th packed row (p0 - offset + k) belongs to band column j = k - r.
+                # When the tile's rows are consecutive in one residue class (all but about one tile
+                # per class), the keys inside the sequence are the same packed rows for every row:
+                # k in [low[0], k_end), and row r has a column there iff r <= k < r + band.
+                k_end: T.let = T.min(offset + (n - T.int64(1) - query[0]) // d + T.int64(1), band + T.int64(rows - 1))
+                if p0 + T.int64(rows) <= n and query[rows - 1] == query[0] + T.int64(rows - 1) * d and band >= T.int64(rows - 1):
+                    # The FMA loop reads its weights straight from the band rows; only the two
+                    # triangles k < rows - 1 and k >= band, where some row has no column, select.
+                    for feature_tile in range(head_dim // T.int64(cols)):
+                        column: T.let = feature_tile * T.int64(cols)
+                        _zero_tile(acc_lo, acc_hi, rows, lanes, acc_dtype)
+                        for k in range(low[0], T.max(T.min(k_end, T.int64(rows - 1)), low[0])):
+                            for r in T.unroll(rows):
+                                _accumulate(acc_lo, acc_hi, r, packed, first + k, column, lanes, T.Select(
+                                    k >= T.int64(r), _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
+                                    T.Cast(acc_dtype, 0)))
+                        for k in range(T.max(low[0], T.int64(rows - 1)), T.max(T.min(k_end, band), T.max(low[0], T.int64(rows - 1)))):
+                            for r in T.unroll(rows):
+                                _accumulate(acc_lo, acc_hi, r, packed, first + k, column, lanes,
+                                            _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, False))
+                        for k in range(T.max(low[0], band), T.max(k_end, T.max(low[0], band))):
+                            for r in T.unroll(rows):
+                                _accumulate(acc_lo, acc_hi, r, packed, first + k, column, lanes, T.Select(
+                                    k - T.int64(r) < band, _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
+                                    T.Cast(acc_dtype, 0)))
+                        _store_tile(out, acc_lo, acc_hi, b, h, query, p0, n, column, rows, lanes, dtype)
+                else:
+                    # A tile across residue classes or past the end: gather the weights, zeroed at
+                    # invalid columns, into a buffer first.
+                    if transposed:
+                        for k in range(band + T.int64(rows - 1)):
+                            # That row's band holds the weights of rows r = 0.. at columns band - 1 - k + r.
+                            row: T.let = row_of[T.max(T.min(p0 - offset + k, n - T.int64(1)), T.int64(0))]
+                            if k >= T.int64(rows - 1) and k < band:
+                                for r in T.vectorized(rows):
+                                    weights[k, r] = T.Select(
+                                        k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
+                                        T.Cast(acc_dtype, t1[b, row, h, band - T.int64(1) - k + T.int64(r)]), T.Cast(acc_dtype, 0))
+                            else:  # the band's first and last columns: clamp the read, the weight is 0 anyway
+                                for r in range(rows):
+                                    weights[k, r] = T.Select(
+                                        k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
+                                        T.Cast(acc_dtype, t1[b, row, h, T.max(T.min(band - T.int64(1) - k + T.int64(r), band - T.int64(1)), T.int64(0))]),
+                                        T.Cast(acc_dtype, 0))
+                    else:
+                        for r in range(rows):
+                            for k in range(r):
+                                weights[r, k] = T.Cast(acc_dtype, 0)
+                            for vector in range(band // T.int64(lanes)):
+                                for lane in T.vectorized(lanes):
+                                    weights[r, T.int64(r) + vector * T.int64(lanes) + lane] = T.Select(
+                                        vector * T.int64(lanes) + lane >= low[r] and vector * T.int64(lanes) + lane < high[r],
+                                        T.Cast(acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane]), T.Cast(acc_dtype, 0))
+                            for j in range(band // T.int64(lanes) * T.int64(lanes), band):
+                                weights[r, T.int64(r) + j] = T.Select(j >= low[r] and j < high[r],
+                                                                      T.Cast(acc_dtype, t1[b, query[r], h, j]), T.Cast(acc_dtype, 0))
+                            for k in range(T.int64(r) + band, band + T.int64(rows - 1)):
+                                weights[r, k] = T.Cast(acc_dtype, 0)
+                    for feature_tile in range(head_dim // T.int64(cols)):
+                        column: T.let = feature_tile * T.int64(cols)
+                        _zero_tile(acc_lo, acc_hi, rows, lanes, acc_dtype)
+                        for k in range(band + T.int64(rows - 1)):
+                            for r in T.unroll(rows):
+                                _accumulate(acc_lo, acc_hi, r, packed, first + k, column, lanes,
+                                            weights[k, r] if transposed else weights[r, k])
+                        _store_tile(out, acc_lo, acc_hi, b, h, query, p0, n, column, rows, lanes, dtype)
 
     return main
 
