@@ -87,6 +87,16 @@ def _store_tile(out, acc_lo, acc_hi, b, h, query, p0, n, column, rows, lanes, dt
 
 
 @T.macro
+def _fill_run(buffer, r, begin, end, value, lanes):
+    """buffer[r, begin:end] = value (whole vectors, then the rest)."""
+    for vector in range((end - begin) // T.int64(lanes)):
+        for lane in T.vectorized(lanes):
+            buffer[r, begin + vector * T.int64(lanes) + lane] = value
+    for j in range(begin + (end - begin) // T.int64(lanes) * T.int64(lanes), end):
+        buffer[r, j] = value
+
+
+@T.macro
 def _fill_residue_major(row_of, n, d):
     """row_of[p] = the sequence row at packed position p: rows r, r+d, r+2d, ... for r = 0..d-1."""
     start = T.alloc_local((1,), "int64", annotations=_ON_STACK)
@@ -192,15 +202,16 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
                         # Valid band columns: 0 <= i + d*(j - w) < n  <=>  low <= j < high.
                         low: T.let = T.max(w - i // d, T.int64(0))
                         high: T.let = T.min(w + (n - T.int64(1) - i) // d + T.int64(1), band)
+                        # Padding into the row buffer outside [low, high), then one plain copy
+                        # (a select per column was most of this loop's instructions).
+                        _fill_run(row_buffer, r, T.int64(slack), T.int64(slack) + low, T.Cast(acc_dtype, padding), lanes)
+                        _fill_run(row_buffer, r, T.int64(slack) + high, T.int64(slack) + band, T.Cast(acc_dtype, padding), lanes)
                         for vector in range(band // T.int64(lanes)):
                             for lane in T.vectorized(lanes):
-                                out[b, i, h, vector * T.int64(lanes) + lane] = T.Select(
-                                    vector * T.int64(lanes) + lane >= low and vector * T.int64(lanes) + lane < high,
-                                    T.Cast(dtype, row_buffer[r, T.int64(slack) + vector * T.int64(lanes) + lane]),
-                                    T.Cast(dtype, padding))
+                                out[b, i, h, vector * T.int64(lanes) + lane] = T.Cast(
+                                    dtype, row_buffer[r, T.int64(slack) + vector * T.int64(lanes) + lane])
                         for j in range(band // T.int64(lanes) * T.int64(lanes), band):
-                            out[b, i, h, j] = T.Select(j >= low and j < high,
-                                                       T.Cast(dtype, row_buffer[r, T.int64(slack) + j]), T.Cast(dtype, padding))
+                            out[b, i, h, j] = T.Cast(dtype, row_buffer[r, T.int64(slack) + j])
 
     return main
 
