@@ -62,7 +62,7 @@ def parse_args(argv):
     parser.add_argument("--ops", type=_names(methods.OPS), default=list(methods.OPS))
     parser.add_argument("--passes", type=_names(("forward", "forward+backward")), default=["forward", "forward+backward"])
     parser.add_argument("--methods", type=_names(methods.METHODS), default=list(methods.METHODS))
-    parser.add_argument("--dilated-ops", type=_names(methods.OPS), default=["local_attention"],
+    parser.add_argument("--dilated-ops", type=_names(methods.OPS), default=list(methods.OPS),
                         help="ops that also run the dilated configurations (others run dilation 1 only)")
     parser.add_argument("--backward-ops", type=_names(methods.OPS), default=["local_attention"],
                         help="ops that also run forward+backward when --passes has it (others: forward only)")

@@ -3,6 +3,8 @@
 Levels (``op``):
 - ``qk_band``: band scores ``[b, n, h, 2w+1]`` from Q and K;
 - ``pv_band``: context ``[b, n, h, f]`` from band probabilities and V;
+- ``transposed_band``: the backward's product, ``[b, n, h, f]`` from a band and rows
+  (``dV = P^T dO``: each key row gathers the band entries that point at it);
 - ``local_attention``: scores, edge mask, softmax, context (no global tokens).
 
 Methods: ``tvm`` (ours), ``full`` (n x n scores), ``sdpa`` (PyTorch SDPA with a boolean
@@ -20,17 +22,20 @@ import math
 import torch
 
 from longformer_ops import diagonaled_mm
+from longformer_ops.diagonaled import transposed_product
 from longformer_ops.layer import band_key_mask
 from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
 
 METHODS = ("tvm", "full", "sdpa", "sliding_chunks", "flex")
 COMPILES_PER_SHAPE = {"flex"}  # its first call at a new length compiles
-OPS = ("qk_band", "pv_band", "local_attention")
+OPS = ("qk_band", "pv_band", "transposed_band", "local_attention")
 
 
 def unsupported_reason(method: str, op: str, backward: bool, dilation: tuple[int, ...], device: str) -> str | None:
     if method in ("sdpa", "flex") and op != "local_attention":
         return "fused attention: no separate band product"
+    if method == "sliding_chunks" and op == "transposed_band":
+        return "no separate transposed product (autograd through its probs.V)"
     if method == "sliding_chunks" and any(d != 1 for d in dilation):
         return "sliding chunks has no dilation"
     if method == "flex":
@@ -81,18 +86,31 @@ def qk_band(method: str, q, k, w: int, dilation):
     raise ValueError(method)
 
 
+def _dense_from_band(probs: torch.Tensor, w: int, dilation) -> torch.Tensor:
+    """band [b, n, h, 2w+1] -> [b, h, n, n], zero off the band and at invalid positions."""
+    b, n, h, c = probs.shape
+    keys = _keys(n, w, dilation, probs.device)
+    valid = (keys >= 0) & (keys < n)
+    dense = probs.new_zeros(b, h, n, n + 1)  # column n collects invalid positions, then dropped
+    dense.scatter_(3, torch.where(valid, keys, n).expand(b, h, n, c), probs.permute(0, 2, 1, 3))
+    return dense[..., :n]
+
+
 def pv_band(method: str, probs, v, w: int, dilation):
     if method == "tvm":
         return diagonaled_mm(probs, v, w, torch.tensor(dilation), True)
     if method == "sliding_chunks":
         return sliding_chunks_pv(probs, v, w)
     if method == "full":
-        b, n, h, c = probs.shape
-        keys = _keys(n, w, dilation, probs.device)
-        valid = (keys >= 0) & (keys < n)
-        dense = probs.new_zeros(b, h, n, n + 1)  # column n collects invalid positions, then dropped
-        dense.scatter_(3, torch.where(valid, keys, n).expand(b, h, n, c), probs.permute(0, 2, 1, 3))
-        return torch.einsum("bhij,bjhf->bihf", dense[..., :n], v)
+        return torch.einsum("bhij,bjhf->bihf", _dense_from_band(probs, w, dilation), v)
+    raise ValueError(method)
+
+
+def transposed_band(method: str, probs, rows, w: int, dilation):
+    if method == "tvm":  # the kernel alone, as the backward of probs.V runs it for dV
+        return transposed_product(probs, rows, w, torch.tensor(dilation))
+    if method == "full":
+        return torch.einsum("bhij,bihf->bjhf", _dense_from_band(probs, w, dilation), rows)
     raise ValueError(method)
 
 
@@ -163,7 +181,7 @@ def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requ
 
     if op == "qk_band":
         return tensor(batch, seq_len, heads, head_dim), tensor(batch, seq_len, heads, head_dim)
-    if op == "pv_band":
+    if op in ("pv_band", "transposed_band"):
         probs = torch.softmax(torch.randn(batch, seq_len, heads, 2 * w + 1, generator=generator), -1)
         return probs.to(dtype=dtype, device=device).requires_grad_(requires_grad), tensor(batch, seq_len, heads, head_dim)
     return tuple(tensor(batch, seq_len, heads, head_dim) for _ in range(3))
@@ -171,7 +189,8 @@ def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requ
 
 def runner(op: str, method: str, inputs, w: int, dilation, backward: bool):
     """A no-argument callable doing one forward (and backward) of ``op`` with ``method``."""
-    function = {"qk_band": qk_band, "pv_band": pv_band, "local_attention": local_attention}[op]
+    function = {"qk_band": qk_band, "pv_band": pv_band, "transposed_band": transposed_band,
+                "local_attention": local_attention}[op]
 
     def run():
         out = function(method, *inputs, w, dilation)

@@ -155,6 +155,18 @@ def diagonaled_mm(t1: torch.Tensor, t2: torch.Tensor, w: int, d, is_t1_diagonale
     return _DiagonaledMM.apply(t1, t2, w, dilations, is_t1_diagonaled, float(padding), autoregressive)
 
 
+def transposed_product(t1: torch.Tensor, t2: torch.Tensor, w: int, d, autoregressive: bool = False) -> torch.Tensor:
+    """The backward's banded product on its own: ``t1`` a band ``[b, n, h, c]``, ``t2`` rows
+    ``[b, n, h, f]``; ``out[b, p, h] = sum of t1[b, i, h, j] * t2[b, i, h]`` over the ``(i, j)``
+    whose key ``i + d[h] * (j - w)`` is ``p`` (``dV = P^T dO`` for probs.V).
+
+    Same arguments and checks as :func:`diagonaled_mm` in probs.V mode; not differentiable
+    (it is what the gradients call). Exposed to benchmark that kernel and for custom backward passes.
+    """
+    w, dilations, _ = checks.check_diagonaled_mm(t1, t2, w, d, True, 0, autoregressive)
+    return _launch("transposed", t1.detach(), t2.detach(), w, dilations, autoregressive)
+
+
 def mask_invalid_locations(scores: torch.Tensor, w: int, d, autoregressive: bool) -> torch.Tensor:
     """Set, in place, band positions whose key falls outside the sequence to ``-inf``; return ``scores``.
 

@@ -12,6 +12,7 @@ import torch
 
 from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, assert_close_to_reference, cpu_targets
 from longformer_ops import _loader, diagonaled_mm, mask_invalid_locations
+from longformer_ops.diagonaled import transposed_product
 from longformer_ops.reference import diagonaled_mm_reference, invalid_locations
 
 # (batch, seq_len, heads, head_dim, w): n in {1, 2, 17, 513}, w in {0, 1, >= n}, head_dim in {1, 31, 64}.
@@ -167,6 +168,21 @@ def test_band_entries_at_invalid_keys_are_ignored(cpu_library, autoregressive):
     want = torch.autograd.grad(diagonaled_mm_reference(band, k, w, d, True, 0, autoregressive), (band, k), grad)
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y)
+
+
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_transposed_product_is_the_gradient_of_probs_v(cpu_library, autoregressive):
+    b, n, h, f, w = 2, 97, 3, 40, 9
+    d = torch.tensor([1, 2, 5])
+    c = w + (0 if autoregressive else w) + 1
+    g = torch.Generator().manual_seed(5)
+    band = torch.randn(b, n, h, c, generator=g, dtype=torch.float64)
+    rows = torch.randn(b, n, h, f, generator=g, dtype=torch.float64)
+    v = torch.zeros(b, n, h, f, dtype=torch.float64, requires_grad=True)
+    (expected,) = torch.autograd.grad(diagonaled_mm_reference(band, v, w, d, True, 0, autoregressive), v, rows)
+    torch.testing.assert_close(transposed_product(band, rows, w, d, autoregressive), expected)
+    with pytest.raises(ValueError, match=r"t1 \(the band\) must have last dimension"):
+        transposed_product(rows, rows, w, d, autoregressive)
 
 
 def test_positional_call_form_of_the_original():
