@@ -133,20 +133,10 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
         # One-sided window: band = 2w + 1 (symmetric) or w + 1 (autoregressive).
         w: T.let = T.int64(causal) * (band - T.int64(1)) + T.int64(1 - causal) * ((band - T.int64(1)) // T.int64(2))
         margin: T.let = w + T.int64(cols)  # packed columns before the first key
-        # Each (batch, head) is cut into `parts` runs of tiles, parts outermost: the thread pool
-        # splits the loop into contiguous ranges, so with undilated heads each thread writes
-        # (and first touches) its own share of the output rows. When all threads walked the
-        # same rows, they faulted the same fresh pages and waited on each other (a fresh output
-        # cost 11 ms at n = 4096, as much as with one thread). Runs of >= 1024 rows keep the
-        # extra key packing at the runs' margins small.
-        parts: T.let = T.max(T.min(n // T.int64(1024), T.int64(8)), T.int64(1))
-        tiles_per_part: T.let = ((n + parts - T.int64(1)) // parts + T.int64(rows - 1)) // T.int64(rows)
-        for job in T.parallel(parts * batch * heads):
-            b: T.let = job % (batch * heads) // heads
-            h: T.let = job % heads
+        for bh in T.parallel(batch * heads):
+            b: T.let = bh // heads
+            h: T.let = bh % heads
             d: T.let = T.Cast("int64", dilation[h])
-            tile_begin: T.let = job // (batch * heads) * tiles_per_part
-            tile_end: T.let = T.min(tile_begin + tiles_per_part, (n + T.int64(rows - 1)) // T.int64(rows))
             # Buffer shapes cannot name let-bound values (TVM 0.27), hence the repeated expressions.
             row_of = T.decl_buffer((n,), "int64")
             packed = T.decl_buffer(
@@ -158,9 +148,7 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
             acc_lo = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
             acc_hi = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            # The key blocks this run's tiles read (see the block loop below).
-            for block in range((tile_begin * T.int64(rows) - w + margin) // T.int64(cols),
-                               ((tile_end - T.int64(1)) * T.int64(rows) - w + margin + T.int64(rows - 2) + band) // T.int64(cols) + T.int64(1)):
+            for block in range((n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1)):
                 for lane in range(T.int64(cols)):
                     p: T.let = block * T.int64(cols) + lane - margin  # packed position
                     if p >= T.int64(0) and p < n:
@@ -171,7 +159,7 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
                     else:
                         for f in range(head_dim):
                             packed[block, f, lane] = T.Cast(acc_dtype, 0)
-            for tile in range(tile_begin, tile_end):
+            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
                 p0: T.let = tile * T.int64(rows)
                 for r in T.unroll(rows):
                     query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
