@@ -12,18 +12,22 @@ residue-major (dilation d: rows r, r+d, r+2d, ... for r = 0..d-1, with zero
 margins). In packed order every query's band is a run of consecutive rows, for
 any dilation: dilation d is d interleaved undilated problems laid end to end.
 Then tiles of ``rows`` consecutive packed queries run a register-blocked
-micro-kernel (12 or 8 rows x 2 vectors of accumulators on AVX-512, 6 x 2 on AVX2).
+micro-kernel (bench/NOTES.md has every variant measured):
 
-- qk: keys packed in blocks of ``cols`` (two vectors), transposed so that for a
-  fixed feature a block's keys are contiguous. Per feature: one broadcast per
-  row, one load per vector, 2 FMAs per row. Each block result goes, skewed by its row,
-  into a small row buffer; then each row's band is copied to its query's output
-  row, ``padding`` outside the sequence (two bounds per row, no division per
-  column).
-- pv / transposed: the tile's weights (its band rows, shifted by row and zeroed
-  at invalid keys; for transposed, entries of *other* rows' bands) are gathered
-  into a small buffer; then the output features accumulate in registers while
-  the packed rows the tile touches stream through once.
+- qk (16 rows x 1 vector of accumulators on AVX-512, 6 x 2 on AVX2): keys packed in
+  blocks of ``cols`` (one tile width), transposed so that for a fixed feature a
+  block's keys are contiguous. Per feature: one broadcast per row, one load per
+  vector, one FMA per row and vector. A block's result for a row whose columns there
+  are all valid is stored straight into the output row (those stores overlap the next
+  blocks' FMAs); the rest goes, skewed by its row, into a small row buffer, from which
+  the row's remaining columns are copied, ``padding`` outside the sequence.
+- pv / transposed (8 x 2 vectors on AVX-512, 6 x 2 on AVX2): for a tile whose rows
+  are consecutive in one residue class, the keys inside the sequence are the same
+  packed rows for every row, so the FMA loop reads its weights straight from the band
+  (for transposed: from *other* rows' bands) with loop bounds instead of masks. Tiles
+  across classes or past the end first gather their weights, zeroed at invalid keys,
+  into a small buffer. The output features accumulate in registers while the packed
+  rows the tile touches stream through once.
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
 (feature loops run over whole vectors or register tiles; the runtime zero-pads,
@@ -62,28 +66,25 @@ def _prefetch_row(x, b, row, h, length, per_line):
 
 
 @T.macro
-def _zero_tile(acc_lo, acc_hi, rows, lanes, acc_dtype):
+def _zero_tile(acc, rows, cols, acc_dtype):
     for r in T.unroll(rows):
-        for lane in T.vectorized(lanes):
-            acc_lo[r, lane] = T.Cast(acc_dtype, 0)
-            acc_hi[r, lane] = T.Cast(acc_dtype, 0)
+        for lane in T.vectorized(cols):
+            acc[r, lane] = T.Cast(acc_dtype, 0)
 
 
 @T.macro
-def _accumulate(acc_lo, acc_hi, r, packed, row, column, lanes, weight):
-    """Tile row r += weight * packed[row, column : column + 2 vectors] (one broadcast, two FMAs)."""
-    for lane in T.vectorized(lanes):
-        acc_lo[r, lane] = acc_lo[r, lane] + weight * packed[row, column + lane]
-        acc_hi[r, lane] = acc_hi[r, lane] + weight * packed[row, column + T.int64(lanes) + lane]
+def _accumulate(acc, r, packed, row, column, cols, weight):
+    """Tile row r += weight * packed[row, column : column + cols] (one broadcast, an FMA per vector)."""
+    for lane in T.vectorized(cols):
+        acc[r, lane] = acc[r, lane] + weight * packed[row, column + lane]
 
 
 @T.macro
-def _store_tile(out, acc_lo, acc_hi, b, h, query, p0, n, column, rows, lanes, dtype):
+def _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype):
     for r in T.unroll(rows):
         if p0 + T.int64(r) < n:
-            for lane in T.vectorized(lanes):
-                out[b, query[r], h, column + lane] = T.Cast(dtype, acc_lo[r, lane])
-                out[b, query[r], h, column + T.int64(lanes) + lane] = T.Cast(dtype, acc_hi[r, lane])
+            for lane in T.vectorized(cols):
+                out[b, query[r], h, column + lane] = T.Cast(dtype, acc[r, lane])
 
 
 @T.macro
@@ -94,6 +95,17 @@ def _fill_run(buffer, r, begin, end, value, lanes):
             buffer[r, begin + vector * T.int64(lanes) + lane] = value
     for j in range(begin + (end - begin) // T.int64(lanes) * T.int64(lanes), end):
         buffer[r, j] = value
+
+
+@T.macro
+def _copy_run(out, b, i, h, buffer, r, offset, begin, end, lanes, dtype):
+    """out[b, i, h, begin:end] = buffer[r, offset + begin : offset + end], cast (whole vectors, then the rest)."""
+    for vector in range((end - begin) // T.int64(lanes)):
+        for lane in T.vectorized(lanes):
+            out[b, i, h, begin + vector * T.int64(lanes) + lane] = T.Cast(
+                dtype, buffer[r, offset + begin + vector * T.int64(lanes) + lane])
+    for j in range(begin + (end - begin) // T.int64(lanes) * T.int64(lanes), end):
+        out[b, i, h, j] = T.Cast(dtype, buffer[r, offset + j])
 
 
 @T.macro
@@ -111,8 +123,11 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
     """The Q.K^T PrimFunc; same arguments as :func:`tvm_kernels.compute.qk`."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
-    rows = 12 if vector_bits >= 512 else 6  # rows x 2 vector accumulators + 2 loads + 1 broadcast <= 32 zmm (16 ymm)
-    cols = 2 * lanes                        # keys per packed block = one register tile's width
+    # AVX-512: 16 rows x 1 vector; the tile then advances by exactly one key block, so every tile's
+    # band starts on a block boundary and computes 528 columns per 513 (12 x 2 vectors: ~557).
+    # AVX2: 6 x 2 vectors (16 ymm registers). Accumulators + 1 load + 1 broadcast fit the register file.
+    rows, vectors = (16, 1) if vector_bits >= 512 else (6, 2)
+    cols = vectors * lanes                  # keys per packed block = one register tile's width
     slack = rows + cols                     # row buffer margin on each side of the band
     per_line = 64 * 8 // _BITS[dtype]       # elements of one 64-byte cache line
     causal = 1 if autoregressive else 0
@@ -145,8 +160,11 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
             row_buffer = T.decl_buffer((T.int64(rows), band + T.int64(2 * slack)), acc_dtype)
             queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)  # the tile's query rows, converted once
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-            acc_lo = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
-            acc_hi = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
+            acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
+            low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            direct_begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            direct_end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
             for block in range((n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1)):
                 for lane in range(T.int64(cols)):
@@ -161,45 +179,48 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
                             packed[block, f, lane] = T.Cast(acc_dtype, 0)
             for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
                 p0: T.let = tile * T.int64(rows)
+                first: T.let = p0 - w + margin  # packed column of row 0's band column 0
                 for r in T.unroll(rows):
                     query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
+                    # Valid band columns: 0 <= i + d*(j - w) < n  <=>  low <= j < high.
+                    low[r] = T.max(w - query[r] // d, T.int64(0))
+                    high[r] = T.min(w + (n - T.int64(1) - query[r]) // d + T.int64(1), band)
+                    # Key blocks whose columns for row r (block * cols - first - r + 0..cols-1) are all
+                    # valid go straight from the registers to the output row: those stores then
+                    # overlap the next blocks' FMAs (stored at the end, they stalled on memory).
+                    direct_begin[r] = (low[r] + first + T.int64(r) + T.int64(cols - 1)) // T.int64(cols)
+                    direct_end[r] = T.Select(p0 + T.int64(r) < n, (high[r] + first + T.int64(r)) // T.int64(cols), T.int64(0))
                 for r in range(rows):
                     for vector in range(head_dim // T.int64(lanes)):
                         for lane in T.vectorized(lanes):
                             queries[r, vector * T.int64(lanes) + lane] = T.Cast(
                                 acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane])
-                first: T.let = p0 - w + margin  # packed column of row 0's band column 0
                 for block in range(first // T.int64(cols), (first + T.int64(rows - 2) + band) // T.int64(cols) + T.int64(1)):
                     for r in T.unroll(rows):
-                        for lane in T.vectorized(lanes):
-                            acc_lo[r, lane] = T.Cast(acc_dtype, 0)
-                            acc_hi[r, lane] = T.Cast(acc_dtype, 0)
+                        for lane in T.vectorized(cols):
+                            acc[r, lane] = T.Cast(acc_dtype, 0)
                     for f in range(head_dim):
                         for r in T.unroll(rows):
-                            for lane in T.vectorized(lanes):
-                                acc_lo[r, lane] = acc_lo[r, lane] + queries[r, f] * packed[block, f, lane]
-                                acc_hi[r, lane] = acc_hi[r, lane] + queries[r, f] * packed[block, f, T.int64(lanes) + lane]
+                            for lane in T.vectorized(cols):
+                                acc[r, lane] = acc[r, lane] + queries[r, f] * packed[block, f, lane]
                     for r in T.unroll(rows):
-                        for lane in T.vectorized(lanes):
-                            # Row r's band column j is packed column first + r + j.
-                            row_buffer[r, block * T.int64(cols) - first - T.int64(r) + T.int64(slack) + lane] = acc_lo[r, lane]
-                            row_buffer[r, block * T.int64(cols) - first - T.int64(r) + T.int64(slack + lanes) + lane] = acc_hi[r, lane]
+                        # Row r's band column j is packed column first + r + j.
+                        if block >= direct_begin[r] and block < direct_end[r]:
+                            for lane in T.vectorized(cols):
+                                out[b, query[r], h, block * T.int64(cols) - first - T.int64(r) + lane] = T.Cast(dtype, acc[r, lane])
+                        else:
+                            for lane in T.vectorized(cols):
+                                row_buffer[r, block * T.int64(cols) - first - T.int64(r) + T.int64(slack) + lane] = acc[r, lane]
                 for r in range(rows):
                     if p0 + T.int64(r) < n:
-                        i: T.let = query[r]
-                        # Valid band columns: 0 <= i + d*(j - w) < n  <=>  low <= j < high.
-                        low: T.let = T.max(w - i // d, T.int64(0))
-                        high: T.let = T.min(w + (n - T.int64(1) - i) // d + T.int64(1), band)
-                        # Padding into the row buffer outside [low, high), then one plain copy
-                        # (a select per column was most of this loop's instructions).
-                        _fill_run(row_buffer, r, T.int64(slack), T.int64(slack) + low, T.Cast(acc_dtype, padding), lanes)
-                        _fill_run(row_buffer, r, T.int64(slack) + high, T.int64(slack) + band, T.Cast(acc_dtype, padding), lanes)
-                        for vector in range(band // T.int64(lanes)):
-                            for lane in T.vectorized(lanes):
-                                out[b, i, h, vector * T.int64(lanes) + lane] = T.Cast(
-                                    dtype, row_buffer[r, T.int64(slack) + vector * T.int64(lanes) + lane])
-                        for j in range(band // T.int64(lanes) * T.int64(lanes), band):
-                            out[b, i, h, j] = T.Cast(dtype, row_buffer[r, T.int64(slack) + j])
+                        # The rest of the row from the row buffer: padding outside [low, high), and
+                        # the partial blocks at both ends of the directly stored run [done_begin, done_end).
+                        done_begin: T.let = T.Select(direct_begin[r] < direct_end[r], direct_begin[r] * T.int64(cols) - first - T.int64(r), band)
+                        done_end: T.let = T.Select(direct_begin[r] < direct_end[r], direct_end[r] * T.int64(cols) - first - T.int64(r), band)
+                        _fill_run(row_buffer, r, T.int64(slack), T.int64(slack) + low[r], T.Cast(acc_dtype, padding), lanes)
+                        _fill_run(row_buffer, r, T.int64(slack) + high[r], T.int64(slack) + band, T.Cast(acc_dtype, padding), lanes)
+                        _copy_run(out, b, query[r], h, row_buffer, r, T.int64(slack), T.int64(0), done_begin, lanes, dtype)
+                        _copy_run(out, b, query[r], h, row_buffer, r, T.int64(slack), done_end, band, lanes, dtype)
 
     return main
 
@@ -207,13 +228,11 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
 def pv(dtype: str, autoregressive: bool, vector_bits: int):
     """The probs.V PrimFunc; same arguments as :func:`tvm_kernels.compute.pv`.
 
-    The transpose of the Q.K^T tiling: per tile of ``rows`` consecutive packed queries,
-    their band rows are first copied, each shifted by its row offset and zeroed at invalid
-    keys, into a weight buffer (``weights[r, k]``: row r's weight for the k-th packed row
-    the tile touches); then the tile's output features accumulate in registers
-    (``rows x 2`` vectors) while the packed value rows stream through once, one broadcast
-    weight per row and two vector FMAs each. ``head_dim`` must be a multiple of
-    ``2 * lanes`` (the runtime zero-pads).
+    The transpose of the Q.K^T tiling: per tile of ``rows`` consecutive packed queries, the
+    output features accumulate in registers (``rows x 2`` vectors) while the packed value
+    rows the tile touches stream through once, one broadcast weight per row (row r's weight
+    for the k-th packed row is its band column k - r) and two vector FMAs each.
+    ``head_dim`` must be a multiple of ``2 * lanes`` (the runtime zero-pads).
     """
     return _band_times_rows(dtype, autoregressive, vector_bits, transposed=False)
 
@@ -224,8 +243,9 @@ def transposed(dtype: str, autoregressive: bool, vector_bits: int):
     The probs.V loop nest with other weights: query i's weight for row
     ``p = i + d*(j - w_upper)`` is ``t1[p, band - 1 - j]``, a column of *another* band row.
     For a tile of consecutive packed queries, the weights of the k-th packed row they touch
-    are ``rows`` consecutive entries of that row's band, so the weight buffer is built
-    transposed (``weights[k, r]``), one short vector load per row.
+    are ``rows`` consecutive entries of that row's band: the FMA loop broadcasts them from
+    there (tiles in one residue class), or the weight buffer is built transposed
+    (``weights[k, r]``), one short vector load per row (the other tiles).
     """
     return _band_times_rows(dtype, autoregressive, vector_bits, transposed=True)
 
@@ -287,8 +307,7 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-            acc_lo = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
-            acc_hi = T.alloc_local((rows, lanes), acc_dtype, annotations=_ON_STACK)
+            acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
             for t in range(n + T.int64(2) * band + T.int64(2 * rows)):
                 p: T.let = t - margin  # packed position
@@ -327,22 +346,22 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
                     # triangles k < rows - 1 and k >= band, where some row has no column, select.
                     for feature_tile in range(head_dim // T.int64(cols)):
                         column: T.let = feature_tile * T.int64(cols)
-                        _zero_tile(acc_lo, acc_hi, rows, lanes, acc_dtype)
+                        _zero_tile(acc, rows, cols, acc_dtype)
                         for k in range(low[0], T.max(T.min(k_end, T.int64(rows - 1)), low[0])):
                             for r in T.unroll(rows):
-                                _accumulate(acc_lo, acc_hi, r, packed, first + k, column, lanes, T.Select(
+                                _accumulate(acc, r, packed, first + k, column, cols, T.Select(
                                     k >= T.int64(r), _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
                                     T.Cast(acc_dtype, 0)))
                         for k in range(T.max(low[0], T.int64(rows - 1)), T.max(T.min(k_end, band), T.max(low[0], T.int64(rows - 1)))):
                             for r in T.unroll(rows):
-                                _accumulate(acc_lo, acc_hi, r, packed, first + k, column, lanes,
+                                _accumulate(acc, r, packed, first + k, column, cols,
                                             _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, False))
                         for k in range(T.max(low[0], band), T.max(k_end, T.max(low[0], band))):
                             for r in T.unroll(rows):
-                                _accumulate(acc_lo, acc_hi, r, packed, first + k, column, lanes, T.Select(
+                                _accumulate(acc, r, packed, first + k, column, cols, T.Select(
                                     k - T.int64(r) < band, _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
                                     T.Cast(acc_dtype, 0)))
-                        _store_tile(out, acc_lo, acc_hi, b, h, query, p0, n, column, rows, lanes, dtype)
+                        _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype)
                 else:
                     # A tile across residue classes or past the end: gather the weights, zeroed at
                     # invalid columns, into a buffer first.
@@ -377,12 +396,12 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
                                 weights[r, k] = T.Cast(acc_dtype, 0)
                     for feature_tile in range(head_dim // T.int64(cols)):
                         column: T.let = feature_tile * T.int64(cols)
-                        _zero_tile(acc_lo, acc_hi, rows, lanes, acc_dtype)
+                        _zero_tile(acc, rows, cols, acc_dtype)
                         for k in range(band + T.int64(rows - 1)):
                             for r in T.unroll(rows):
-                                _accumulate(acc_lo, acc_hi, r, packed, first + k, column, lanes,
+                                _accumulate(acc, r, packed, first + k, column, cols,
                                             weights[k, r] if transposed else weights[r, k])
-                        _store_tile(out, acc_lo, acc_hi, b, h, query, p0, n, column, rows, lanes, dtype)
+                        _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype)
 
     return main
 
