@@ -196,9 +196,7 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
                             queries[r, vector * T.int64(lanes) + lane] = T.Cast(
                                 acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane])
                 for block in range(first // T.int64(cols), (first + T.int64(rows - 2) + band) // T.int64(cols) + T.int64(1)):
-                    for r in T.unroll(rows):
-                        for lane in T.vectorized(cols):
-                            acc[r, lane] = T.Cast(acc_dtype, 0)
+                    _zero_tile(acc, rows, cols, acc_dtype)
                     for f in range(head_dim):
                         for r in T.unroll(rows):
                             for lane in T.vectorized(cols):
