@@ -150,13 +150,12 @@ def local_attention(method: str, q, k, v, w: int, dilation):
             scores = diagonaled_mm(q * scale, k, w, torch.tensor(dilation), padding=float("-inf"))
         else:
             scores = sliding_chunks_qk(q * scale, k, w, padding=float("-inf"))
+        # In the input dtype, as the layer does: torch's softmax accumulates half types in float32
+        # and rounds once. Inference: in place, no second band in memory.
         if not (torch.is_grad_enabled() and scores.requires_grad):
-            # Inference: in place, no second band in memory (torch's CPU softmax accumulates half
-            # types in float32 and rounds once, as the float32 route below does).
             probs = torch.softmax(scores, dim=-1, out=scores)
-        else:  # float32 softmax for half inputs, as the layer does; float32/float64 stay as they are
-            softmax_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-            probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
+        else:
+            probs = torch.softmax(scores, dim=-1)
         return pv_band(method, probs, v, w, dilation)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, n, f]
     if method == "full":

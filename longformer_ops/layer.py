@@ -13,8 +13,9 @@ What it computes (the original authors' and Hugging Face's definition):
 
 Layout inside: ``[batch, seq, heads, head_dim]``; band tensors ``[batch, seq, heads, c]``
 with ``c = 2w + 1`` (``w + 1`` autoregressive). Scores are masked with the dtype's most
-negative finite value (as Hugging Face does, so that no row is all ``-inf``), softmax
-runs in float32 for half inputs (float64 stays float64), rows of padding queries are zeroed.
+negative finite value (as Hugging Face does, so that no row is all ``-inf``), softmax runs
+in the input dtype (torch's softmax accumulates half types in float32 and rounds once, so
+there is no float32 copy of the band), rows of padding queries are zeroed.
 """
 
 from __future__ import annotations
@@ -48,11 +49,6 @@ def _fill_band_at_keys_(band: torch.Tensor, flags: torch.Tensor, w: int, dilatio
         padded = nn.functional.pad(flags, (w * d, w * d)).contiguous()      # padded[i + w*d] = flags[i]
         at_flagged_keys[:, :, head] = padded.as_strided((b, n, c), (padded.stride(0), 1, d))  # padded[i + d*j]
     return band.masked_fill_(at_flagged_keys, value)
-
-
-def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half inputs (and float32); float64 stays float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass
@@ -174,9 +170,8 @@ class LongformerSelfAttention(nn.Module):
         return output, attentions, global_probs
 
     # -------------------------------------------------------------- local rows
-    def _softmax(self, scores: torch.Tensor, is_padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        probs = torch.softmax(scores, dim=-1, dtype=_softmax_dtype(dtype))
-        probs = probs.masked_fill(is_padding[:, :, None, None], 0).to(dtype)  # padding queries: 0
+    def _softmax(self, scores: torch.Tensor, is_padding: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores, dim=-1).masked_fill(is_padding[:, :, None, None], 0)  # padding queries: 0
         return nn.functional.dropout(probs, p=self.dropout, training=self.training)
 
     def _global_key_scores(self, q, k, globals_: GlobalTokens):
@@ -205,7 +200,7 @@ class LongformerSelfAttention(nn.Module):
         scores = band
         if g:  # the global keys' scores go first
             scores = torch.cat([self._global_key_scores(q, k, globals_), band], dim=-1)  # [b, n, h, g + c]
-        probs = self._softmax(scores, is_padding, q.dtype)
+        probs = self._softmax(scores, is_padding)
 
         band_probs = probs[..., g:].contiguous()                               # [b, n, h, c]
         if self.attention_mode is AttentionMode.TVM:
@@ -229,7 +224,7 @@ class LongformerSelfAttention(nn.Module):
         allowed = allowed | reach_global
         scores = torch.einsum("bihd,bkhd->bhik", q, k)                                # [b, h, n, n]
         scores = scores.masked_fill(~allowed, torch.finfo(q.dtype).min)
-        probs = self._softmax(scores.transpose(1, 2), is_padding, q.dtype).transpose(1, 2)  # [b, h, n, n]
+        probs = self._softmax(scores.transpose(1, 2), is_padding).transpose(1, 2)  # [b, h, n, n]
         context = torch.einsum("bhik,bkhd->bihd", probs, v)                           # [b, n, h, d]
 
         # The same probabilities in the layout of the other modes: [global columns | band].
@@ -260,7 +255,7 @@ class LongformerSelfAttention(nn.Module):
             later = torch.arange(n, device=q.device)[None, None, :] > globals_.positions[:, :, None]  # [b, g, n]
             hidden_keys = hidden_keys | later[:, None]
         scores = scores.masked_fill(hidden_keys, torch.finfo(q.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=_softmax_dtype(q.dtype)).to(q.dtype)
+        probs = torch.softmax(scores, dim=-1)
         probs = nn.functional.dropout(probs, p=self.dropout, training=self.training)
         context = torch.einsum("bhgn,bnhd->bghd", probs, v)                                           # [b, g, h, d]
         return context.reshape(b, -1, hidden), probs

@@ -233,7 +233,8 @@ def test_gradients_match_full_mode(mode, dilation, autoregressive):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_tvm_layer(dtype):
-    """Half inputs: scores in half, softmax in float32; close to the float32 result, no NaN/inf."""
+    """Half inputs (scores and probabilities in half, softmax accumulated in float32 by torch):
+    close to the float32 result, no NaN/inf."""
     cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 1]])
     x, mask = layer_inputs(6, 2, 12, 32, dtype=torch.float32, pad_from=[12, 8], globals_=[(0, 1), (1, 5)])
     reference = layer_for(cfg, dtype=torch.float32)(x, mask, output_attentions=True)
