@@ -94,6 +94,26 @@ def check_diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
     return w, dilations, band
 
 
+def check_out(out, shape: tuple[int, ...], t1: torch.Tensor, t2: torch.Tensor, differentiable: bool = True) -> None:
+    """Validate an ``out=`` tensor for a result of ``shape`` computed from ``t1`` and ``t2``."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have the result's shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != t2.dtype:
+        raise TypeError(f"out must have the inputs' dtype {t2.dtype}, got dtype={out.dtype}")
+    if out.device != t2.device:
+        raise ValueError(f"out must be on the inputs' device {t2.device}, got out.device={out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous (the kernels write it in place), got strides {out.stride()}")
+    storage = out.untyped_storage().data_ptr()
+    if out.numel() and any(t.numel() and t.untyped_storage().data_ptr() == storage for t in (t1, t2)):
+        raise ValueError("out must not share memory with t1 or t2 (the kernels read them while writing out)")
+    if out.requires_grad or (differentiable and torch.is_grad_enabled() and (t1.requires_grad or t2.requires_grad)):
+        raise RuntimeError("out= is not differentiable: call under torch.no_grad() (or torch.inference_mode()) "
+                           "with an out that does not require grad, or leave out=None to get gradients")
+
+
 def check_mask_invalid_locations(scores, w, d, autoregressive):
     """Validate mask_invalid_locations' arguments; return ``(w, dilations)``."""
     if not isinstance(scores, torch.Tensor):

@@ -73,16 +73,17 @@ def _pad_features(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _launch(op: str, t1: torch.Tensor, t2: torch.Tensor, w: int, dilations: tuple[int, ...],
-            autoregressive: bool, padding: float = 0.0) -> torch.Tensor:
-    """Run one prebuilt kernel. ``op`` is 'qk' (t1, t2 rows), 'pv' or 'transposed' (t1 the band)."""
+            autoregressive: bool, padding: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run one prebuilt kernel. ``op`` is 'qk' (t1, t2 rows), 'pv' or 'transposed' (t1 the band).
+    Writes into ``out`` (checked by the caller) when given, else into a new tensor."""
     b, n, h, f = t2.shape
     band = w + (0 if autoregressive else w) + 1
-    out_shape = (b, n, h, band) if op == "qk" else (b, n, h, f)
-    if b * n * h == 0 or (op != "qk" and f == 0):
-        return t2.new_zeros(out_shape)
+    if out is None:
+        out = _new_output(t2, (b, n, h, band) if op == "qk" else (b, n, h, f))
+    if b * n * h == 0 or (op != "qk" and f == 0):  # the output is empty
+        return out
     if op == "qk" and f == 0:  # empty dot products: 0 where the key is valid
-        out = t2.new_zeros(out_shape)
-        return out.masked_fill_(_invalid_mask(n, w, dilations, autoregressive, t2.device), padding)
+        return out.zero_().masked_fill_(_invalid_mask(n, w, dilations, autoregressive, t2.device), padding)
     library = library_for(t2.device, str(t2.dtype).removeprefix("torch."))
     kernel = library.function(function_name(op, autoregressive))
     dilation = _dilation_tensor(dilations, t2.device)
@@ -90,12 +91,14 @@ def _launch(op: str, t1: torch.Tensor, t2: torch.Tensor, w: int, dilations: tupl
     t2 = _pad_features(t2, library.feature_multiple)
     with torch.cuda.device(t2.device) if t2.device.type == "cuda" else contextlib.nullcontext():
         if op == "qk":
-            out = _new_output(t2, out_shape)
             kernel(_pad_features(t1, library.feature_multiple), t2, dilation, float(padding), out)
-            return out
-        out = _new_output(t2, t2.shape)
-        kernel(t1, t2, dilation, out)
-        return out if out.shape[-1] == f else out[..., :f].contiguous()
+        elif t2.shape[-1] == f:
+            kernel(t1, t2, dilation, out)
+        else:  # head_dim padded for the kernel: its output has the padded width
+            padded_out = _new_output(t2, t2.shape)
+            kernel(t1, t2, dilation, padded_out)
+            out.copy_(padded_out[..., :f])
+    return out
 
 
 class _DiagonaledMM(torch.autograd.Function):
@@ -132,7 +135,7 @@ class _DiagonaledMM(torch.autograd.Function):
 
 
 def diagonaled_mm(t1: torch.Tensor, t2: torch.Tensor, w: int, d, is_t1_diagonaled: bool = False,
-                  padding: float = 0, autoregressive: bool = False) -> torch.Tensor:
+                  padding: float = 0, autoregressive: bool = False, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Banded matrix product of Longformer attention, on the prebuilt TVM kernels.
 
     Layout ``[batch, seq_len, heads, features]``; ``w`` is the one-sided window;
@@ -150,21 +153,34 @@ def diagonaled_mm(t1: torch.Tensor, t2: torch.Tensor, w: int, d, is_t1_diagonale
     dilation >= 1 per head. dtypes: float32, float64, float16, bfloat16 on CPU;
     float32, float16, bfloat16 on CUDA; half types accumulate in float32.
     Differentiable in ``t1`` and ``t2`` (once). Inputs need not be contiguous.
+
+    ``out``: a contiguous tensor of the result's shape, dtype and device to write into and
+    return, sharing no memory with ``t1``/``t2``; not differentiable. For inference loops that
+    reuse their buffers: on CPU a fresh output above ~32 MiB is new memory from the OS each call,
+    and faulting it in costs a third of Q.K^T's time (``bench/NOTES.md``).
     """
-    w, dilations, _ = checks.check_diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
+    w, dilations, band = checks.check_diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
+    if out is not None:
+        op = "pv" if is_t1_diagonaled else "qk"
+        checks.check_out(out, (*t2.shape[:3], t2.shape[3] if is_t1_diagonaled else band), t1, t2)
+        return _launch(op, t1, t2, w, dilations, autoregressive, float(padding), out)
     return _DiagonaledMM.apply(t1, t2, w, dilations, is_t1_diagonaled, float(padding), autoregressive)
 
 
-def transposed_product(t1: torch.Tensor, t2: torch.Tensor, w: int, d, autoregressive: bool = False) -> torch.Tensor:
+def transposed_product(t1: torch.Tensor, t2: torch.Tensor, w: int, d, autoregressive: bool = False, *,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """The backward's banded product on its own: ``t1`` a band ``[b, n, h, c]``, ``t2`` rows
     ``[b, n, h, f]``; ``out[b, p, h] = sum of t1[b, i, h, j] * t2[b, i, h]`` over the ``(i, j)``
     whose key ``i + d[h] * (j - w)`` is ``p`` (``dV = P^T dO`` for probs.V).
 
-    Same arguments and checks as :func:`diagonaled_mm` in probs.V mode; not differentiable
-    (it is what the gradients call). Exposed to benchmark that kernel and for custom backward passes.
+    Same arguments (``out`` included) and checks as :func:`diagonaled_mm` in probs.V mode; not
+    differentiable (it is what the gradients call). Exposed to benchmark that kernel and for custom
+    backward passes.
     """
     w, dilations, _ = checks.check_diagonaled_mm(t1, t2, w, d, True, 0, autoregressive)
-    return _launch("transposed", t1.detach(), t2.detach(), w, dilations, autoregressive)
+    if out is not None:
+        checks.check_out(out, tuple(t2.shape), t1, t2, differentiable=False)
+    return _launch("transposed", t1.detach(), t2.detach(), w, dilations, autoregressive, out=out)
 
 
 def mask_invalid_locations(scores: torch.Tensor, w: int, d, autoregressive: bool) -> torch.Tensor:

@@ -205,6 +205,24 @@ def test_non_contiguous_inputs():
     torch.testing.assert_close(out, diagonaled_mm_reference(probs, k, 3, 2, True), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["qk", "pv", "transposed"])
+@pytest.mark.parametrize("size", SIZES + [(0, 5, 2, 4, 1), (2, 5, 2, 0, 1)], ids=str)
+def test_out_holds_the_same_result(cpu_library, size, op):
+    """``out=`` writes exactly what a fresh call returns (head_dims the kernels pad included),
+    under no_grad with inputs that require grad, and returns ``out`` itself."""
+    b, n, h, f, w = size
+    generator = torch.Generator().manual_seed(n * 31 + f)
+    d = torch.randint(1, 9, (h,), generator=generator)
+    t1 = _random((b, n, h, f if op == "qk" else 2 * w + 1), torch.float32, "cpu", generator).requires_grad_()
+    t2 = _random((b, n, h, f), torch.float32, "cpu", generator).requires_grad_()
+    call = transposed_product if op == "transposed" else lambda *a, **kw: diagonaled_mm(*a[:4], op == "pv", -2.0, **kw)
+    expected = call(t1, t2, w, d)
+    out = torch.full(expected.shape, float("nan"))
+    with torch.no_grad():
+        assert call(t1, t2, w, d, out=out) is out
+    assert torch.equal(out, expected.detach())
+
+
 @pytest.mark.parametrize("shape", [(0, 5, 2, 4), (2, 0, 2, 4), (2, 5, 0, 4), (2, 5, 2, 0)])
 def test_empty_inputs(shape):
     b, n, h, f = shape

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from longformer_ops import diagonaled_mm, mask_invalid_locations
+from longformer_ops.diagonaled import transposed_product
 
 
 def qk_inputs(b=1, n=8, h=2, f=4, dtype=torch.float32):
@@ -44,6 +45,33 @@ def qk_inputs(b=1, n=8, h=2, f=4, dtype=torch.float32):
     ids=lambda value: value.__name__ if isinstance(value, type) else None,
 )
 def test_diagonaled_mm_rejects(call, error, message):
+    q, k = qk_inputs()
+    with pytest.raises(error, match=message):
+        call(q, k)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda q, k: diagonaled_mm(q, k, 1, 1, out=[0.0]), TypeError, r"out must be a torch.Tensor or None, got list"),
+        (lambda q, k: diagonaled_mm(q, k, 1, 1, out=torch.empty(1, 8, 2, 4)), ValueError,
+         r"out must have the result's shape \(1, 8, 2, 3\), got \(1, 8, 2, 4\)"),
+        (lambda q, k: diagonaled_mm(q, k, 1, 1, out=torch.empty(1, 8, 2, 3, dtype=torch.float64)), TypeError,
+         r"out must have the inputs' dtype torch.float32, got dtype=torch.float64"),
+        (lambda q, k: diagonaled_mm(q, k, 1, 1, out=torch.empty(1, 8, 3, 2).transpose(2, 3)), ValueError,
+         r"out must be contiguous"),
+        (lambda q, k: diagonaled_mm(torch.randn(1, 8, 2, 3), k, 1, 1, True, out=k), ValueError,
+         r"out must not share memory with t1 or t2"),
+        (lambda q, k: diagonaled_mm(q.requires_grad_(), k, 1, 1, out=torch.empty(1, 8, 2, 3)), RuntimeError,
+         r"out= is not differentiable: call under torch.no_grad\(\)"),
+        (lambda q, k: diagonaled_mm(q, k, 1, 1, out=torch.empty(1, 8, 2, 3, requires_grad=True)), RuntimeError,
+         r"out= is not differentiable"),
+        (lambda q, k: transposed_product(torch.randn(1, 8, 2, 3), k, 1, 1, out=torch.empty(1, 8, 2, 3)), ValueError,
+         r"out must have the result's shape \(1, 8, 2, 4\)"),
+    ],
+    ids=lambda value: value.__name__ if isinstance(value, type) else None,
+)
+def test_out_rejects(call, error, message):
     q, k = qk_inputs()
     with pytest.raises(error, match=message):
         call(q, k)
