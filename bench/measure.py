@@ -72,14 +72,17 @@ def time_interleaved(case: Case, method_names: list[str], repeats: int,
 
 
 def gemm_gflops(device: str, size: int = 4096, repeats: int = 3) -> float:
-    """Same-run float32 matmul rate: the practical ceiling the band products are compared with."""
+    """Same-run float32 matmul rate: the practical ceiling the band products are compared with.
+
+    Into a reused output, so that no page faults count against it (a GEMM's 64 MiB output per
+    137 GFLOP costs it ~1%; the band products' outputs cost them far more, see NOTES)."""
     a, b = (torch.randn(size, size, device=device) for _ in range(2))
-    torch.mm(a, b)
+    c = torch.mm(a, b)
     times = []
     for _ in range(repeats):
         synchronize(device)
         started = time.perf_counter()
-        torch.mm(a, b)
+        torch.mm(a, b, out=c)
         synchronize(device)
         times.append(time.perf_counter() - started)
     return 2 * size**3 / statistics.median(times) / 1e9

@@ -7,9 +7,10 @@ Levels (``op``):
   (``dV = P^T dO``: each key row gathers the band entries that point at it);
 - ``local_attention``: scores, edge mask, softmax, context (no global tokens).
 
-Methods: ``tvm`` (ours), ``full`` (n x n scores), ``sdpa`` (PyTorch SDPA with a boolean
-band mask), ``sliding_chunks`` (Hugging Face's algorithm), ``flex`` (compiled FlexAttention
-with a sliding-window block mask). A method that cannot run a case says why in
+Methods: ``tvm`` (ours), ``tvm_out`` (ours, forward only, writing into the outputs of its first
+call, ``out=``, as an inference loop that reuses its buffers does: no fresh memory per call),
+``full`` (n x n scores), ``sdpa`` (PyTorch SDPA with a boolean band mask), ``sliding_chunks``
+(Hugging Face's algorithm), ``flex`` (compiled FlexAttention with a sliding-window block mask). A method that cannot run a case says why in
 :func:`unsupported_reason`; the bench records that reason instead of dropping the row.
 """
 
@@ -26,12 +27,15 @@ from longformer_ops.diagonaled import transposed_product
 from longformer_ops.layer import band_key_mask
 from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
 
-METHODS = ("tvm", "full", "sdpa", "sliding_chunks", "flex")
+METHODS = ("tvm", "tvm_out", "full", "sdpa", "sliding_chunks", "flex")
+OURS = ("tvm", "tvm_out")
 COMPILES_PER_SHAPE = {"flex"}  # its first call at a new length compiles
 OPS = ("qk_band", "pv_band", "transposed_band", "local_attention")
 
 
 def unsupported_reason(method: str, op: str, backward: bool, dilation: tuple[int, ...], device: str) -> str | None:
+    if method == "tvm_out" and backward:
+        return "out= is forward only (not differentiable)"
     if method in ("sdpa", "flex") and op != "local_attention":
         return "fused attention: no separate band product"
     if method == "sliding_chunks" and op == "transposed_band":
@@ -75,9 +79,18 @@ def _band_from_dense(dense: torch.Tensor, w: int, dilation, fill: float) -> torc
     return band.masked_fill(invalid, fill).permute(0, 2, 1, 3)
 
 
-def qk_band(method: str, q, k, w: int, dilation):
-    if method == "tvm":
-        return diagonaled_mm(q, k, w, torch.tensor(dilation))
+def _reusing(buffers: dict | None, name: str, call):
+    """``call(out)`` with ``out=None`` (tvm), or (tvm_out) with the output of this runner's first
+    call, which allocated it as tvm does (so it has the same huge-page advice)."""
+    if buffers is None:
+        return call(None)
+    buffers[name] = call(buffers.get(name))
+    return buffers[name]
+
+
+def qk_band(method: str, q, k, w: int, dilation, buffers=None):
+    if method in OURS:
+        return _reusing(buffers, "scores", lambda out: diagonaled_mm(q, k, w, torch.tensor(dilation), out=out))
     if method == "sliding_chunks":
         return sliding_chunks_qk(q, k, w)
     if method == "full":
@@ -96,9 +109,9 @@ def _dense_from_band(probs: torch.Tensor, w: int, dilation) -> torch.Tensor:
     return dense[..., :n]
 
 
-def pv_band(method: str, probs, v, w: int, dilation):
-    if method == "tvm":
-        return diagonaled_mm(probs, v, w, torch.tensor(dilation), True)
+def pv_band(method: str, probs, v, w: int, dilation, buffers=None):
+    if method in OURS:
+        return _reusing(buffers, "context", lambda out: diagonaled_mm(probs, v, w, torch.tensor(dilation), True, out=out))
     if method == "sliding_chunks":
         return sliding_chunks_pv(probs, v, w)
     if method == "full":
@@ -106,9 +119,9 @@ def pv_band(method: str, probs, v, w: int, dilation):
     raise ValueError(method)
 
 
-def transposed_band(method: str, probs, rows, w: int, dilation):
-    if method == "tvm":  # the kernel alone, as the backward of probs.V runs it for dV
-        return transposed_product(probs, rows, w, torch.tensor(dilation))
+def transposed_band(method: str, probs, rows, w: int, dilation, buffers=None):
+    if method in OURS:  # the kernel alone, as the backward of probs.V runs it for dV
+        return _reusing(buffers, "rows", lambda out: transposed_product(probs, rows, w, torch.tensor(dilation), out=out))
     if method == "full":
         return torch.einsum("bhij,bihf->bjhf", _dense_from_band(probs, w, dilation), rows)
     raise ValueError(method)
@@ -141,13 +154,14 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def local_attention(method: str, q, k, v, w: int, dilation):
+def local_attention(method: str, q, k, v, w: int, dilation, buffers=None):
     """softmax(q k^T / sqrt(f) restricted to the band) v, for q, k, v [b, n, h, f] -> [b, n, h, f]."""
     b, n, h, f = q.shape
     scale = 1.0 / math.sqrt(f)
-    if method in ("tvm", "sliding_chunks"):
-        if method == "tvm":  # the kernel writes -inf at keys outside the sequence itself
-            scores = diagonaled_mm(q * scale, k, w, torch.tensor(dilation), padding=float("-inf"))
+    if method in (*OURS, "sliding_chunks"):
+        if method in OURS:  # the kernel writes -inf at keys outside the sequence itself
+            scores = _reusing(buffers, "scores", lambda out: diagonaled_mm(
+                q * scale, k, w, torch.tensor(dilation), padding=float("-inf"), out=out))
         else:
             scores = sliding_chunks_qk(q * scale, k, w, padding=float("-inf"))
         # In the input dtype, as the layer does: torch's softmax accumulates half types in float32
@@ -156,7 +170,7 @@ def local_attention(method: str, q, k, v, w: int, dilation):
             probs = torch.softmax(scores, dim=-1, out=scores)
         else:
             probs = torch.softmax(scores, dim=-1)
-        return pv_band(method, probs, v, w, dilation)
+        return pv_band(method, probs, v, w, dilation, buffers)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, n, f]
     if method == "full":
         scores = torch.matmul(qh * scale, kh.transpose(-1, -2))  # [b, h, n, n]
@@ -191,8 +205,10 @@ def runner(op: str, method: str, inputs, w: int, dilation, backward: bool):
     function = {"qk_band": qk_band, "pv_band": pv_band, "transposed_band": transposed_band,
                 "local_attention": local_attention}[op]
 
+    buffers = {} if method == "tvm_out" else None
+
     def run():
-        out = function(method, *inputs, w, dilation)
+        out = function(method, *inputs, w, dilation, buffers)
         if backward:
             out.backward(torch.ones_like(out))
         return out

@@ -80,7 +80,7 @@ def read_csv(path: Path) -> list[dict]:
 
 
 # One colour per method in every panel.
-METHOD_COLOURS = {"tvm": "tab:blue", "full": "tab:orange", "sdpa": "tab:green", "sliding_chunks": "tab:red",
+METHOD_COLOURS = {"tvm": "tab:blue", "tvm_out": "tab:cyan", "full": "tab:orange", "sdpa": "tab:green", "sliding_chunks": "tab:red",
                   "flex": "tab:purple"}
 
 
