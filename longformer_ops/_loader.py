@@ -2,10 +2,12 @@
 
 Loading needs ``apache-tvm-ffi`` (which calls the kernels with torch tensors,
 zero-copy through DLPack) and TVM's small runtime library shipped in
-``prebuilt/runtime/`` (thread pool and workspace for the CPU kernels, module
-loader for the CUDA ones). It never imports the TVM compiler (``import tvm``)
-and never compiles anything. Libraries are loaded lazily, on the first call
-for a (device, dtype), and cached.
+``prebuilt/runtime/`` (workspace for the CPU kernels, module loader for the CUDA
+ones). The CPU kernels' parallel loops run on torch's OpenMP threads through
+``prebuilt/runtime/liblongformer_openmp_launch.so`` (TVM's own thread pool when
+torch does not use OpenMP, or with ``LONGFORMER_OPS_THREAD_POOL=tvm``). It never
+imports the TVM compiler (``import tvm``) and never compiles anything. Libraries
+are loaded lazily, on the first call for a (device, dtype), and cached.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from longformer_ops import _manifest
 
 PREBUILT_ENV = "LONGFORMER_OPS_PREBUILT"      # directory holding manifest.json (default: repo's prebuilt/)
 CPU_TARGET_ENV = "LONGFORMER_OPS_CPU_TARGET"  # force a CPU library, e.g. cpu-avx2 (default: best that runs)
+THREAD_POOL_ENV = "LONGFORMER_OPS_THREAD_POOL"  # "openmp" (default, when torch uses OpenMP) or "tvm"
 _FIX = "Run `make kernels` in the repository root to (re)build them."
 
 
@@ -167,11 +170,44 @@ def _load_runtime(directory: Path, manifest: dict, cuda: bool) -> None:
         _runtime_loaded.add(name)
 
 
+def thread_pool() -> str:
+    """Where the CPU kernels' parallel loops run: "openmp" (torch's threads) or "tvm" (TVM's pool)."""
+    choice = os.environ.get(THREAD_POOL_ENV, "openmp")
+    if choice not in ("openmp", "tvm"):
+        raise ValueError(f"{THREAD_POOL_ENV} must be 'openmp' or 'tvm', got {choice!r}")
+    if choice == "openmp":
+        import torch
+
+        if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+            return "tvm"  # nothing to share: torch runs its ops on another thread pool
+    return choice
+
+
+def _run_on_torch_openmp(directory: Path, library: Path) -> None:
+    """Point a CPU library's parallel-launch slot at our OpenMP launcher (see openmp_launch.c).
+
+    TVM's pool and torch's OpenMP workers on the same cores contend: right after a torch op
+    its workers spin for milliseconds, and a 20 ms kernel took 27 ms. The launcher links
+    libgomp.so.1, which resolves to the copy torch already loaded, so both share one pool.
+    """
+    launcher = directory / "runtime" / _manifest.OPENMP_LAUNCH_LIBRARY
+    if not launcher.exists():
+        raise KernelNotAvailableError(f"OpenMP launcher missing: expected {launcher}. {_FIX} "
+                                      f"(or set {THREAD_POOL_ENV}=tvm)")
+    launch = ctypes.cast(ctypes.CDLL(str(launcher)).longformer_parallel_launch, ctypes.c_void_p).value
+    # The same file is already open (tvm_ffi loaded it): dlopen returns that handle.
+    slot = ctypes.c_void_p.in_dll(ctypes.CDLL(str(library)), "__TVMBackendParallelLaunch")
+    slot.value = launch
+
+
 @functools.lru_cache(maxsize=None)
 def _load(directory: Path, name: str) -> object:
     import tvm_ffi
 
-    return tvm_ffi.load_module(str(directory / name))
+    module = tvm_ffi.load_module(str(directory / name))
+    if name.startswith("cpu-") and thread_pool() == "openmp":
+        _run_on_torch_openmp(directory, directory / name)
+    return module
 
 
 def library_for(device, dtype_name: str) -> KernelLibrary:

@@ -15,6 +15,7 @@ MANIFEST_NAME = "manifest.json"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PREBUILT = REPO_ROOT / "prebuilt"
 KERNEL_SOURCES = REPO_ROOT / "tvm_kernels"
+OPENMP_LAUNCH_LIBRARY = "liblongformer_openmp_launch.so"  # in runtime/, built from tvm_kernels/openmp_launch.c
 
 
 def function_name(op: str, autoregressive: bool) -> str:

@@ -55,6 +55,56 @@ def test_an_explicit_tvm_thread_count_is_respected():
     assert result.returncode == 0 and result.stdout.split()[1] == "1", result.stderr
 
 
+_POOL_PROBE = (
+    "import ctypes, os, torch, longformer_ops\n"
+    "from longformer_ops import _loader, _manifest\n"
+    "torch.randn(1 << 20).mul_(2)  # torch's OpenMP threads exist from here on\n"
+    "threads_before = len(os.listdir('/proc/self/task'))\n"
+    "q = torch.randn(1, 64, 4, 16)\n"
+    "longformer_ops.diagonaled_mm(q, q, 4, 1)\n"
+    "library = _loader.library_for(q.device, 'float32')\n"
+    "path = str(_loader.prebuilt_dir() / library.name)\n"
+    "slot = ctypes.c_void_p.in_dll(ctypes.CDLL(path), '__TVMBackendParallelLaunch').value\n"
+    "ours = ctypes.CDLL(str(_loader.prebuilt_dir() / 'runtime' / _manifest.OPENMP_LAUNCH_LIBRARY))\n"
+    "print(slot == ctypes.cast(ours.longformer_parallel_launch, ctypes.c_void_p).value,\n"
+    "      len(os.listdir('/proc/self/task')) - threads_before,\n"
+    "      len({line.split()[-1] for line in open('/proc/self/maps') if 'libgomp' in line}))\n")
+
+
+def test_cpu_kernels_run_on_torchs_openmp_threads():
+    """Our launcher, not TVM's pool (which contends with torch's spinning OpenMP workers): no new
+    thread is started, and the launcher shares torch's libgomp (one copy in the process)."""
+    result = _run_python(_POOL_PROBE)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "0", "1"]
+
+
+@pytest.mark.skipif(os.cpu_count() < 2, reason="TVM starts no worker thread on one core")
+def test_tvm_thread_pool_on_request():
+    result = _run_python(_POOL_PROBE, **{_loader.THREAD_POOL_ENV: "tvm"})
+    assert result.returncode == 0, result.stderr
+    ours, new_threads, _ = result.stdout.split()
+    assert ours == "False" and int(new_threads) > 0
+
+
+def test_thread_pool_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(_loader.THREAD_POOL_ENV, "tbb")
+    with pytest.raises(ValueError, match=r"LONGFORMER_OPS_THREAD_POOL must be 'openmp' or 'tvm', got 'tbb'"):
+        _loader.thread_pool()
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 300, 3, 64, generator=g), torch.randn(2, 300, 3, 64, generator=g)
+    expected = diagonaled_mm(q, k, 20, [1, 2, 5])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(diagonaled_mm(q, k, 20, [1, 2, 5]), expected)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _copy_prebuilt(tmp_path, edit=None):
     target = tmp_path / "prebuilt"
     shutil.copytree(_manifest.DEFAULT_PREBUILT, target)
@@ -96,6 +146,15 @@ def test_stale_library(tmp_path, monkeypatch):
             entry["inputs"]["sources_sha256"] = "0" * 64
     directory = _copy_prebuilt(tmp_path, edit)
     with pytest.raises(_loader.StaleKernelError, match=r"is stale: built from tvm_kernels sources with sha256 000000000000.*make kernels"):
+        _call_with_prebuilt(monkeypatch, directory)
+
+
+def test_missing_openmp_launcher(tmp_path, monkeypatch):
+    directory = _copy_prebuilt(tmp_path)
+    (directory / "runtime" / _manifest.OPENMP_LAUNCH_LIBRARY).unlink()
+    _loader._load.cache_clear()
+    with pytest.raises(_loader.KernelNotAvailableError,
+                       match=r"OpenMP launcher missing: expected .*liblongformer_openmp_launch.so.*make kernels.*THREAD_POOL=tvm"):
         _call_with_prebuilt(monkeypatch, directory)
 
 
@@ -158,6 +217,8 @@ def test_committed_prebuilt_matches_sources():
         assert entry["sha256"] == _manifest.file_sha256(_manifest.DEFAULT_PREBUILT / name), name
     for name, digest in manifest["runtime"].items():
         assert digest == _manifest.file_sha256(_manifest.DEFAULT_PREBUILT / "runtime" / name)
+    assert manifest["openmp_launch_source_sha256"] == _manifest.file_sha256(sources / "openmp_launch.c")
+    assert _manifest.OPENMP_LAUNCH_LIBRARY in manifest["runtime"]
     expected = {f"{t}/longformer_{d}.so" for t in ("cpu-avx2", "cpu-avx512") for d in ("float32", "float64", "float16", "bfloat16")}
     expected |= {f"cuda/longformer_{d}.so" for d in ("float32", "float16", "bfloat16")}
     assert set(manifest["libraries"]) == expected

@@ -9,7 +9,8 @@ library and records it in ``manifest.json``. A library is rebuilt only when its
 inputs changed: the sources it is built from (hashed), the TVM version, and for
 CUDA the nvcc version. It also copies TVM's small runtime libraries next to the
 kernels (``runtime/``), so that loading needs only ``apache-tvm-ffi``, not the
-TVM compiler.
+TVM compiler, and compiles ``openmp_launch.c`` there (the CPU kernels' parallel
+loops on torch's OpenMP threads; see that file).
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import platform
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,15 +82,32 @@ def _compile_library(target: variants.KernelTarget, dtype: str, path: Path) -> N
     tmp.replace(path)
 
 
-def _copy_runtime(out: Path, need_cuda: bool) -> dict:
-    """Copy TVM's runtime libraries (not the compiler) into ``out/runtime``."""
+def _replace_if_changed(source: Path, target: Path) -> None:
+    if not target.exists() or _manifest.file_sha256(target) != _manifest.file_sha256(source):
+        shutil.copy2(source, target)
+
+
+def _compile_openmp_launch(runtime_dir: Path) -> None:
+    """``openmp_launch.c`` -> ``runtime/<OPENMP_LAUNCH_LIBRARY>`` (a C compiler with OpenMP: TVM's
+    own export needs ``cc`` already). Replaced only when the bytes change, so an unchanged build
+    leaves the committed file alone."""
+    compiler = os.environ.get("CC", "cc")
+    with tempfile.TemporaryDirectory() as scratch:
+        built = Path(scratch) / _manifest.OPENMP_LAUNCH_LIBRARY
+        subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-fopenmp", str(HERE / "openmp_launch.c"), "-o", str(built)],
+                       check=True)
+        _replace_if_changed(built, runtime_dir / _manifest.OPENMP_LAUNCH_LIBRARY)
+
+
+def _prepare_runtime(out: Path, need_cuda: bool) -> dict:
+    """Copy TVM's runtime libraries (not the compiler) into ``out/runtime``, build the OpenMP launcher there."""
     lib_dir = Path(importlib.util.find_spec("tvm").origin).parent / "lib"  # located, not imported
     runtime_dir = out / "runtime"
     runtime_dir.mkdir(parents=True, exist_ok=True)
     names = ["libtvm_runtime.so"] + (["libtvm_runtime_cuda.so"] if need_cuda else [])
     for name in names:
-        if not (runtime_dir / name).exists() or _manifest.file_sha256(runtime_dir / name) != _manifest.file_sha256(lib_dir / name):
-            shutil.copy2(lib_dir / name, runtime_dir / name)
+        _replace_if_changed(lib_dir / name, runtime_dir / name)
+    _compile_openmp_launch(runtime_dir)
     shutil.copy2(lib_dir.parent / "LICENSE", runtime_dir / "LICENSE.tvm")
     present = sorted(p.name for p in runtime_dir.glob("*.so"))
     return {name: _manifest.file_sha256(runtime_dir / name) for name in present}
@@ -145,7 +166,8 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
         built += 1
         _write_manifest(out, manifest, libraries)  # keep progress if a later build fails
     need_cuda = any(entry["device"] == "cuda" for entry in libraries.values())
-    manifest["runtime"] = _copy_runtime(out, need_cuda)
+    manifest["runtime"] = _prepare_runtime(out, need_cuda)
+    manifest["openmp_launch_source_sha256"] = _manifest.file_sha256(HERE / "openmp_launch.c")
     _write_manifest(out, manifest, libraries)
     print(f"{built} built, {len(jobs) - built} up to date; manifest: {out / _manifest.MANIFEST_NAME}", flush=True)
     return built
