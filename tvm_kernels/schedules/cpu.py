@@ -58,11 +58,17 @@ _ROWS_AHEAD = 8
 
 
 @T.macro
+def _prefetch_line(x, b, row, h, column):
+    """Ask for the cache line of x[b, row, h, column] (a hint: no fault, no effect on results)."""
+    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[b, row, h, column]),
+                                  T.int32(0), T.int32(3), T.int32(1)))
+
+
+@T.macro
 def _prefetch_row(x, b, row, h, length, per_line):
-    """Ask for the cache lines of x[b, row, h, 0:length] (a hint: no fault, no effect on results)."""
+    """Ask for the cache lines of x[b, row, h, 0:length]."""
     for line in range((length + T.int64(per_line - 1)) // T.int64(per_line)):
-        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[b, row, h, line * T.int64(per_line)]),
-                                      T.int32(0), T.int32(3), T.int32(1)))
+        _prefetch_line(x, b, row, h, line * T.int64(per_line))
 
 
 @T.macro
@@ -327,12 +333,6 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
                     # Valid band columns: 0 <= i + d*(j - offset) < n  <=>  low <= j < high.
                     low[r] = T.max(offset - query[r] // d, T.int64(0))
                     high[r] = T.min(offset + (n - T.int64(1) - query[r]) // d + T.int64(1), band)
-                if not transposed:
-                    # Fetch the next tile's band rows while this tile computes: without it the weight
-                    # copy below waits on memory for a third of the kernel's time (perf). (Transposed
-                    # reads a few entries per row, in an order the hardware prefetcher follows.)
-                    for r in range(rows):
-                        _prefetch_row(t1, b, row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))], h, band, per_line)
                 first: T.let = p0 - offset + margin  # packed row of k = 0
                 # Row r's weight for the k-th packed row (p0 - offset + k) belongs to band column j = k - r.
                 # When the tile's rows are consecutive in one residue class (all but about one tile
@@ -351,6 +351,11 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
                                     k >= T.int64(r), _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
                                     T.Cast(acc_dtype, 0)))
                         for k in range(T.max(low[0], T.int64(rows - 1)), T.max(T.min(k_end, band), T.max(low[0], T.int64(rows - 1)))):
+                            if not transposed:
+                                # Fetch the next tile's band rows, a line per step, spread over the FMA
+                                # loop: all at once they fill the miss queue and the loop stalls (perf).
+                                _prefetch_line(t1, b, row_of[T.min(p0 + T.int64(rows) + k % T.int64(rows), n - T.int64(1))], h,
+                                               T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
                             for r in T.unroll(rows):
                                 _accumulate(acc, r, packed, first + k, column, cols,
                                             _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, False))
@@ -379,6 +384,11 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
                                         T.Cast(acc_dtype, t1[b, row, h, T.max(T.min(band - T.int64(1) - k + T.int64(r), band - T.int64(1)), T.int64(0))]),
                                         T.Cast(acc_dtype, 0))
                     else:
+                        # Fetch the next tile's band rows while this tile computes (the direct path
+                        # spreads them over its FMA loop instead). Transposed reads a few entries per
+                        # row, in an order the hardware prefetcher follows (measured: no gain).
+                        for r in range(rows):
+                            _prefetch_row(t1, b, row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))], h, band, per_line)
                         for r in range(rows):
                             for k in range(r):
                                 weights[r, k] = T.Cast(acc_dtype, 0)
