@@ -166,6 +166,7 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
             row_buffer = T.decl_buffer((T.int64(rows), band + T.int64(2 * slack)), acc_dtype)
             queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)  # the tile's query rows, converted once
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
             acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
             low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
@@ -175,14 +176,13 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
             for block in range((n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1)):
                 for lane in range(T.int64(cols)):
                     p: T.let = block * T.int64(cols) + lane - margin  # packed position
-                    if p >= T.int64(0) and p < n:
-                        key: T.let = row_of[p]  # bound once: LLVM would reload it per feature (the stores may alias it)
-                        _prefetch_row(t2, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line)
-                        for f in range(head_dim):
-                            packed[block, f, lane] = T.Cast(acc_dtype, t2[b, key, h, f])
-                    else:
-                        for f in range(head_dim):
-                            packed[block, f, lane] = T.Cast(acc_dtype, 0)
+                    block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
+                    _prefetch_row(t2, b, row_of[T.max(T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1)), T.int64(0))], h, head_dim, per_line)
+                for f in range(head_dim):
+                    for lane in T.vectorized(cols):
+                        packed[block, f, lane] = T.Select(
+                            block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
+                            T.Cast(acc_dtype, t2[b, block_keys[lane], h, f]), T.Cast(acc_dtype, 0))
             for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
                 p0: T.let = tile * T.int64(rows)
                 first: T.let = p0 - w + margin  # packed column of row 0's band column 0
