@@ -131,15 +131,25 @@ def transposed_band(method: str, probs, rows, w: int, dilation, buffers=None):
 def _flex_block_mask(seq_len: int, w: int, dilation: tuple[int, ...], device: str):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    dil = torch.tensor(dilation, device=device)
+    # FlexAttention's best configuration we found on this CPU (n = 4096, same process): with one
+    # dilation, a mask without the per-head lookup (77 vs 88 ms), and 64-token blocks rather
+    # than the default 128 (72 vs 76 ms; equal with per-head dilations).
+    if len(set(dilation)) == 1:
+        d = dilation[0]
 
-    def sliding_window(b, h, q_idx, kv_idx):
-        offset = kv_idx - q_idx
-        d = dil[h]
-        return (offset.abs() <= d * w) & (offset % d == 0)
+        def sliding_window(b, h, q_idx, kv_idx):
+            offset = kv_idx - q_idx
+            return (offset.abs() <= w) if d == 1 else (offset.abs() <= d * w) & (offset % d == 0)
+        heads = None
+    else:
+        per_head = torch.tensor(dilation, device=device)
 
-    heads = None if len(set(dilation)) == 1 else len(dilation)
-    return create_block_mask(sliding_window, B=None, H=heads, Q_LEN=seq_len, KV_LEN=seq_len, device=device, _compile=True)
+        def sliding_window(b, h, q_idx, kv_idx):
+            offset = kv_idx - q_idx
+            return (offset.abs() <= per_head[h] * w) & (offset % per_head[h] == 0)
+        heads = len(dilation)
+    return create_block_mask(sliding_window, B=None, H=heads, Q_LEN=seq_len, KV_LEN=seq_len, device=device,
+                             BLOCK_SIZE=64, _compile=True)
 
 
 @functools.lru_cache(maxsize=1)

@@ -29,6 +29,16 @@ def test_methods_agree_on_local_attention(dilation, requires_grad):
                                        rtol=1e-9, atol=1e-9, msg=name)
 
 
+@pytest.mark.skipif(methods.unsupported_reason("flex", "local_attention", False, (1,), "cpu") is not None,
+                    reason="this torch has no FlexAttention")
+@pytest.mark.parametrize("dilation", [(1, 1, 1), (2, 2, 2), (1, 2, 3)])
+def test_flex_computes_the_same_local_attention(dilation):
+    """Its block mask has three forms (plain window, one dilation, per-head dilations)."""
+    inputs = methods.make_inputs("local_attention", 1, 150, 3, 16, 5, torch.float32, "cpu", False)
+    torch.testing.assert_close(methods.local_attention("flex", *inputs, 5, dilation),
+                               methods.local_attention("full", *inputs, 5, dilation), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_inference_path_matches_float32(dtype):
     """Inference softmaxes half-precision scores in place; it must agree with the float32 computation."""
