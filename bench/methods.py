@@ -191,6 +191,9 @@ def local_attention(method: str, q, k, v, w: int, dilation, buffers=None):
         return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask).transpose(1, 2)
     if method == "flex":
         block_mask = _flex_block_mask(n, w, tuple(dilation), q.device.type)
+        # Contiguous [b, h, n, f] copies, copying included, are faster for it than strided views
+        # (n = 4096: 75 vs 86 ms).
+        qh, kh, vh = (x.contiguous() for x in (qh, kh, vh))
         return _compiled_flex()(qh, kh, vh, block_mask=block_mask).transpose(1, 2)
     raise ValueError(method)
 
