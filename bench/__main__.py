@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from bench import methods, report
-from bench.measure import Case, gemm_gflops, probe_in_fresh_process, time_interleaved
+from bench.measure import GEMM, GEMM_FLOPS, GEMM_SIZE, Case, probe_in_fresh_process, time_interleaved
 
 DILATED = "1,1,2,2,4,4,8,8,1,2,4,8"
 QUADRATIC = {"full", "sdpa"}  # time and memory grow with n^2
@@ -137,19 +137,23 @@ def _predicted_limit(measured, method: str, seq_len: int, budget: float, max_sec
     return None
 
 
+def _gemm_range(rows: list[dict]) -> str:
+    rates = [r["gemm_gflops"] for r in rows if r.get("gemm_gflops")]
+    return f"{min(rates):.0f}-{max(rates):.0f}" if rates else "no case timed:"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     torch.manual_seed(0)
     budget = memory_budget_bytes(args)
-    gemm = gemm_gflops(args.device)
     groups = [(op, p == "forward+backward", _dilation_tuple(spec, args.heads), dtype)
               for dtype in args.dtype for spec in args.dilation for op in args.ops for p in args.passes
               if (set(_dilation_tuple(spec, args.heads)) == {1} or (op in args.dilated_ops and p in args.dilated_passes))
               and (p == "forward" or op in args.backward_ops)]
-    print(f"device {device_name(args.device)}: same-run float32 GEMM {gemm:.0f} GFLOP/s; "
-          f"{len(groups)} cases x {len(args.seq_lens)} lengths x {len(args.methods)} methods", flush=True)
+    print(f"device {device_name(args.device)}: {len(groups)} cases x {len(args.seq_lens)} lengths x "
+          f"{len(args.methods)} methods, each case with a float32 GEMM ({GEMM_SIZE}^3) in its rounds", flush=True)
 
     rows = []
     last: dict[tuple, tuple] = {}  # (op, backward, dilation, dtype, method) -> last measured (seq_len, seconds, bytes)
@@ -167,6 +171,7 @@ def main(argv=None) -> int:
                 (skipped.__setitem__(method, reason) if reason else runnable.append(method))
             expected = {m: _expected_seconds(last.get((op, backward, dilation, dtype, m)), m, seq_len) for m in runnable}
             timings = time_interleaved(case, runnable, args.repeats, expected) if runnable else {}
+            gemm = GEMM_FLOPS / timings[GEMM] / 1e9 if runnable else None
             flops = methods.useful_flops(op, backward, args.batch, seq_len, args.heads, args.head_dim, args.window)
             for method in args.methods:
                 row = dict(op=op, method=method, seq_len=seq_len, window=args.window, dilation=_dilation_label(dilation),
@@ -192,7 +197,7 @@ def main(argv=None) -> int:
                     continue
                 seconds = timings[method]
                 row.update(status="ok", reason="", time_ms=seconds * 1e3, gflops=flops / seconds / 1e9,
-                           gemm_share=flops / seconds / 1e9 / gemm)
+                           gemm_gflops=gemm, gemm_share=flops / seconds / 1e9 / gemm)
                 peak = None
                 if not args.no_memory:
                     probe = probe_in_fresh_process(case, method, timeout_s=120 + 20 * seconds)
@@ -219,7 +224,8 @@ def main(argv=None) -> int:
         commit = "?"
     header = (f"# Local attention and band products on {device_name(args.device)}\n\n"
               f"Command: `{command}` (commit {commit or '?'}, {datetime.date.today()}, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads). Same-run float32 GEMM (torch.mm 4096^3): {gemm:.0f} GFLOP/s. "
+              f"{torch.get_num_threads()} threads). Reference: float32 torch.mm {GEMM_SIZE}^3 timed in the rounds of "
+              f"every case ({_gemm_range(rows)} GFLOP/s across cases). "
               f"batch {args.batch}, {args.heads} heads of {args.head_dim}, one-sided window {args.window}, {', '.join(args.dtype)}.")
     stem.with_suffix(".md").write_text(report.markdown(rows, header))
     report.plot(rows, stem.with_suffix(".png"), report.plot_title(device_name(args.device), rows))

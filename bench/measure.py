@@ -44,17 +44,36 @@ def _clear_grads(inputs) -> None:
         x.grad = None
 
 
+GEMM = "gemm"  # the reference timed with every case: torch.mm at GEMM_SIZE^3, float32, into a reused output
+GEMM_SIZE = 2048  # ~90 ms a call here, like the kernels; its rate matches 3072^3 and 4096^3 within noise (NOTES)
+GEMM_FLOPS = 2.0 * GEMM_SIZE**3
+
+
+def gemm_runner(device: str):
+    """One float32 GEMM, the practical ceiling the band products are compared with; into a
+    reused output, so that no page faults count against it."""
+    generator = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(GEMM_SIZE, GEMM_SIZE, generator=generator).to(device) for _ in range(2))
+    c = torch.mm(a, b)
+    return lambda: torch.mm(a, b, out=c)
+
+
 def time_interleaved(case: Case, method_names: list[str], repeats: int,
                      expected_seconds: dict[str, float] | None = None) -> dict[str, float]:
-    """Median seconds per call of each method: warm-up, then ``repeats`` rounds A, B, C, A, B, C...
+    """Median seconds per call of each method and of the reference GEMM (key :data:`GEMM`):
+    warm-up, then ``repeats`` rounds GEMM, A, B, C, GEMM, A, B, C...
 
+    The GEMM runs in the same rounds so that each case's share of it compares rates measured
+    under the same machine conditions (this shared machine's speed drifts by 20% within a run).
     The warm-up round is skipped for a method expected (from a shorter length) to take over a
     second per call, unless it compiles per shape (FlexAttention): the median of the timed
     rounds already discounts one slow first call, and a sweep's long calls dominate its time.
     """
     expected_seconds = expected_seconds or {}
     inputs = case.inputs()
-    runs = {m: methods.runner(case.op, m, inputs, case.window, case.dilation, case.backward) for m in method_names}
+    runs = {GEMM: gemm_runner(case.device)}
+    runs.update({m: methods.runner(case.op, m, inputs, case.window, case.dilation, case.backward) for m in method_names})
+    method_names = list(runs)
     warm_up = [m for m in method_names if m in methods.COMPILES_PER_SHAPE or expected_seconds.get(m, 0.0) < 1.0]
     samples = {m: [] for m in method_names}
     for round_index in range(repeats + 1):
@@ -69,23 +88,6 @@ def time_interleaved(case: Case, method_names: list[str], repeats: int,
             if round_index:  # round 0 is the warm-up
                 samples[name].append(time.perf_counter() - started)
     return {m: statistics.median(s) for m, s in samples.items()}
-
-
-def gemm_gflops(device: str, size: int = 4096, repeats: int = 3) -> float:
-    """Same-run float32 matmul rate: the practical ceiling the band products are compared with.
-
-    Into a reused output, so that no page faults count against it (a GEMM's 64 MiB output per
-    137 GFLOP costs it ~1%; the band products' outputs cost them far more, see NOTES)."""
-    a, b = (torch.randn(size, size, device=device) for _ in range(2))
-    c = torch.mm(a, b)
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        started = time.perf_counter()
-        torch.mm(a, b, out=c)
-        synchronize(device)
-        times.append(time.perf_counter() - started)
-    return 2 * size**3 / statistics.median(times) / 1e9
 
 
 # ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 
 COLUMNS = ["op", "pass", "method", "seq_len", "window", "dilation", "heads", "head_dim", "batch", "dtype", "device",
-           "time_ms", "gflops", "gemm_share", "peak_mib", "first_call_ms", "status", "reason"]
+           "time_ms", "gflops", "gemm_gflops", "gemm_share", "peak_mib", "first_call_ms", "status", "reason"]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -50,12 +50,23 @@ def markdown(rows: list[dict], header: str) -> str:
         lines.append("")
     lines.append("Cells: median time per call / peak extra memory of one call (fresh process). "
                  "'not timed': too slow to time repeatedly, memory from one call.")
+    lines += ["", "### Share of the GEMM rate", "",
+              "Useful GFLOP/s (2 b h n (2w+1) head_dim per band product; x2 for attention, x3 with backward) "
+              "as a share of the float32 GEMM timed in the same rounds, per length:", ""]
+    lengths = sorted({r["seq_len"] for r in rows if r["status"] == "ok"})
+    lines += ["| op | pass | dilation | dtype | method | " + " | ".join(str(n) for n in lengths) + " |",
+              "|---|---|---|---|---|" + "---:|" * len(lengths)]
+    for (op, pass_name, dilation, dtype), members in groups(rows).items():
+        for method in dict.fromkeys(r["method"] for r in members if r["status"] == "ok"):
+            share = {r["seq_len"]: f"{100 * r['gemm_share']:.0f}%" for r in members
+                     if r["method"] == method and r["status"] == "ok"}
+            lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {method} | "
+                         + " | ".join(share.get(n, "") for n in lengths) + " |")
     lines += ["", "### Rates and first calls", "",
-              "Useful GFLOP/s (2 b h n (2w+1) head_dim per band product; x2 for attention, x3 with backward), "
-              "its share of the same-run float32 GEMM rate, and the first call in a fresh process "
+              "Useful GFLOP/s, the GEMM rate of the same rounds, the share, and the first call in a fresh process "
               "(library load or compilation included), at the largest length every listed method ran:", "",
-              "| op | pass | dilation | dtype | n | method | time ms | GFLOP/s | share of GEMM | first call ms |",
-              "|---|---|---|---|---:|---|---:|---:|---:|---:|"]
+              "| op | pass | dilation | dtype | n | method | time ms | GFLOP/s | GEMM GFLOP/s | share of GEMM | first call ms |",
+              "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for (op, pass_name, dilation, dtype), members in groups(rows).items():
         ok = [r for r in members if r["status"] == "ok"]
         methods_ok = {r["method"] for r in ok}
@@ -65,14 +76,14 @@ def markdown(rows: list[dict], header: str) -> str:
         for r in (r for r in ok if r["seq_len"] == common[-1]):
             first = f"{r['first_call_ms']:.0f}" if r.get("first_call_ms") not in (None, "") else ""
             lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {r['seq_len']} | {r['method']} | {r['time_ms']:.1f} | "
-                         f"{r['gflops']:.1f} | {100 * r['gemm_share']:.0f}% | {first} |")
+                         f"{r['gflops']:.1f} | {r['gemm_gflops']:.0f} | {100 * r['gemm_share']:.0f}% | {first} |")
     return "\n".join(lines) + "\n"
 
 
 def read_csv(path: Path) -> list[dict]:
     """Rows of a results CSV with numbers as numbers (the inverse of write_csv)."""
     numeric = {"seq_len": int, "window": int, "heads": int, "head_dim": int, "batch": int, "time_ms": float,
-               "gflops": float, "gemm_share": float, "peak_mib": float, "first_call_ms": float}
+               "gflops": float, "gemm_gflops": float, "gemm_share": float, "peak_mib": float, "first_call_ms": float}
     rows = []
     for raw in csv.DictReader(open(path)):
         rows.append({k: (numeric[k](v) if k in numeric and v != "" else v) for k, v in raw.items()})
