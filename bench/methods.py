@@ -10,8 +10,9 @@ Levels (``op``):
 Methods: ``tvm`` (ours), ``tvm_out`` (ours, forward only, writing into the outputs of its first
 call, ``out=``, as an inference loop that reuses its buffers does: no fresh memory per call),
 ``full`` (n x n scores), ``sdpa`` (PyTorch SDPA with a boolean band mask), ``sliding_chunks``
-(Hugging Face's algorithm), ``flex`` (compiled FlexAttention with a sliding-window block mask). A method that cannot run a case says why in
-:func:`unsupported_reason`; the bench records that reason instead of dropping the row.
+(Hugging Face's algorithm), ``flex`` (compiled FlexAttention with a sliding-window block mask).
+A method that cannot run a case says why in :func:`unsupported_reason`; the bench records that
+reason instead of dropping the row.
 """
 
 from __future__ import annotations
