@@ -174,6 +174,9 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
             direct_end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
             for block in range((n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1)):
+                # The block's 16 key rows first, then feature by feature: packing key by key wrote
+                # each key's features a block apart, which LLVM turned into slow scatters. Positions
+                # outside the sequence read a clamped row and select 0.
                 for lane in range(T.int64(cols)):
                     p: T.let = block * T.int64(cols) + lane - margin  # packed position
                     block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
