@@ -140,7 +140,10 @@ class LongformerSelfAttention(nn.Module):
                              f"positive = global), got shape {tuple(attention_mask.shape)}")
         is_padding = attention_mask < 0                         # [b, n]
         is_global = (attention_mask > 0) & ~is_padding          # [b, n]
-        globals_ = GlobalTokens.from_mask(is_global)
+        globals_ = GlobalTokens.from_mask(is_global)  # one host sync (the number of global slots)
+        # Right after that sync (nothing queued yet on a GPU): lets the banded path skip two full
+        # passes over the band when nothing is padding.
+        any_padding = bool(is_padding.any())
 
         q = self._heads(self.query(hidden_states)) / math.sqrt(self.head_dim)  # [b, n, h, d]
         k = self._heads(self.key(hidden_states))                                # [b, n, h, d]
@@ -149,7 +152,7 @@ class LongformerSelfAttention(nn.Module):
         if self.attention_mode is AttentionMode.FULL:
             context, probs = self._local_full(q, k, v, is_padding, is_global, globals_)
         else:
-            context, probs = self._local_banded(q, k, v, is_padding, is_global, globals_)
+            context, probs = self._local_banded(q, k, v, is_padding if any_padding else None, is_global, globals_)
         output = context.reshape(b, n, hidden)                                  # [b, n, h*d]
 
         global_probs = None
@@ -170,8 +173,17 @@ class LongformerSelfAttention(nn.Module):
         return output, attentions, global_probs
 
     # -------------------------------------------------------------- local rows
-    def _softmax(self, scores: torch.Tensor, is_padding: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores, dim=-1).masked_fill(is_padding[:, :, None, None], 0)  # padding queries: 0
+    def _softmax(self, scores: torch.Tensor, is_padding: torch.Tensor | None, in_place: bool = False) -> torch.Tensor:
+        """Softmax over the last dim, rows of padding queries (``is_padding``, or None: none) zeroed.
+        ``in_place`` (inference, on a tensor of our own) writes over ``scores``: no second band in memory."""
+        if in_place:
+            probs = torch.softmax(scores, dim=-1, out=scores)
+            if is_padding is not None:
+                probs.masked_fill_(is_padding[:, :, None, None], 0)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+            if is_padding is not None:
+                probs = probs.masked_fill(is_padding[:, :, None, None], 0)
         return nn.functional.dropout(probs, p=self.dropout, training=self.training)
 
     def _global_key_scores(self, q, k, globals_: GlobalTokens):
@@ -185,7 +197,8 @@ class LongformerSelfAttention(nn.Module):
         return scores.masked_fill(hidden, torch.finfo(q.dtype).min)
 
     def _local_banded(self, q, k, v, is_padding, is_global, globals_):
-        """TVM kernels or sliding chunks: band scores ``[b, n, h, c]``, never an n x n matrix."""
+        """TVM kernels or sliding chunks: band scores ``[b, n, h, c]``, never an n x n matrix.
+        ``is_padding`` is None when nothing is padding."""
         w, dil, ar = self.window, self.dilation, self.autoregressive
         # Keys outside the sequence get -inf from the band product itself.
         if self.attention_mode is AttentionMode.TVM:
@@ -194,13 +207,16 @@ class LongformerSelfAttention(nn.Module):
             band = sliding_chunks_qk(q, k, w, padding=float("-inf"))           # [b, n, h, 2w+1]
         # Padding and global tokens are removed from the band as keys (in place: the band is a fresh
         # output that no backward needs).
-        _fill_band_at_keys_(band, is_padding | is_global, w, dil, ar, torch.finfo(q.dtype).min)
+        if is_padding is not None or globals_ is not None:
+            flagged = is_global if is_padding is None else is_padding | is_global
+            _fill_band_at_keys_(band, flagged, w, dil, ar, torch.finfo(q.dtype).min)
 
         g = 0 if globals_ is None else globals_.positions.shape[1]
         scores = band
         if g:  # the global keys' scores go first
             scores = torch.cat([self._global_key_scores(q, k, globals_), band], dim=-1)  # [b, n, h, g + c]
-        probs = self._softmax(scores, is_padding)
+        # scores is this call's own tensor; without autograd the softmax can overwrite it.
+        probs = self._softmax(scores, is_padding, in_place=not (torch.is_grad_enabled() and scores.requires_grad))
 
         band_probs = probs[..., g:].contiguous()                               # [b, n, h, c]
         if self.attention_mode is AttentionMode.TVM:

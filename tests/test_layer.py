@@ -246,6 +246,23 @@ def test_half_precision_tvm_layer(dtype):
     assert_close(half[1].float(), reference[1], tol, f"{dtype} attentions")
 
 
+@pytest.mark.parametrize("mode", [AttentionMode.TVM, AttentionMode.SLIDING_CHUNKS])
+@pytest.mark.parametrize("pad_from, globals_", [(None, ()), ([9, 6], ()), (None, [(0, 4)]), ([9, 6], [(0, 4), (1, 2)])],
+                         ids=["plain", "padding", "global", "both"])
+def test_inference_path_equals_the_autograd_path(mode, pad_from, globals_):
+    """Without autograd the layer softmaxes in place and skips the key and padding fills when there
+    is nothing to remove; outputs and attentions must not change by a bit."""
+    cfg = tiny_config(attention_window=2, attention_mode=mode,
+                      attention_dilation=1 if mode is AttentionMode.SLIDING_CHUNKS else [[1, 2, 1, 3]])
+    x, mask = layer_inputs(4, 2, 9, 32, dtype=torch.float32, pad_from=pad_from, globals_=globals_)
+    layer = layer_for(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        inference = layer(x, mask, output_attentions=True)
+    training = layer(x.clone().requires_grad_(), mask, output_attentions=True)
+    for a, b in zip(inference, training, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b.detach())
+
+
 def test_band_gradient_is_not_copied_per_head():
     """Removing flagged keys from the band must be one masked fill, not one in-place fill per head:
     on a band that requires grad each of those makes autograd copy the whole band's gradient
