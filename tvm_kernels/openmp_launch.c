@@ -10,7 +10,9 @@
  *
  * The contract (TVM's include/tvm/runtime/c_backend_api.h): call body(task_id, env, closure)
  * for task_id = 0 .. env->num_task - 1, each on its own thread; num_task = 0 means "as many
- * as you have". Our kernels never call the barrier, so sync_handle stays NULL.
+ * as you have". Our kernels never call the barrier, so sync_handle stays NULL. A task fails only
+ * if its scratch allocation does; the kernel call then fails, but the message that task set
+ * stays with its thread (TVM's own pool carries it over).
  */
 #include <omp.h>
 
