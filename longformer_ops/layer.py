@@ -218,13 +218,16 @@ class LongformerSelfAttention(nn.Module):
         # scores is this call's own tensor; without autograd the softmax can overwrite it.
         probs = self._softmax(scores, is_padding, in_place=not (torch.is_grad_enabled() and scores.requires_grad))
 
-        band_probs = probs[..., g:].contiguous()                               # [b, n, h, c]
+        # One split, not two slices: in backward each slice would allocate a zeroed gradient of
+        # the whole [b, n, h, g + c] and add them; a split's gradient is one concatenation.
+        global_probs, band_probs = probs.split([g, probs.shape[-1] - g], dim=-1)
+        band_probs = band_probs.contiguous()                                   # [b, n, h, c]
         if self.attention_mode is AttentionMode.TVM:
             context = diagonaled_mm(band_probs, v, w, dil, is_t1_diagonaled=True, autoregressive=ar)
         else:
             context = sliding_chunks_pv(band_probs, v, w)                      # [b, n, h, d]
         if globals_ is not None:
-            context = context + torch.einsum("bnhg,bghd->bnhd", probs[..., :g], globals_.gather(v))
+            context = context + torch.einsum("bnhg,bghd->bnhd", global_probs, globals_.gather(v))
         return context, probs
 
     def _local_full(self, q, k, v, is_padding, is_global, globals_):
