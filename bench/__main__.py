@@ -2,7 +2,9 @@
 
 Writes ``<out>/<device-name>.csv``, ``.md`` (table) and ``.png`` (plot). For each sequence
 length, the methods of one case are timed interleaved (a warm-up round for calls under a
-second and for FlexAttention, which compiles per shape; then rounds A, B, C, A, B, C, ...; medians), then each method's memory is probed in a fresh process (peak extra RSS,
+second and for FlexAttention, which compiles per shape; then rounds of every method and a
+reference GEMM, each round in a shuffled order; medians), then each method's memory is probed
+in a fresh process (peak extra RSS,
 or CUDA max_memory_allocated, of one call), which also gives its first-call latency. A
 method predicted to exceed --max-call-seconds or the memory budget at a length (scaled
 from the previous length) is recorded as skipped with the reason, as is one that cannot

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -61,10 +62,13 @@ def gemm_runner(device: str):
 def time_interleaved(case: Case, method_names: list[str], repeats: int,
                      expected_seconds: dict[str, float] | None = None) -> dict[str, float]:
     """Median seconds per call of each method and of the reference GEMM (key :data:`GEMM`):
-    warm-up, then ``repeats`` rounds GEMM, A, B, C, GEMM, A, B, C...
+    warm-up, then ``repeats`` rounds of all of them, each round in its own shuffled order (seeded).
 
     The GEMM runs in the same rounds so that each case's share of it compares rates measured
     under the same machine conditions (this shared machine's speed drifts by 20% within a run).
+    The order changes per round because on this VM memory freed by one call (the dense methods
+    free gigabytes) is handed back to the host and faults again for whichever call allocates
+    about two seconds later: with a fixed order that was the same method in every round.
     The warm-up round is skipped for a method expected (from a shorter length) to take over a
     second per call, unless it compiles per shape (FlexAttention): the median of the timed
     rounds already discounts one slow first call, and a sweep's long calls dominate its time.
@@ -76,8 +80,10 @@ def time_interleaved(case: Case, method_names: list[str], repeats: int,
     method_names = list(runs)
     warm_up = [m for m in method_names if m in methods.COMPILES_PER_SHAPE or expected_seconds.get(m, 0.0) < 1.0]
     samples = {m: [] for m in method_names}
+    order = random.Random(case.seq_len)
     for round_index in range(repeats + 1):
-        for name, run in runs.items():
+        for name in order.sample(method_names, len(method_names)):
+            run = runs[name]
             if round_index == 0 and name not in warm_up:
                 continue
             _clear_grads(inputs)
