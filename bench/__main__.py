@@ -141,7 +141,7 @@ def _predicted_limit(measured, method: str, seq_len: int, budget: float, max_sec
 
 def _gemm_range(rows: list[dict]) -> str:
     rates = [r["gemm_gflops"] for r in rows if r.get("gemm_gflops")]
-    return f"{min(rates):.0f}-{max(rates):.0f}" if rates else "no case timed:"
+    return f"{min(rates):.0f}-{max(rates):.0f} GFLOP/s across cases" if rates else "no case timed"
 
 
 def main(argv=None) -> int:
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     header = (f"# Local attention and band products on {device_name(args.device)}\n\n"
               f"Command: `{command}` (commit {commit or '?'}, {datetime.date.today()}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads). Reference: float32 torch.mm {GEMM_SIZE}^3 timed in the rounds of "
-              f"every case ({_gemm_range(rows)} GFLOP/s across cases). "
+              f"every case ({_gemm_range(rows)}). "
               f"batch {args.batch}, {args.heads} heads of {args.head_dim}, one-sided window {args.window}, {', '.join(args.dtype)}.")
     stem.with_suffix(".md").write_text(report.markdown(rows, header))
     report.plot(rows, stem.with_suffix(".png"), report.plot_title(device_name(args.device), rows))

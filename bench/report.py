@@ -91,8 +91,8 @@ def read_csv(path: Path) -> list[dict]:
 
 
 # One colour per method in every panel.
-METHOD_COLOURS = {"tvm": "tab:blue", "tvm_out": "tab:cyan", "full": "tab:orange", "sdpa": "tab:green", "sliding_chunks": "tab:red",
-                  "flex": "tab:purple"}
+METHOD_COLOURS = {"tvm": "tab:blue", "tvm_out": "tab:cyan", "full": "tab:orange", "sdpa": "tab:green",
+                  "sliding_chunks": "tab:red", "flex": "tab:purple"}
 
 
 def plot_title(device_name: str, rows: list[dict]) -> str:
