@@ -1,6 +1,6 @@
 """Longformer's banded attention products on prebuilt TVM kernels, for PyTorch.
 
-    from longformer_ops import diagonaled_mm, mask_invalid_locations
+    from longformer_ops import diagonaled_mm, mask_invalid_locations, sliding_window_attention
 
 Importing this package loads nothing compiled; kernels are loaded on first use
 from ``prebuilt/`` (see :mod:`longformer_ops._loader`). Plain-PyTorch
@@ -8,11 +8,12 @@ references live in :mod:`longformer_ops.reference`.
 """
 
 from longformer_ops._loader import KernelNotAvailableError, StaleKernelError
+from longformer_ops.attention import sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.diagonaled import diagonaled_mm, mask_invalid_locations
 from longformer_ops.layer import LongformerSelfAttention
 from longformer_ops.model import LongformerForMaskedLM, LongformerModel, from_hf_pretrained
 
-__all__ = ["diagonaled_mm", "mask_invalid_locations", "KernelNotAvailableError", "StaleKernelError",
+__all__ = ["diagonaled_mm", "mask_invalid_locations", "sliding_window_attention", "KernelNotAvailableError", "StaleKernelError",
            "LongformerConfig", "AttentionMode", "LongformerSelfAttention", "LongformerModel",
            "LongformerForMaskedLM", "from_hf_pretrained"]

@@ -44,9 +44,13 @@ class KernelLibrary:
     dtype: str
     feature_multiple: int  # head_dim the kernels accept must be a multiple of this
     module: object         # tvm_ffi.Module
+    functions: frozenset[str] = frozenset()  # exported kernel names, from the manifest
 
     def function(self, name: str):
         return self.module[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.functions
 
 
 def prebuilt_dir() -> Path:
@@ -236,4 +240,4 @@ def _library_for(directory: Path, device_type: str, device_index, dtype_name: st
     with _lock:
         _load_runtime(directory, manifest, cuda=device_type == "cuda")
         module = _load(directory, name)
-    return KernelLibrary(name, device_type, dtype_name, entry["feature_multiple"], module)
+    return KernelLibrary(name, device_type, dtype_name, entry["feature_multiple"], module, frozenset(entry["functions"]))

@@ -6,6 +6,7 @@ expected and what was found.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -94,22 +95,44 @@ def check_diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
     return w, dilations, band
 
 
-def check_out(out, shape: tuple[int, ...], t1: torch.Tensor, t2: torch.Tensor, differentiable: bool = True) -> None:
-    """Validate an ``out=`` tensor for a result of ``shape`` computed from ``t1`` and ``t2``."""
+def check_sliding_window_attention(q, k, v, w, d, autoregressive, scale):
+    """Validate sliding_window_attention's arguments; return ``(w, dilations, scale)``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)} [batch, seq_len, heads, head_dim], "
+                             f"got {name}.shape={tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {name}.dtype={x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {name}.device={x.device}")
+    if not isinstance(autoregressive, bool):
+        raise TypeError(f"autoregressive must be a bool, got {type(autoregressive).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[3]) if q.shape[3] else 1.0
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite real number or None (1/sqrt(head_dim)), got {scale!r}")
+    return check_window(w), check_dilation(d, q.shape[2]), float(scale)
+
+
+def check_out(out, shape: tuple[int, ...], inputs: dict[str, torch.Tensor], differentiable: bool = True) -> None:
+    """Validate an ``out=`` tensor for a result of ``shape`` computed from ``inputs`` (by name)."""
+    first = next(iter(inputs.values()))
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"out must have the result's shape {tuple(shape)}, got {tuple(out.shape)}")
-    if out.dtype != t2.dtype:
-        raise TypeError(f"out must have the inputs' dtype {t2.dtype}, got dtype={out.dtype}")
-    if out.device != t2.device:
-        raise ValueError(f"out must be on the inputs' device {t2.device}, got out.device={out.device}")
+    if out.dtype != first.dtype:
+        raise TypeError(f"out must have the inputs' dtype {first.dtype}, got dtype={out.dtype}")
+    if out.device != first.device:
+        raise ValueError(f"out must be on the inputs' device {first.device}, got out.device={out.device}")
     if not out.is_contiguous():
         raise ValueError(f"out must be contiguous (the kernels write it in place), got strides {out.stride()}")
     storage = out.untyped_storage().data_ptr()
-    if out.numel() and any(t.numel() and t.untyped_storage().data_ptr() == storage for t in (t1, t2)):
-        raise ValueError("out must not share memory with t1 or t2 (the kernels read them while writing out)")
-    if out.requires_grad or (differentiable and torch.is_grad_enabled() and (t1.requires_grad or t2.requires_grad)):
+    if out.numel() and any(t.numel() and t.untyped_storage().data_ptr() == storage for t in inputs.values()):
+        raise ValueError(f"out must not share memory with {' or '.join(inputs)} (the kernels read them while writing out)")
+    if out.requires_grad or (differentiable and torch.is_grad_enabled() and any(t.requires_grad for t in inputs.values())):
         raise RuntimeError("out= is not differentiable: call under torch.no_grad() (or torch.inference_mode()) "
                            "with an out that does not require grad, or leave out=None to get gradients")
 

@@ -162,7 +162,7 @@ def diagonaled_mm(t1: torch.Tensor, t2: torch.Tensor, w: int, d, is_t1_diagonale
     w, dilations, band = checks.check_diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
     if out is not None:
         op = "pv" if is_t1_diagonaled else "qk"
-        checks.check_out(out, (*t2.shape[:3], t2.shape[3] if is_t1_diagonaled else band), t1, t2)
+        checks.check_out(out, (*t2.shape[:3], t2.shape[3] if is_t1_diagonaled else band), {"t1": t1, "t2": t2})
         return _launch(op, t1, t2, w, dilations, autoregressive, float(padding), out)
     return _DiagonaledMM.apply(t1, t2, w, dilations, is_t1_diagonaled, float(padding), autoregressive)
 
@@ -179,7 +179,7 @@ def transposed_product(t1: torch.Tensor, t2: torch.Tensor, w: int, d, autoregres
     """
     w, dilations, _ = checks.check_diagonaled_mm(t1, t2, w, d, True, 0, autoregressive)
     if out is not None:
-        checks.check_out(out, tuple(t2.shape), t1, t2, differentiable=False)
+        checks.check_out(out, tuple(t2.shape), {"t1": t1, "t2": t2}, differentiable=False)
     return _launch("transposed", t1.detach(), t2.detach(), w, dilations, autoregressive, out=out)
 
 

@@ -2,6 +2,8 @@
 
 - :func:`diagonaled_mm_reference`: a direct gather formulation of the exact
   semantics (any window, dilation, autoregressive); the oracle for tests.
+- :func:`sliding_window_attention_reference`: local attention (scores, softmax,
+  context) from it.
 - :func:`sliding_chunks_qk` / :func:`sliding_chunks_pv`: the sliding-chunks
   algorithm (Hugging Face's), dense einsums over overlapping chunks of 2w.
   No dilation, no autoregressive mode; the layer's pure-PyTorch fallback and a
@@ -12,6 +14,8 @@ with ``c = 2w + 1`` (``w + 1`` when autoregressive).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -68,6 +72,15 @@ def diagonaled_mm_reference(t1, t2, w: int, d, is_t1_diagonaled: bool = False, p
         return torch.einsum("bihj,bihjf->bihf", probs, gathered)
     scores = torch.einsum("bihf,bihjf->bihj", t1, gathered)
     return scores.masked_fill(invalid, padding)
+
+
+def sliding_window_attention_reference(q, k, v, w: int, d, autoregressive: bool = False,
+                                       scale: float | None = None) -> torch.Tensor:
+    """Same contract as :func:`longformer_ops.sliding_window_attention`: the band's scores
+    (``-inf`` at keys outside the sequence), a softmax over the band, probs.V."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = diagonaled_mm_reference(q * scale, k, w, d, False, float("-inf"), autoregressive)
+    return diagonaled_mm_reference(torch.softmax(scores, dim=-1), v, w, d, True, 0, autoregressive)
 
 
 # ---------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longformer_ops import diagonaled_mm, mask_invalid_locations
+from longformer_ops import diagonaled_mm, mask_invalid_locations, sliding_window_attention
 from longformer_ops.diagonaled import transposed_product
 
 
@@ -75,6 +75,37 @@ def test_out_rejects(call, error, message):
     q, k = qk_inputs()
     with pytest.raises(error, match=message):
         call(q, k)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda q, k, v: sliding_window_attention(q, k[:, :5], v, 1), ValueError,
+         r"k must have q's shape \(1, 8, 2, 4\) \[batch, seq_len, heads, head_dim\], got k.shape=\(1, 5, 2, 4\)"),
+        (lambda q, k, v: sliding_window_attention(q, k, v[..., :3], 1), ValueError, r"v must have q's shape"),
+        (lambda q, k, v: sliding_window_attention(q, k, v.double(), 1), TypeError,
+         r"v must have q's dtype torch.float32, got v.dtype=torch.float64"),
+        (lambda q, k, v: sliding_window_attention(q, k.to("meta"), v, 1), NotImplementedError, r"k is on device meta"),
+        (lambda q, k, v: sliding_window_attention(q.int(), k, v, 1), TypeError, r"q must be one of"),
+        (lambda q, k, v: sliding_window_attention(q[0], k, v, 1), ValueError, r"q must be 4-D"),
+        (lambda q, k, v: sliding_window_attention(q, k, v, -2), ValueError, r"w \(one-sided window\) must be >= 0"),
+        (lambda q, k, v: sliding_window_attention(q, k, v, 1, [1, 0]), ValueError, r"d \(dilation\) values must be in"),
+        (lambda q, k, v: sliding_window_attention(q, k, v, 1, autoregressive=None), TypeError, r"autoregressive must be a bool"),
+        (lambda q, k, v: sliding_window_attention(q, k, v, 1, scale="big"), TypeError,
+         r"scale must be a finite real number or None \(1/sqrt\(head_dim\)\), got 'big'"),
+        (lambda q, k, v: sliding_window_attention(q, k, v, 1, scale=float("nan")), TypeError, r"scale must be a finite"),
+        (lambda q, k, v: sliding_window_attention(q, k, v, 1, out=torch.empty(1, 8, 2, 3)), ValueError,
+         r"out must have the result's shape \(1, 8, 2, 4\)"),
+        (lambda q, k, v: sliding_window_attention(q, k, v, 1, out=v), ValueError, r"out must not share memory with q or k or v"),
+        (lambda q, k, v: sliding_window_attention(q.requires_grad_(), k, v, 1, out=torch.empty(1, 8, 2, 4)), RuntimeError,
+         r"out= is not differentiable"),
+    ],
+    ids=lambda value: value.__name__ if isinstance(value, type) else None,
+)
+def test_sliding_window_attention_rejects(call, error, message):
+    q, k = qk_inputs()
+    with pytest.raises(error, match=message):
+        call(q, k, torch.randn(1, 8, 2, 4))
 
 
 def test_unsupported_dtype_for_device_is_named():

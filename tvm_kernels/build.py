@@ -4,7 +4,7 @@
                                 [--out prebuilt] [--force]
 
 For each (target, dtype) in :data:`tvm_kernels.variants.TARGETS` it schedules
-the six PrimFuncs of :mod:`tvm_kernels.compute`, compiles them into one shared
+(or takes hand-written) the PrimFuncs of the target's ops, compiles them into one shared
 library and records it in ``manifest.json``. A library is rebuilt only when its
 inputs changed: the sources it is built from (hashed), the TVM version, and for
 CUDA the nvcc version. It also copies TVM's small runtime libraries next to the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from longformer_ops import _manifest
 from tvm_kernels import variants
-from tvm_kernels.variants import OPS, function_name
+from tvm_kernels.variants import function_name
 
 HERE = Path(__file__).resolve().parent
 
@@ -63,7 +63,7 @@ def _compile_library(target: variants.KernelTarget, dtype: str, path: Path) -> N
     schedules = _schedule_module(target)
     hand_written = getattr(schedules, "HAND_WRITTEN", {})  # ops whose kernel the module writes in TIR itself
     functions = {}
-    for op in OPS:
+    for op in target.ops:
         for autoregressive in (False, True):
             name = function_name(op, autoregressive)
             if op in hand_written:
@@ -145,7 +145,7 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
         if (target.name, dtype) not in stale:
             print(f"{label}: up to date", flush=True)
             continue
-        print(f"{label}: building {2 * len(OPS)} functions for {target.tvm_target} ...", end="", flush=True)
+        print(f"{label}: building {2 * len(target.ops)} functions for {target.tvm_target} ...", end="", flush=True)
         started = time.perf_counter()
         path.parent.mkdir(parents=True, exist_ok=True)
         _compile_library(target, dtype, path)
@@ -154,7 +154,7 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
             "target": target.name,
             "device": target.device,
             "dtype": dtype,
-            "functions": [function_name(op, a) for op in OPS for a in (False, True)],
+            "functions": [function_name(op, a) for op in target.ops for a in (False, True)],
             # The schedule's contract on head_dim (its feature loops are split without a guard).
             "feature_multiple": _schedule_module(target).FEATURE_MULTIPLE,
             "preference": target.preference,

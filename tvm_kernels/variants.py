@@ -1,6 +1,6 @@
-"""The table of what gets built: targets x dtypes, each one library of six functions.
+"""The table of what gets built: targets x dtypes, each one library of its target's ops.
 
-A library holds every (op, autoregressive) pair for one target and one dtype,
+A library holds every (op, autoregressive) pair of its target's ops for one target and one dtype,
 named by :func:`function_name` (``qk_symmetric``,
 ``pv_causal``, ...). Variants are chosen here, at build time, by name; no kernel
 switches behaviour on a runtime flag.
@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from longformer_ops._manifest import function_name  # noqa: F401  (the naming contract with the runtime)
 
 OPS = ("qk", "pv", "transposed")  # the three banded products, see tvm_kernels.compute
+# Fused local attention for inference (qk, softmax, pv in one pass, no band in memory): the CPU
+# targets only (tvm_kernels/schedules/cpu.py); the runtime runs the three products where a
+# library lacks it.
+FUSED_ATTENTION = "attention"
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs
@@ -36,6 +40,7 @@ class KernelTarget:
     cpu_flags: tuple[str, ...] = ()
     cuda_archs: tuple[str, ...] = ()
     vector_bits: int = 0          # CPU SIMD width the hand-written kernels tile for
+    ops: tuple[str, ...] = OPS    # the functions built, each symmetric and causal
     extra_sources: tuple[str, ...] = field(default=())
 
 
@@ -55,6 +60,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=1,
             cpu_flags=_V3_FLAGS,
             vector_bits=256,
+            ops=OPS + (FUSED_ATTENTION,),
         ),
         KernelTarget(
             name="cpu-avx512",
@@ -65,6 +71,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=2,
             cpu_flags=_V4_FLAGS,
             vector_bits=512,
+            ops=OPS + (FUSED_ATTENTION,),
         ),
         KernelTarget(
             name="cuda",

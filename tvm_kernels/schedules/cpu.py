@@ -418,3 +418,183 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
 
 
 HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed}
+
+
+# exp on [-87, 0] for the fused softmax, vectorisable: TVM lowers ``T.exp`` to one scalar ``expf``
+# call per lane. exp(x) = 2^m * exp(t), m = round(x / ln 2), t = x - m ln 2 in [-ln2/2, ln2/2]
+# (ln 2 split in two constants so that t keeps float32 precision), exp(t) by its degree-7
+# Taylor polynomial (relative error < 1e-8 there), 2^m built in the exponent bits. Inputs below
+# -87 (down to -inf) are taken as -87: e^-87 ~ 1.6e-38, next to the row maximum's e^0 = 1.
+_LOG2E = 1.4426950408889634
+_LN2_HIGH = 0.693145751953125  # few mantissa bits: m * _LN2_HIGH is exact in float32
+_LN2_LOW = 1.4286068203094172e-06
+
+
+def _exp(x, acc_dtype):
+    """The expression exp(x) for x <= 0 (a plain Python helper building the expression)."""
+    if acc_dtype == "float64":  # no speed goal for float64: the library's exp, exactly rounded
+        return T.exp(x)
+    x = T.max(x, T.float32(-87.0))
+    m = T.floor(x * T.float32(_LOG2E) + T.float32(0.5))
+    t = x - m * T.float32(_LN2_HIGH) - m * T.float32(_LN2_LOW)
+    poly = T.float32(1.0 / 5040)
+    for k in (720, 120, 24, 6, 2, 1, 1):
+        poly = poly * t + T.float32(1.0 / k)
+    return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", m) + T.int32(127), T.int32(23)))
+
+
+def attention(dtype: str, autoregressive: bool, vector_bits: int):
+    """Fused local attention for inference: ``out = softmax(scale * Q.K^T on the band) . V``.
+
+    What :func:`qk`, a softmax over each row's valid keys and :func:`pv` compute one after the
+    other, without the band in memory: per tile of ``rows`` consecutive packed queries, the
+    Q.K^T micro-kernel writes the tile's scores (the keys it touches, a few more than the band)
+    into a buffer that stays in cache; each row is exponentiated in place (0 at its invalid
+    and out-of-band keys) and summed; the probs.V micro-kernel then streams the same packed
+    value rows through once, and each output row is divided by its sum as it is stored.
+    Arguments: q, k, v ``[b, n, h, f]``, dilation ``[h]``, the one-sided window ``w``, the score
+    scale, out ``[b, n, h, f]``.
+    """
+    acc_dtype = accumulation_dtype(dtype)
+    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
+    rows, vectors = (16, 1) if vector_bits >= 512 else (6, 2)  # the Q.K^T tile, as in qk
+    cols = vectors * lanes
+    group = 8 if vector_bits >= 512 else 6  # rows of one probs.V register tile (as in pv)
+    features = 2 * lanes
+    causal = 1 if autoregressive else 0
+    per_line = 64 * 8 // _BITS[dtype]
+
+    @T.prim_func
+    def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, dilation_handle: T.handle,
+             window: T.int64, scale: T.float64, out_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
+        w: T.let = window
+        band: T.let = T.int64(2 - causal) * window + T.int64(1)
+        margin: T.let = w + T.int64(cols)  # packed columns before the first key
+        for bh in T.parallel(batch * heads):
+            b: T.let = bh // heads
+            h: T.let = bh % heads
+            d: T.let = T.Cast("int64", dilation[h])
+            row_of = T.decl_buffer((n,), "int64")
+            # Keys packed as in qk (blocks of cols, feature-major), values as in pv (rows), at the
+            # same packed columns, zero outside the sequence.
+            keys = T.decl_buffer(
+                ((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1),
+                 head_dim, T.int64(cols)), acc_dtype)
+            values = T.decl_buffer(
+                (((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols),
+                 head_dim), acc_dtype)
+            scores = T.decl_buffer((T.int64(rows), T.int64(2 - causal) * window + T.int64(1 + rows + 2 * cols)), acc_dtype)
+            queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+            query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
+            begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            reciprocal = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+            partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            row_max = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
+            acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
+            out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
+            _fill_residue_major(row_of, n, d)
+            for block in range((n + band + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)):
+                for lane in range(T.int64(cols)):
+                    p: T.let = block * T.int64(cols) + lane - margin  # packed position
+                    block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
+                    ahead: T.let = row_of[T.max(T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1)), T.int64(0))]
+                    _prefetch_row(k, b, ahead, h, head_dim, per_line)
+                    _prefetch_row(v, b, ahead, h, head_dim, per_line)
+                for f in range(head_dim):
+                    for lane in T.vectorized(cols):
+                        keys[block, f, lane] = T.Select(
+                            block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
+                            T.Cast(acc_dtype, k[b, block_keys[lane], h, f]), T.Cast(acc_dtype, 0))
+                for lane in range(T.int64(cols)):
+                    inside: T.let = block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n
+                    for vector in range(head_dim // T.int64(lanes)):
+                        for lane2 in T.vectorized(lanes):
+                            values[block * T.int64(cols) + lane, vector * T.int64(lanes) + lane2] = T.Select(
+                                inside, T.Cast(acc_dtype, v[b, block_keys[lane], h, vector * T.int64(lanes) + lane2]),
+                                T.Cast(acc_dtype, 0))
+            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+                p0: T.let = tile * T.int64(rows)
+                first: T.let = p0 - w + margin  # packed column of row 0's band column 0
+                block0: T.let = first // T.int64(cols)
+                base: T.let = first - block0 * T.int64(cols)  # scores column of row 0's band column 0
+                blocks: T.let = (first + T.int64(rows - 2) + band) // T.int64(cols) - block0 + T.int64(1)
+                for r in T.unroll(rows):
+                    query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
+                    # Valid band columns low <= j < high, at scores columns base + r + j.
+                    begin[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.max(w - query[r] // d, T.int64(0)), T.int64(0))
+                    end[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.min(w + (n - T.int64(1) - query[r]) // d + T.int64(1), band), T.int64(0))
+                for r in range(rows):
+                    for vector in range(head_dim // T.int64(lanes)):
+                        for lane in T.vectorized(lanes):
+                            queries[r, vector * T.int64(lanes) + lane] = T.Cast(
+                                acc_dtype, q[b, query[r], h, vector * T.int64(lanes) + lane]) * T.Cast(acc_dtype, scale)
+                for block in range(blocks):
+                    _zero_tile(acc, rows, cols, acc_dtype)
+                    for f in range(head_dim):
+                        for r in T.unroll(rows):
+                            for lane in T.vectorized(cols):
+                                acc[r, lane] = acc[r, lane] + queries[r, f] * keys[block0 + block, f, lane]
+                    for r in T.unroll(rows):
+                        for lane in T.vectorized(cols):
+                            scores[r, block * T.int64(cols) + lane] = acc[r, lane]
+                for r in range(rows):
+                    # exp(score - row max) at valid columns, 0 elsewhere; 1 / their sum.
+                    for lane in T.vectorized(lanes):
+                        partial[lane] = T.min_value(acc_dtype)
+                    for vector in range(blocks * T.int64(cols // lanes)):
+                        for lane in T.vectorized(lanes):
+                            partial[lane] = T.Select(
+                                vector * T.int64(lanes) + lane >= begin[r] and vector * T.int64(lanes) + lane < end[r],
+                                T.max(partial[lane], scores[r, vector * T.int64(lanes) + lane]), partial[lane])
+                    row_max[0] = partial[0]
+                    for lane in range(1, lanes):
+                        row_max[0] = T.max(row_max[0], partial[lane])
+                    for lane in T.vectorized(lanes):
+                        partial[lane] = T.Cast(acc_dtype, 0)
+                    for vector in range(blocks * T.int64(cols // lanes)):
+                        for lane in T.vectorized(lanes):
+                            scores[r, vector * T.int64(lanes) + lane] = T.Select(
+                                vector * T.int64(lanes) + lane >= begin[r] and vector * T.int64(lanes) + lane < end[r],
+                                _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype), T.Cast(acc_dtype, 0))
+                            partial[lane] = partial[lane] + scores[r, vector * T.int64(lanes) + lane]
+                    reciprocal[r] = T.Cast(acc_dtype, 0)
+                    for lane in range(lanes):
+                        reciprocal[r] = reciprocal[r] + partial[lane]
+                    reciprocal[r] = T.Select(reciprocal[r] > T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / reciprocal[r], T.Cast(acc_dtype, 0))
+                for g in range(rows // group):
+                    # The keys some row of the group attends to; the others' probabilities there are 0.
+                    span[0] = begin[g * group]
+                    span[1] = end[g * group]
+                    for r in range(1, group):
+                        span[0] = T.min(span[0], begin[g * group + r])
+                        span[1] = T.max(span[1], end[g * group + r])
+                    for feature_tile in range(head_dim // T.int64(features)):
+                        column: T.let = feature_tile * T.int64(features)
+                        _zero_tile(out_acc, group, features, acc_dtype)
+                        for key in range(span[0], span[1]):
+                            for r in T.unroll(group):
+                                _accumulate(out_acc, r, values, block0 * T.int64(cols) + key, column, features,
+                                            scores[g * group + r, key])
+                        for r in T.unroll(group):
+                            if p0 + T.int64(g * group + r) < n:
+                                for lane in T.vectorized(features):
+                                    out[b, query[g * group + r], h, column + lane] = T.Cast(
+                                        dtype, out_acc[r, lane] * reciprocal[g * group + r])
+
+    return main
+
+
+HAND_WRITTEN["attention"] = attention

@@ -1,0 +1,127 @@
+"""sliding_window_attention (fused kernel for inference, the banded products with autograd)
+against the plain-PyTorch reference, on every CPU library this machine runs, and on CUDA when present.
+
+The reference runs in float64 on the same (rounded) inputs. The tolerance is the dtype's
+(conftest) times the natural scale of the result's rounding: the context's own scale
+(probs.V on |v|), widened by the row's largest score scale (|q|.|k|), since an absolute
+error e in a score is a relative error e in its probability.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import longformer_ops.attention as attention_module
+from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, TOLERANCE, cpu_targets
+from longformer_ops import _loader, sliding_window_attention
+from longformer_ops.reference import diagonaled_mm_reference, sliding_window_attention_reference
+from test_diagonaled_mm import DILATIONS, SIZES, _dilation, _random
+
+# Beyond the shared grid: windows near the sequence length, many whole tiles, dilations 1..8.
+LARGER = [(1, 200, 2, 64, 190), (2, 300, 4, 40, 37), (1, 700, 2, 96, 40)]
+
+
+def _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype):
+    q64, k64, v64 = (x.detach().double().cpu() for x in (q, k, v))
+    ref = sliding_window_attention_reference(q64, k64, v64, w, d, autoregressive, scale)
+    probs = torch.softmax(diagonaled_mm_reference(q64 * scale, k64, w, d, False, float("-inf"), autoregressive), -1)
+    context_scale = diagonaled_mm_reference(probs, v64.abs(), w, d, True, 0, autoregressive)
+    score_scale = diagonaled_mm_reference(q64.abs() * scale, k64.abs(), w, d, False, 0, autoregressive)
+    bound = TOLERANCE[dtype] * context_scale * (1 + 2 * score_scale.amax(-1, keepdim=True)) + torch.finfo(dtype).tiny
+    assert out.shape == ref.shape and out.dtype == dtype
+    error = (out.detach().double().cpu() - ref).abs()
+    assert not torch.isnan(error).any(), "NaN in the result"
+    assert (error <= bound).all(), f"{dtype}: max error {error.max():.3e}, worst ratio to bound {(error / bound).max():.2f}"
+
+
+def _check(device, dtype, size, autoregressive, dilation_kind, with_grad):
+    b, n, h, f, w = size
+    generator = torch.Generator().manual_seed(hash((size, autoregressive, dilation_kind, str(dtype))) % 2**31)
+    d = _dilation(dilation_kind, h, generator)
+    q, k, v = (_random((b, n, h, f), dtype, device, generator).requires_grad_(with_grad) for _ in range(3))
+    scale = 1 / math.sqrt(f)
+    out = sliding_window_attention(q, k, v, w, d, autoregressive)
+    assert out.requires_grad == with_grad and out.device.type == torch.device(device).type
+    _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype)
+
+
+@pytest.fixture(params=cpu_targets())
+def cpu_library(request, monkeypatch):
+    monkeypatch.setenv(_loader.CPU_TARGET_ENV, request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("with_grad", [False, True], ids=["fused", "autograd"])
+@pytest.mark.parametrize("dilation_kind", DILATIONS)
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("size", SIZES + LARGER, ids=str)
+def test_cpu_matches_reference(cpu_library, size, dtype, autoregressive, dilation_kind, with_grad):
+    _check("cpu", dtype, size, autoregressive, dilation_kind, with_grad)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("with_grad", [False, True], ids=["inference", "autograd"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("size", SIZES + LARGER, ids=str)
+def test_cuda_matches_reference(size, dtype, autoregressive, with_grad):
+    _check("cuda", dtype, size, autoregressive, "per-head", with_grad)
+
+
+def test_inference_runs_the_fused_kernel_only(cpu_library, monkeypatch):
+    """Without gradients on CPU no band product runs (no band is ever allocated); with them,
+    the banded products do."""
+    def no_band(*args, **kwargs):
+        raise AssertionError("the band products ran")
+
+    monkeypatch.setattr(attention_module, "diagonaled_mm", no_band)
+    q, k, v = (torch.randn(1, 50, 2, 32) for _ in range(3))
+    with torch.no_grad():
+        sliding_window_attention(q.requires_grad_(), k, v, 4, [1, 3])
+    sliding_window_attention(q.detach(), k, v, 4, [1, 3])  # no input requires grad
+    with pytest.raises(AssertionError, match="the band products ran"):
+        sliding_window_attention(q.requires_grad_(), k, v, 4, [1, 3])
+
+
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_library_without_the_fused_kernel_runs_the_band_products(monkeypatch, autoregressive):
+    """A library without it (the CUDA ones) gives the same result through the three steps."""
+    monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 77, 3, 20, generator=g) for _ in range(3))
+    with torch.no_grad():
+        out = sliding_window_attention(q, k, v, 9, [1, 2, 5], autoregressive, scale=0.3)
+    _assert_close(out, q, k, v, 9, [1, 2, 5], autoregressive, 0.3, torch.float32)
+
+
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_gradcheck_float64(autoregressive):
+    q, k, v = (torch.randn(2, 9, 3, 5, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: sliding_window_attention(a, b, c, 2, torch.tensor([1, 2, 4]), autoregressive), (q, k, v))
+
+
+@pytest.mark.parametrize("size", [(1, 50, 2, 32, 4), (2, 33, 3, 20, 40), (0, 5, 2, 4, 1), (2, 5, 2, 0, 1)], ids=str)
+def test_out_holds_the_same_result(cpu_library, size):
+    b, n, h, f, w = size
+    g = torch.Generator().manual_seed(n + f)
+    q, k, v = (torch.randn(b, n, h, f, generator=g) for _ in range(3))
+    d = torch.randint(1, 5, (h,), generator=g)
+    expected = sliding_window_attention(q, k, v, w, d)
+    out = torch.full(expected.shape, float("nan"))
+    assert sliding_window_attention(q, k, v, w, d, out=out) is out
+    assert torch.equal(out, expected)
+
+
+def test_inf_and_extreme_scores_stay_finite(cpu_library):
+    """Scores far below a row's maximum (down to exp underflow) give probability 0, not NaN;
+    huge scores do not overflow (the softmax subtracts the row's maximum first)."""
+    q = torch.randn(1, 40, 2, 32) * 30
+    k, v = torch.randn(1, 40, 2, 32) * 30, torch.randn(1, 40, 2, 32)
+    with torch.no_grad():
+        out = sliding_window_attention(q, k, v, 5, 1)
+    _assert_close(out, q, k, v, 5, 1, False, 1 / math.sqrt(32), torch.float32)
