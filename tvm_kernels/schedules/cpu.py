@@ -38,6 +38,7 @@ in registers.
 
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
@@ -420,11 +421,12 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
 HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed}
 
 
-# exp on [-87, 0] for the fused softmax, vectorisable: TVM lowers ``T.exp`` to one scalar ``expf``
+# exp on [-inf, 0] for the fused softmax, vectorisable: TVM lowers ``T.exp`` to one scalar ``expf``
 # call per lane. exp(x) = 2^m * exp(t), m = round(x / ln 2), t = x - m ln 2 in [-ln2/2, ln2/2]
 # (ln 2 split in two constants so that t keeps float32 precision), exp(t) by its degree-7
-# Taylor polynomial (relative error < 1e-8 there), 2^m built in the exponent bits. Inputs below
-# -87 (down to -inf) are taken as -87: e^-87 ~ 1.6e-38, next to the row maximum's e^0 = 1.
+# Taylor polynomial (relative error < 1e-8 there), 2^m built in the exponent bits. Inputs are
+# clamped at -127 ln 2, where m = -127 makes those bits 0: exp(-inf) = 0 exactly, and results
+# below float32's smallest normal number (x < -87.7) flush to 0.
 _LOG2E = 1.4426950408889634
 _LN2_HIGH = 0.693145751953125  # few mantissa bits: m * _LN2_HIGH is exact in float32
 _LN2_LOW = 1.4286068203094172e-06
@@ -434,7 +436,7 @@ def _exp(x, acc_dtype):
     """The expression exp(x) for x <= 0 (a plain Python helper building the expression)."""
     if acc_dtype == "float64":  # no speed goal for float64: the library's exp, exactly rounded
         return T.exp(x)
-    x = T.max(x, T.float32(-87.0))
+    x = T.max(x, T.float32(-127 * 0.6931471805599453))
     m = T.floor(x * T.float32(_LOG2E) + T.float32(0.5))
     t = x - m * T.float32(_LN2_HIGH) - m * T.float32(_LN2_LOW)
     poly = T.float32(1.0 / 5040)
@@ -463,6 +465,7 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
     features = 2 * lanes
     causal = 1 if autoregressive else 0
     per_line = 64 * 8 // _BITS[dtype]
+    minus_inf = tirx.const(float("-inf"), acc_dtype)
 
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, dilation_handle: T.handle,
@@ -551,24 +554,25 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
                         for lane in T.vectorized(cols):
                             scores[r, block * T.int64(cols) + lane] = acc[r, lane]
                 for r in range(rows):
-                    # exp(score - row max) at valid columns, 0 elsewhere; 1 / their sum.
+                    # -inf at the row's invalid and out-of-band columns (exp gives exactly 0 there),
+                    # then exp(score - row max) and 1 / their sum.
+                    _fill_run(scores, r, T.int64(0), begin[r], minus_inf, lanes)
+                    _fill_run(scores, r, end[r], blocks * T.int64(cols), minus_inf, lanes)
                     for lane in T.vectorized(lanes):
-                        partial[lane] = T.min_value(acc_dtype)
+                        partial[lane] = minus_inf
                     for vector in range(blocks * T.int64(cols // lanes)):
                         for lane in T.vectorized(lanes):
-                            partial[lane] = T.Select(
-                                vector * T.int64(lanes) + lane >= begin[r] and vector * T.int64(lanes) + lane < end[r],
-                                T.max(partial[lane], scores[r, vector * T.int64(lanes) + lane]), partial[lane])
+                            partial[lane] = T.max(partial[lane], scores[r, vector * T.int64(lanes) + lane])
                     row_max[0] = partial[0]
                     for lane in range(1, lanes):
                         row_max[0] = T.max(row_max[0], partial[lane])
+                    if row_max[0] == minus_inf:  # a row past the end (never stored): no NaN from -inf - -inf
+                        row_max[0] = T.Cast(acc_dtype, 0)
                     for lane in T.vectorized(lanes):
                         partial[lane] = T.Cast(acc_dtype, 0)
                     for vector in range(blocks * T.int64(cols // lanes)):
                         for lane in T.vectorized(lanes):
-                            scores[r, vector * T.int64(lanes) + lane] = T.Select(
-                                vector * T.int64(lanes) + lane >= begin[r] and vector * T.int64(lanes) + lane < end[r],
-                                _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype), T.Cast(acc_dtype, 0))
+                            scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype)
                             partial[lane] = partial[lane] + scores[r, vector * T.int64(lanes) + lane]
                     reciprocal[r] = T.Cast(acc_dtype, 0)
                     for lane in range(lanes):
