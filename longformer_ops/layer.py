@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from longformer_ops.attention import sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.diagonaled import diagonaled_mm
 from longformer_ops.reference import band_width, key_positions, sliding_chunks_pv, sliding_chunks_qk
@@ -152,7 +153,8 @@ class LongformerSelfAttention(nn.Module):
         if self.attention_mode is AttentionMode.FULL:
             context, probs = self._local_full(q, k, v, is_padding, is_global, globals_)
         else:
-            context, probs = self._local_banded(q, k, v, is_padding if any_padding else None, is_global, globals_)
+            context, probs = self._local_banded(q, k, v, is_padding if any_padding else None, is_global, globals_,
+                                                output_attentions)
         output = context.reshape(b, n, hidden)                                  # [b, n, h*d]
 
         global_probs = None
@@ -196,10 +198,15 @@ class LongformerSelfAttention(nn.Module):
             hidden = hidden | later[:, :, None, :]
         return scores.masked_fill(hidden, torch.finfo(q.dtype).min)
 
-    def _local_banded(self, q, k, v, is_padding, is_global, globals_):
+    def _local_banded(self, q, k, v, is_padding, is_global, globals_, need_probs: bool):
         """TVM kernels or sliding chunks: band scores ``[b, n, h, c]``, never an n x n matrix.
         ``is_padding`` is None when nothing is padding."""
         w, dil, ar = self.window, self.dilation, self.autoregressive
+        if (self.attention_mode is AttentionMode.TVM and is_padding is None and globals_ is None and not need_probs
+                and not (self.training and self.dropout > 0)):
+            # Plain local attention, nothing to remove from the band: one call, which runs the fused
+            # kernel (no band in memory) when no gradient is needed. q is already scaled.
+            return sliding_window_attention(q, k, v, w, dil, ar, scale=1.0), None
         # Keys outside the sequence get -inf from the band product itself.
         if self.attention_mode is AttentionMode.TVM:
             band = diagonaled_mm(q, k, w, dil, is_t1_diagonaled=False, padding=float("-inf"), autoregressive=ar)

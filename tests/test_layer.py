@@ -263,6 +263,22 @@ def test_inference_path_equals_the_autograd_path(mode, pad_from, globals_):
         assert (a is None and b is None) or torch.equal(a, b.detach())
 
 
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_plain_local_inference_runs_the_fused_kernel(monkeypatch, autoregressive):
+    """No padding, no global token, no attentions asked for: under no_grad the layer runs the fused
+    kernel (no band product), with the result of the banded path."""
+    import longformer_ops.attention
+
+    cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 3]], autoregressive=autoregressive)
+    x, _ = layer_inputs(7, 2, 37, 32, dtype=torch.float32)
+    layer = layer_for(cfg, dtype=torch.float32)
+    banded = layer(x, None, output_attentions=True)[0]  # the band path (attentions need the band)
+    monkeypatch.setattr(longformer_ops.attention, "diagonaled_mm", None)  # any band product would fail
+    with torch.no_grad():
+        fused = layer(x, None)[0]
+    assert_close(fused, banded.detach(), 1e-5, "fused vs banded")
+
+
 def test_band_gradient_is_not_copied_per_head():
     """Removing flagged keys from the band must be one masked fill, not one in-place fill per head:
     on a band that requires grad each of those makes autograd copy the whole band's gradient
