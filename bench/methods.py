@@ -7,8 +7,10 @@ Levels (``op``):
   (``dV = P^T dO``: each key row gathers the band entries that point at it);
 - ``local_attention``: scores, edge mask, softmax, context (no global tokens).
 
-Methods: ``tvm`` (ours), ``tvm_out`` (ours, forward only, writing into the outputs of its first
-call, ``out=``, as an inference loop that reuses its buffers does: no fresh memory per call),
+Methods: ``tvm`` (ours; local attention is :func:`longformer_ops.sliding_window_attention`: the
+fused kernel forward, the banded products with backward), ``tvm_out`` (ours, forward only,
+writing into the outputs of its first call, ``out=``, as an inference loop that reuses its
+buffers does: no fresh memory per call),
 ``full`` (n x n scores), ``sdpa`` (PyTorch SDPA with a boolean band mask), ``sliding_chunks``
 (Hugging Face's algorithm), ``flex`` (compiled FlexAttention with a sliding-window block mask).
 A method that cannot run a case says why in :func:`unsupported_reason`; the bench records that
@@ -23,7 +25,7 @@ import math
 
 import torch
 
-from longformer_ops import diagonaled_mm
+from longformer_ops import diagonaled_mm, sliding_window_attention
 from longformer_ops.diagonaled import transposed_product
 from longformer_ops.layer import band_key_mask
 from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
@@ -169,19 +171,18 @@ def local_attention(method: str, q, k, v, w: int, dilation, buffers=None):
     """softmax(q k^T / sqrt(f) restricted to the band) v, for q, k, v [b, n, h, f] -> [b, n, h, f]."""
     b, n, h, f = q.shape
     scale = 1.0 / math.sqrt(f)
-    if method in (*OURS, "sliding_chunks"):
-        if method in OURS:  # the kernel writes -inf at keys outside the sequence itself
-            scores = _reusing(buffers, "scores", lambda out: diagonaled_mm(
-                q * scale, k, w, torch.tensor(dilation), padding=float("-inf"), out=out))
-        else:
-            scores = sliding_chunks_qk(q * scale, k, w, padding=float("-inf"))
+    if method in OURS:  # the fused kernel for inference, the banded products with autograd
+        return _reusing(buffers, "context", lambda out: sliding_window_attention(
+            q, k, v, w, list(dilation), scale=scale, out=out))
+    if method == "sliding_chunks":
+        scores = sliding_chunks_qk(q * scale, k, w, padding=float("-inf"))
         # In the input dtype, as the layer does: torch's softmax accumulates half types in float32
         # and rounds once. Inference: in place, no second band in memory.
         if not (torch.is_grad_enabled() and scores.requires_grad):
             probs = torch.softmax(scores, dim=-1, out=scores)
         else:
             probs = torch.softmax(scores, dim=-1)
-        return pv_band(method, probs, v, w, dilation, buffers)
+        return sliding_chunks_pv(probs, v, w)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # [b, h, n, f]
     if method == "full":
         scores = torch.matmul(qh * scale, kh.transpose(-1, -2))  # [b, h, n, n]
