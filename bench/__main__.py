@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (args.name or device_name(args.device))
     report.write_csv(rows, stem.with_suffix(".csv"))
-    command = " ".join(["python -m bench", *(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))])
+    command = command_line(sys.argv[1:] if argv is None else argv)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -233,6 +233,17 @@ def main(argv=None) -> int:
     report.plot(rows, stem.with_suffix(".png"), report.plot_title(device_name(args.device), rows))
     print(f"wrote {stem}.csv, .md, .png")
     return 0
+
+
+# Environment variables that change what the bench measures (threads, kernels, the allocator).
+_RECORDED_ENV_PREFIXES = ("LONGFORMER_OPS_", "GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD", "OMP_", "TVM_NUM_THREADS")
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as a user would retype it, with the environment variables that change results first."""
+    env = [f"{name}={shlex.quote(value)}" for name, value in sorted(os.environ.items())
+           if name.startswith(_RECORDED_ENV_PREFIXES)]
+    return " ".join([*env, "python -m bench", *(shlex.quote(a) for a in argv)])
 
 
 if __name__ == "__main__":

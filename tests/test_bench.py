@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import csv
+import os
 
 import pytest
 import torch
 
 from bench import methods
-from bench.__main__ import main
+from bench.__main__ import command_line, main
 from bench.measure import Case, probe_in_fresh_process
 
 
@@ -108,3 +109,13 @@ def test_memory_probe_runs_in_a_fresh_process():
     # full attention materialises [h, n, n] float32 scores: at least 64 MiB here.
     assert probe["peak_mib"] >= 4 * 2048 * 2048 * 4 / 2**20, probe
     assert probe["first_call_ms"] > 0
+
+
+def test_command_line_records_the_environment_that_changes_results(monkeypatch):
+    for name in [n for n in os.environ if n.startswith(("LONGFORMER_OPS_", "GLIBC_", "MALLOC_", "OMP_", "LD_PRELOAD", "TVM_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0")
+    monkeypatch.setenv("LONGFORMER_OPS_THREAD_POOL", "tvm")
+    monkeypatch.setenv("UNRELATED", "x")
+    assert command_line(["--seq-lens", "512", "--name", "a b"]) == (
+        "GLIBC_TUNABLES=glibc.malloc.mmap_max=0 LONGFORMER_OPS_THREAD_POOL=tvm python -m bench --seq-lens 512 --name 'a b'")
