@@ -4,24 +4,30 @@
 ``diagonaled_mm`` (Q.K^T mode, ``padding=-inf``), a softmax over the band and
 ``diagonaled_mm`` (probs.V mode). Two paths, one result:
 
-- inference (no gradient needed) on a library with the fused kernel (the CPU libraries):
-  one kernel computes scores, softmax and context per tile of queries, so the
-  ``[b, n, h, 2w+1]`` band never exists in memory (at n = 4096, 12 heads, w = 256:
-  100 MiB not allocated, faulted in and written; ``bench/NOTES.md``);
-- otherwise (gradients, or a library without it: CUDA) the three steps above, differentiable
-  through :func:`diagonaled_mm`'s kernels.
+- on a library with the fused kernels (the CPU libraries), inference runs one kernel that
+  computes scores, softmax and context per tile of queries, so the ``[b, n, h, 2w+1]`` band
+  never exists in memory (at n = 4096, 12 heads, w = 256: 100 MiB not allocated, faulted in
+  and written; ``bench/NOTES.md``); training runs a kernel that also writes the probabilities,
+  and a backward kernel for dQ and dS (softmax backward included), then the transposed product
+  for dK and dV;
+- otherwise (a library without them: CUDA) the three steps above, differentiable through
+  :func:`diagonaled_mm`'s kernels.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from longformer_ops import checks
 from longformer_ops._loader import library_for
 from longformer_ops._manifest import function_name
-from longformer_ops.diagonaled import _dilation_tensor, _new_output, _pad_features, diagonaled_mm
+from longformer_ops.diagonaled import _dilation_tensor, _launch, _new_output, _pad_features, diagonaled_mm
+from longformer_ops.reference import band_width
 
-FUSED = "attention"  # the fused kernel's op name in the libraries (tvm_kernels.variants.FUSED_ATTENTION)
+# The fused kernels' op names in the libraries (tvm_kernels.variants.FUSED_ATTENTION).
+FUSED = ("attention",)
+FUSED_TRAINING = ("attention_train", "attention_backward")
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, d=1,
@@ -35,36 +41,78 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     head (as in :func:`diagonaled_mm`). ``scale`` multiplies the scores (default
     ``1 / sqrt(head_dim)``). Returns ``[batch, seq_len, heads, head_dim]`` in the inputs' dtype.
 
-    Differentiable in ``q``, ``k``, ``v``. Without gradients it runs the fused kernel where the
-    library has one (CPU), with no band in memory. ``out``: a contiguous tensor of the result's
-    shape, dtype and device to write into and return (not differentiable).
+    Differentiable in ``q``, ``k``, ``v`` (once). Where the library has the fused kernels (CPU),
+    inference keeps no band in memory, and training keeps only the probabilities for the backward.
+    ``out``: a contiguous tensor of the result's shape, dtype and device to write into and return
+    (not differentiable).
     """
     w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if out is not None:
         checks.check_out(out, tuple(q.shape), {"q": q, "k": k, "v": v})
-    if q.numel() == 0:
+    if q.numel() == 0 and not needs_grad:
         return out if out is not None else q.new_empty(q.shape)
-    if not needs_grad:
-        library = library_for(q.device, str(q.dtype).removeprefix("torch."))
-        if library.has(function_name(FUSED, autoregressive)):
-            return _launch_fused(library, q, k, v, w, dilations, autoregressive, scale, out)
+    library = library_for(q.device, str(q.dtype).removeprefix("torch.")) if q.numel() else None
+    fused = [function_name(op, autoregressive) for op in (FUSED_TRAINING if needs_grad else FUSED)]
+    if library is not None and all(library.has(name) for name in fused):
+        f = q.shape[-1]
+        # Zero features change no score and give zero output columns, dropped below.
+        q, k, v = (_pad_features(x, library.feature_multiple) for x in (q, k, v))
+        if needs_grad:
+            return _FusedAttention.apply(q, k, v, w, dilations, autoregressive, scale, library)[..., :f]
+        return _launch_fused(library, q.contiguous(), k.contiguous(), v.contiguous(), f, w, dilations, autoregressive,
+                             scale, out)
     scores = diagonaled_mm(q * scale, k, w, dilations, False, float("-inf"), autoregressive)
     # In the input dtype: torch's softmax accumulates half types in float32 and rounds once.
     probs = torch.softmax(scores, dim=-1) if needs_grad else torch.softmax(scores, dim=-1, out=scores)
     return diagonaled_mm(probs, v, w, dilations, True, autoregressive=autoregressive, out=out)
 
 
-def _launch_fused(library, q, k, v, w: int, dilations: tuple[int, ...], autoregressive: bool, scale: float,
+def _launch_fused(library, q, k, v, f: int, w: int, dilations: tuple[int, ...], autoregressive: bool, scale: float,
                   out: torch.Tensor | None) -> torch.Tensor:
-    f = q.shape[-1]
-    # Zero features change no score and give zero output columns, dropped below.
-    q, k, v = (_pad_features(x.contiguous(), library.feature_multiple) for x in (q, k, v))
+    """The inference kernel on contiguous inputs padded to the library's head_dim multiple (``f``: the real one)."""
     kernel_out = out if out is not None and q.shape[-1] == f else _new_output(q, q.shape)
-    library.function(function_name(FUSED, autoregressive))(
+    library.function(function_name(FUSED[0], autoregressive))(
         q, k, v, _dilation_tensor(dilations, q.device), w, scale, kernel_out)
     if kernel_out.shape[-1] == f:
         return kernel_out
     if out is None:
         return kernel_out[..., :f].contiguous()
     return out.copy_(kernel_out[..., :f])
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Forward: the training kernel (context and the probabilities P). Backward: the backward kernel
+    gives dQ and dS = P * (dP - rowsum(dO * O)) in one pass (dP = dO . V^T per tile, never stored),
+    then dK = scale * dS^T Q and dV = P^T dO are the transposed product."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, w, dilations, autoregressive, scale, library):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = _new_output(q, q.shape)
+        probs = _new_output(q, (*q.shape[:3], band_width(w, autoregressive)))
+        library.function(function_name(FUSED_TRAINING[0], autoregressive))(
+            q, k, v, _dilation_tensor(dilations, q.device), w, scale, out, probs)
+        ctx.save_for_backward(q, k, v, out, probs)
+        ctx.config = (w, dilations, autoregressive, scale, library)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, k, v, out, probs = ctx.saved_tensors
+        w, dilations, autoregressive, scale, library = ctx.config
+        grad = grad.contiguous()
+        grad_q = grad_k = grad_v = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            accumulation = torch.float64 if q.dtype == torch.float64 else torch.float32
+            delta = (grad.to(accumulation) * out.to(accumulation)).sum(-1)  # [b, n, h]
+            grad_q = _new_output(q, q.shape)
+            grad_scores = _new_output(q, probs.shape)
+            library.function(function_name(FUSED_TRAINING[1], autoregressive))(
+                grad, v, k, probs, delta, _dilation_tensor(dilations, q.device), w, scale, grad_q, grad_scores)
+            if ctx.needs_input_grad[1]:
+                grad_k = _launch("transposed", grad_scores, q, w, dilations, autoregressive).mul_(scale)
+        if ctx.needs_input_grad[2]:
+            grad_v = _launch("transposed", probs, grad, w, dilations, autoregressive)
+        return grad_q, grad_k, grad_v, None, None, None, None, None

@@ -48,6 +48,21 @@ def _check(device, dtype, size, autoregressive, dilation_kind, with_grad):
     _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype)
 
 
+def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64):
+    """Gradients of all three inputs against the float64 reference's, for a random output gradient."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    got = torch.autograd.grad(sliding_window_attention(q, k, v, w, d, autoregressive, scale), (q, k, v), grad.to(dtype))
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(sliding_window_attention_reference(*exact, w, d, autoregressive, scale), exact, grad)
+    # Relative to the largest gradient, or where gradients cancel to ~0 (a row with one valid key
+    # has dS = 0), to the size of the terms that cancel: |dO| |v| |q or k| head_dim scale.
+    terms = grad.abs().max() * max(x.detach().double().abs().max() for x in (q, k, v)) ** 2 * q.shape[-1] * scale
+    for name, x, y in zip("qkv", got, want, strict=True):
+        error = (x.double() - y).abs().max() / max(y.abs().max(), terms, 1e-300)
+        assert error <= TOLERANCE[dtype], f"d{name}: relative error {error:.2e}"
+
+
 @pytest.fixture(params=cpu_targets())
 def cpu_library(request, monkeypatch):
     monkeypatch.setenv(_loader.CPU_TARGET_ENV, request.param)
@@ -63,6 +78,18 @@ def test_cpu_matches_reference(cpu_library, size, dtype, autoregressive, dilatio
     _check("cpu", dtype, size, autoregressive, dilation_kind, with_grad)
 
 
+@pytest.mark.parametrize("dilation_kind", DILATIONS)
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("size", [s for s in SIZES + LARGER if s[3] > 1 and s[1] > 1], ids=str)
+def test_cpu_gradients_match_reference(cpu_library, size, dtype, autoregressive, dilation_kind):
+    b, n, h, f, w = size
+    g = torch.Generator().manual_seed(hash((size, autoregressive, dilation_kind, str(dtype))) % 2**31)
+    d = _dilation(dilation_kind, h, g)
+    q, k, v = (_random((b, n, h, f), dtype, "cpu", g) for _ in range(3))
+    _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("with_grad", [False, True], ids=["inference", "autograd"])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
@@ -72,30 +99,47 @@ def test_cuda_matches_reference(size, dtype, autoregressive, with_grad):
     _check("cuda", dtype, size, autoregressive, "per-head", with_grad)
 
 
-def test_inference_runs_the_fused_kernel_only(cpu_library, monkeypatch):
-    """Without gradients on CPU no band product runs (no band is ever allocated); with them,
-    the banded products do."""
+def test_cpu_runs_the_fused_kernels_only(cpu_library, monkeypatch):
+    """On CPU no band product of diagonaled_mm runs, with or without gradients (no score band is
+    ever allocated; training keeps only the probabilities)."""
     def no_band(*args, **kwargs):
         raise AssertionError("the band products ran")
 
     monkeypatch.setattr(attention_module, "diagonaled_mm", no_band)
-    q, k, v = (torch.randn(1, 50, 2, 32) for _ in range(3))
+    q, k, v = (torch.randn(1, 50, 2, 32, requires_grad=True) for _ in range(3))
     with torch.no_grad():
-        sliding_window_attention(q.requires_grad_(), k, v, 4, [1, 3])
-    sliding_window_attention(q.detach(), k, v, 4, [1, 3])  # no input requires grad
-    with pytest.raises(AssertionError, match="the band products ran"):
-        sliding_window_attention(q.requires_grad_(), k, v, 4, [1, 3])
+        sliding_window_attention(q, k, v, 4, [1, 3])
+    sliding_window_attention(q.detach(), k.detach(), v.detach(), 4, [1, 3])
+    sliding_window_attention(q, k, v, 4, [1, 3]).sum().backward()
+    assert all(x.grad is not None for x in (q, k, v))
+
+
+@pytest.mark.parametrize("needs", ["q", "k", "v", "qk", "kv"])
+def test_gradients_of_a_subset_of_inputs(cpu_library, needs):
+    """The backward computes only the gradients asked for, each equal to the reference's."""
+    g = torch.Generator().manual_seed(4)
+    inputs = {name: torch.randn(2, 45, 3, 32, generator=g, dtype=torch.float64).requires_grad_(name in needs)
+              for name in "qkv"}
+    grad = torch.randn(2, 45, 3, 32, generator=g, dtype=torch.float64)
+    sliding_window_attention(*inputs.values(), 6, [1, 2, 3], scale=0.4).backward(grad)
+    wanted = [x for x in inputs.values() if x.requires_grad]
+    expected = torch.autograd.grad(sliding_window_attention_reference(*inputs.values(), 6, [1, 2, 3], False, 0.4), wanted, grad)
+    for name, x in inputs.items():
+        assert (x.grad is None) == (name not in needs)
+    for x, e in zip(wanted, expected, strict=True):
+        torch.testing.assert_close(x.grad, e)
 
 
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
-def test_library_without_the_fused_kernel_runs_the_band_products(monkeypatch, autoregressive):
-    """A library without it (the CUDA ones) gives the same result through the three steps."""
+def test_library_without_the_fused_kernels_runs_the_band_products(monkeypatch, autoregressive):
+    """A library without them (the CUDA ones) gives the same results through the three steps."""
     monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(2, 77, 3, 20, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(2, 77, 3, 20, generator=g, dtype=torch.float64) for _ in range(3))
     with torch.no_grad():
         out = sliding_window_attention(q, k, v, 9, [1, 2, 5], autoregressive, scale=0.3)
-    _assert_close(out, q, k, v, 9, [1, 2, 5], autoregressive, 0.3, torch.float32)
+    _assert_close(out, q, k, v, 9, [1, 2, 5], autoregressive, 0.3, torch.float64)
+    _check_gradients(q, k, v, 9, [1, 2, 5], autoregressive, 0.3)
 
 
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from longformer_ops._manifest import function_name  # noqa: F401  (the naming contract with the runtime)
 
 OPS = ("qk", "pv", "transposed")  # the three banded products, see tvm_kernels.compute
-# Fused local attention for inference (qk, softmax, pv in one pass, no band in memory): the CPU
-# targets only (tvm_kernels/schedules/cpu.py); the runtime runs the three products where a
-# library lacks it.
-FUSED_ATTENTION = "attention"
+# Fused local attention (qk, softmax, pv per tile, see tvm_kernels/schedules/cpu.py): for inference
+# (no band in memory), for training (also writes the probabilities) and its backward (dQ and dS).
+# CPU targets only; the runtime runs the three products where a library lacks them.
+FUSED_ATTENTION = ("attention", "attention_train", "attention_backward")
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs
@@ -60,7 +60,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=1,
             cpu_flags=_V3_FLAGS,
             vector_bits=256,
-            ops=OPS + (FUSED_ATTENTION,),
+            ops=OPS + FUSED_ATTENTION,
         ),
         KernelTarget(
             name="cpu-avx512",
@@ -71,7 +71,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=2,
             cpu_flags=_V4_FLAGS,
             vector_bits=512,
-            ops=OPS + (FUSED_ATTENTION,),
+            ops=OPS + FUSED_ATTENTION,
         ),
         KernelTarget(
             name="cuda",

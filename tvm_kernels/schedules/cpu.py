@@ -445,8 +445,219 @@ def _exp(x, acc_dtype):
     return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", m) + T.int32(127), T.int32(23)))
 
 
-def attention(dtype: str, autoregressive: bool, vector_bits: int):
-    """Fused local attention for inference: ``out = softmax(scale * Q.K^T on the band) . V``.
+@T.macro
+def _pack_attention_operands(keys, values, t_keys, t_values, row_of, block_keys, b, h, n, head_dim, margin, blocks,
+                             cols, lanes, per_line, acc_dtype):
+    """keys as in qk (blocks of ``cols``, feature-major), values as in pv (rows), at the same packed
+    columns, zero outside the sequence."""
+    for block in range(blocks):
+        for lane in range(T.int64(cols)):
+            p: T.let = block * T.int64(cols) + lane - margin  # packed position
+            block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
+            ahead: T.let = row_of[T.max(T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1)), T.int64(0))]
+            _prefetch_row(t_keys, b, ahead, h, head_dim, per_line)
+            _prefetch_row(t_values, b, ahead, h, head_dim, per_line)
+        for f in range(head_dim):
+            for lane in T.vectorized(cols):
+                keys[block, f, lane] = T.Select(
+                    block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
+                    T.Cast(acc_dtype, t_keys[b, block_keys[lane], h, f]), T.Cast(acc_dtype, 0))
+        for lane in range(T.int64(cols)):
+            inside: T.let = block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n
+            for vector in range(head_dim // T.int64(lanes)):
+                for lane2 in T.vectorized(lanes):
+                    values[block * T.int64(cols) + lane, vector * T.int64(lanes) + lane2] = T.Select(
+                        inside, T.Cast(acc_dtype, t_values[b, block_keys[lane], h, vector * T.int64(lanes) + lane2]),
+                        T.Cast(acc_dtype, 0))
+
+
+@T.macro
+def _attention_tile_rows(query, begin, end, queries, t_rows, row_of, b, h, n, head_dim, p0, w, d, band, base, scale,
+                         rows, lanes, acc_dtype):
+    """The tile's sequence rows, their valid columns [begin, end) in the scores buffer (row r's band
+    column j is at base + r + j; empty past the end), and their first operand rows times ``scale``."""
+    for r in T.unroll(rows):
+        query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
+        begin[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.max(w - query[r] // d, T.int64(0)), T.int64(0))
+        end[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.min(w + (n - T.int64(1) - query[r]) // d + T.int64(1), band), T.int64(0))
+    for r in range(rows):
+        for vector in range(head_dim // T.int64(lanes)):
+            for lane in T.vectorized(lanes):
+                queries[r, vector * T.int64(lanes) + lane] = T.Cast(
+                    acc_dtype, t_rows[b, query[r], h, vector * T.int64(lanes) + lane]) * T.Cast(acc_dtype, scale)
+
+
+@T.macro
+def _attention_tile_scores(scores, acc, queries, keys, block0, blocks, head_dim, rows, cols, acc_dtype):
+    """scores[r, c] = queries[r] . packed key (block0 * cols + c), for the tile's ``blocks`` key blocks."""
+    for block in range(blocks):
+        _zero_tile(acc, rows, cols, acc_dtype)
+        for f in range(head_dim):
+            for r in T.unroll(rows):
+                for lane in T.vectorized(cols):
+                    acc[r, lane] = acc[r, lane] + queries[r, f] * keys[block0 + block, f, lane]
+        for r in T.unroll(rows):
+            for lane in T.vectorized(cols):
+                scores[r, block * T.int64(cols) + lane] = acc[r, lane]
+
+
+@T.macro
+def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n, block0,
+                            head_dim, rows, cols, group, features, acc_dtype, dtype):
+    """out row r = row_scale[r] * sum over c of scores[r, c] * packed value row (block0 * cols + c)."""
+    for g in range(rows // group):
+        # The columns some row of the group has; the other rows' weights there are 0.
+        span[0] = begin[g * group]
+        span[1] = end[g * group]
+        for r in range(1, group):
+            span[0] = T.min(span[0], begin[g * group + r])
+            span[1] = T.max(span[1], end[g * group + r])
+        for feature_tile in range(head_dim // T.int64(features)):
+            column: T.let = feature_tile * T.int64(features)
+            _zero_tile(out_acc, group, features, acc_dtype)
+            for key in range(span[0], span[1]):
+                for r in T.unroll(group):
+                    _accumulate(out_acc, r, values, block0 * T.int64(cols) + key, column, features, scores[g * group + r, key])
+            for r in T.unroll(group):
+                if p0 + T.int64(g * group + r) < n:
+                    for lane in T.vectorized(features):
+                        out[b, query[g * group + r], h, column + lane] = T.Cast(dtype, out_acc[r, lane] * row_scale[g * group + r])
+
+
+@T.macro
+def _attention_tile_softmax(scores, partial, row_max, reciprocal, begin, end, blocks, rows, cols, lanes, acc_dtype,
+                            minus_inf):
+    """Each row: -inf at its invalid and out-of-band columns (exp gives exactly 0 there), then
+    exp(score - row max) in place, and 1 / their sum."""
+    for r in range(rows):
+        _fill_run(scores, r, T.int64(0), begin[r], minus_inf, lanes)
+        _fill_run(scores, r, end[r], blocks * T.int64(cols), minus_inf, lanes)
+        for lane in T.vectorized(lanes):
+            partial[lane] = minus_inf
+        for vector in range(blocks * T.int64(cols // lanes)):
+            for lane in T.vectorized(lanes):
+                partial[lane] = T.max(partial[lane], scores[r, vector * T.int64(lanes) + lane])
+        row_max[0] = partial[0]
+        for lane in range(1, lanes):
+            row_max[0] = T.max(row_max[0], partial[lane])
+        if row_max[0] == minus_inf:  # a row past the end (never stored): no NaN from -inf - -inf
+            row_max[0] = T.Cast(acc_dtype, 0)
+        for lane in T.vectorized(lanes):
+            partial[lane] = T.Cast(acc_dtype, 0)
+        for vector in range(blocks * T.int64(cols // lanes)):
+            for lane in T.vectorized(lanes):
+                scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype)
+                partial[lane] = partial[lane] + scores[r, vector * T.int64(lanes) + lane]
+        reciprocal[r] = T.Cast(acc_dtype, 0)
+        for lane in range(lanes):
+            reciprocal[r] = reciprocal[r] + partial[lane]
+        reciprocal[r] = T.Select(reciprocal[r] > T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / reciprocal[r], T.Cast(acc_dtype, 0))
+
+
+@T.macro
+def _store_band_rows(band_out, scores, row_scale, query, b, h, p0, n, base, band, rows, lanes, dtype):
+    """band_out[b, query[r], h, j] = row_scale[r] * scores[r, base + r + j] for every real row."""
+    for r in range(rows):
+        if p0 + T.int64(r) < n:
+            for vector in range(band // T.int64(lanes)):
+                for lane in T.vectorized(lanes):
+                    band_out[b, query[r], h, vector * T.int64(lanes) + lane] = T.Cast(
+                        dtype, scores[r, base + T.int64(r) + vector * T.int64(lanes) + lane] * row_scale[r])
+            for j in range(band // T.int64(lanes) * T.int64(lanes), band):
+                band_out[b, query[r], h, j] = T.Cast(dtype, scores[r, base + T.int64(r) + j] * row_scale[r])
+
+
+@T.macro
+def _attention_tile_gradient(scores, probs, delta, query, begin, end, b, h, base, blocks, rows, cols, lanes, acc_dtype):
+    """Softmax backward in place: scores (dP) -> probs * (dP - delta) at each row's valid columns, 0 elsewhere."""
+    for r in range(rows):
+        _fill_run(scores, r, T.int64(0), begin[r], T.Cast(acc_dtype, 0), lanes)
+        _fill_run(scores, r, end[r], blocks * T.int64(cols), T.Cast(acc_dtype, 0), lanes)
+        for vector in range((end[r] - begin[r]) // T.int64(lanes)):
+            for lane in T.vectorized(lanes):
+                scores[r, begin[r] + vector * T.int64(lanes) + lane] = T.Cast(
+                    acc_dtype, probs[b, query[r], h, begin[r] - base - T.int64(r) + vector * T.int64(lanes) + lane]) * (
+                    scores[r, begin[r] + vector * T.int64(lanes) + lane] - delta[b, query[r], h])
+        for c in range(begin[r] + (end[r] - begin[r]) // T.int64(lanes) * T.int64(lanes), end[r]):
+            scores[r, c] = T.Cast(acc_dtype, probs[b, query[r], h, c - base - T.int64(r)]) * (scores[r, c] - delta[b, query[r], h])
+
+
+@T.macro
+def _attention_body(t_rows, t_keys, t_values, probs_in, delta, dilation, window, scale, out, band_out,
+                    batch, n, heads, head_dim, dtype, mode, acc_dtype, lanes, rows, cols, group, features, causal,
+                    per_line, minus_inf):
+    """The fused kernels' loop nest (see :func:`attention`). ``mode``: "inference" (out = context),
+    "training" (also band_out = probabilities) or "backward" (t_rows = dO, t_keys = V, t_values = K:
+    band_out = dS = P * (dP - delta), out = scale * dS . K)."""
+    w: T.let = window
+    band: T.let = T.int64(2 - causal) * window + T.int64(1)
+    margin: T.let = w + T.int64(cols)  # packed columns before the first key
+    for bh in T.parallel(batch * heads):
+        b: T.let = bh // heads
+        h: T.let = bh % heads
+        d: T.let = T.Cast("int64", dilation[h])
+        row_of = T.decl_buffer((n,), "int64")
+        keys = T.decl_buffer(
+            ((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1),
+             head_dim, T.int64(cols)), acc_dtype)
+        values = T.decl_buffer(
+            (((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols),
+             head_dim), acc_dtype)
+        scores = T.decl_buffer((T.int64(rows), T.int64(2 - causal) * window + T.int64(1 + rows + 2 * cols)), acc_dtype)
+        queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+        query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+        block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
+        begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+        end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+        row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+        unit = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+        partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+        row_max = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+        span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
+        acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
+        out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
+        _fill_residue_major(row_of, n, d)
+        _pack_attention_operands(keys, values, t_keys, t_values, row_of, block_keys, b, h, n, head_dim, margin,
+                                 (n + band + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1),
+                                 cols, lanes, per_line, acc_dtype)
+        for r in range(rows):
+            unit[r] = T.Cast(acc_dtype, 1)
+        for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+            p0: T.let = tile * T.int64(rows)
+            first: T.let = p0 - w + margin  # packed column of row 0's band column 0
+            block0: T.let = first // T.int64(cols)
+            base: T.let = first - block0 * T.int64(cols)  # scores column of row 0's band column 0
+            blocks: T.let = (first + T.int64(rows - 2) + band) // T.int64(cols) - block0 + T.int64(1)
+            _attention_tile_rows(query, begin, end, queries, t_rows, row_of, b, h, n, head_dim, p0, w, d, band, base,
+                                 T.float64(1) if mode == "backward" else scale, rows, lanes, acc_dtype)
+            _attention_tile_scores(scores, acc, queries, keys, block0, blocks, head_dim, rows, cols, acc_dtype)
+            if mode == "backward":
+                _attention_tile_gradient(scores, probs_in, delta, query, begin, end, b, h, base, blocks, rows, cols,
+                                         lanes, acc_dtype)
+                _store_band_rows(band_out, scores, unit, query, b, h, p0, n, base, band, rows, lanes, dtype)
+                for r in range(rows):
+                    row_scale[r] = T.Cast(acc_dtype, scale)
+            else:
+                _attention_tile_softmax(scores, partial, row_max, row_scale, begin, end, blocks, rows, cols, lanes,
+                                        acc_dtype, minus_inf)
+                if mode == "training":
+                    _store_band_rows(band_out, scores, row_scale, query, b, h, p0, n, base, band, rows, lanes, dtype)
+            _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n,
+                                    block0, head_dim, rows, cols, group, features, acc_dtype, dtype)
+
+
+def _attention_sizes(dtype: str, autoregressive: bool, vector_bits: int) -> tuple:
+    acc_dtype = accumulation_dtype(dtype)
+    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
+    rows, vectors = (16, 1) if vector_bits >= 512 else (6, 2)  # the Q.K^T tile, as in qk
+    # In the order of _attention_body's last arguments.
+    return (acc_dtype, lanes, rows, vectors * lanes,
+            8 if vector_bits >= 512 else 6,  # rows of one probs.V register tile (as in pv)
+            2 * lanes, 1 if autoregressive else 0, 64 * 8 // _BITS[dtype], tirx.const(float("-inf"), acc_dtype))
+
+
+def attention(dtype: str, autoregressive: bool, vector_bits: int, with_probs: bool = False):
+    """Fused local attention: ``out = softmax(scale * Q.K^T on the band) . V``.
 
     What :func:`qk`, a softmax over each row's valid keys and :func:`pv` compute one after the
     other, without the band in memory: per tile of ``rows`` consecutive packed queries, the
@@ -455,21 +666,14 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
     and out-of-band keys) and summed; the probs.V micro-kernel then streams the same packed
     value rows through once, and each output row is divided by its sum as it is stored.
     Arguments: q, k, v ``[b, n, h, f]``, dilation ``[h]``, the one-sided window ``w``, the score
-    scale, out ``[b, n, h, f]``.
+    scale, out ``[b, n, h, f]``; ``with_probs`` (training): also the probabilities, ``probs
+    [b, n, h, c]`` (0 at invalid keys), which the backward needs.
     """
-    acc_dtype = accumulation_dtype(dtype)
-    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
-    rows, vectors = (16, 1) if vector_bits >= 512 else (6, 2)  # the Q.K^T tile, as in qk
-    cols = vectors * lanes
-    group = 8 if vector_bits >= 512 else 6  # rows of one probs.V register tile (as in pv)
-    features = 2 * lanes
-    causal = 1 if autoregressive else 0
-    per_line = 64 * 8 // _BITS[dtype]
-    minus_inf = tirx.const(float("-inf"), acc_dtype)
+    acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
 
     @T.prim_func
-    def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, dilation_handle: T.handle,
-             window: T.int64, scale: T.float64, out_handle: T.handle):
+    def inference(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, dilation_handle: T.handle,
+                  window: T.int64, scale: T.float64, out_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -480,125 +684,63 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
         v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
-        w: T.let = window
-        band: T.let = T.int64(2 - causal) * window + T.int64(1)
-        margin: T.let = w + T.int64(cols)  # packed columns before the first key
-        for bh in T.parallel(batch * heads):
-            b: T.let = bh // heads
-            h: T.let = bh % heads
-            d: T.let = T.Cast("int64", dilation[h])
-            row_of = T.decl_buffer((n,), "int64")
-            # Keys packed as in qk (blocks of cols, feature-major), values as in pv (rows), at the
-            # same packed columns, zero outside the sequence.
-            keys = T.decl_buffer(
-                ((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1),
-                 head_dim, T.int64(cols)), acc_dtype)
-            values = T.decl_buffer(
-                (((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols),
-                 head_dim), acc_dtype)
-            scores = T.decl_buffer((T.int64(rows), T.int64(2 - causal) * window + T.int64(1 + rows + 2 * cols)), acc_dtype)
-            queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
-            query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-            block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
-            begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-            end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-            reciprocal = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
-            partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
-            row_max = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
-            span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
-            acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
-            out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
-            _fill_residue_major(row_of, n, d)
-            for block in range((n + band + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)):
-                for lane in range(T.int64(cols)):
-                    p: T.let = block * T.int64(cols) + lane - margin  # packed position
-                    block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
-                    ahead: T.let = row_of[T.max(T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1)), T.int64(0))]
-                    _prefetch_row(k, b, ahead, h, head_dim, per_line)
-                    _prefetch_row(v, b, ahead, h, head_dim, per_line)
-                for f in range(head_dim):
-                    for lane in T.vectorized(cols):
-                        keys[block, f, lane] = T.Select(
-                            block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
-                            T.Cast(acc_dtype, k[b, block_keys[lane], h, f]), T.Cast(acc_dtype, 0))
-                for lane in range(T.int64(cols)):
-                    inside: T.let = block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n
-                    for vector in range(head_dim // T.int64(lanes)):
-                        for lane2 in T.vectorized(lanes):
-                            values[block * T.int64(cols) + lane, vector * T.int64(lanes) + lane2] = T.Select(
-                                inside, T.Cast(acc_dtype, v[b, block_keys[lane], h, vector * T.int64(lanes) + lane2]),
-                                T.Cast(acc_dtype, 0))
-            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
-                p0: T.let = tile * T.int64(rows)
-                first: T.let = p0 - w + margin  # packed column of row 0's band column 0
-                block0: T.let = first // T.int64(cols)
-                base: T.let = first - block0 * T.int64(cols)  # scores column of row 0's band column 0
-                blocks: T.let = (first + T.int64(rows - 2) + band) // T.int64(cols) - block0 + T.int64(1)
-                for r in T.unroll(rows):
-                    query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
-                    # Valid band columns low <= j < high, at scores columns base + r + j.
-                    begin[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.max(w - query[r] // d, T.int64(0)), T.int64(0))
-                    end[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.min(w + (n - T.int64(1) - query[r]) // d + T.int64(1), band), T.int64(0))
-                for r in range(rows):
-                    for vector in range(head_dim // T.int64(lanes)):
-                        for lane in T.vectorized(lanes):
-                            queries[r, vector * T.int64(lanes) + lane] = T.Cast(
-                                acc_dtype, q[b, query[r], h, vector * T.int64(lanes) + lane]) * T.Cast(acc_dtype, scale)
-                for block in range(blocks):
-                    _zero_tile(acc, rows, cols, acc_dtype)
-                    for f in range(head_dim):
-                        for r in T.unroll(rows):
-                            for lane in T.vectorized(cols):
-                                acc[r, lane] = acc[r, lane] + queries[r, f] * keys[block0 + block, f, lane]
-                    for r in T.unroll(rows):
-                        for lane in T.vectorized(cols):
-                            scores[r, block * T.int64(cols) + lane] = acc[r, lane]
-                for r in range(rows):
-                    # -inf at the row's invalid and out-of-band columns (exp gives exactly 0 there),
-                    # then exp(score - row max) and 1 / their sum.
-                    _fill_run(scores, r, T.int64(0), begin[r], minus_inf, lanes)
-                    _fill_run(scores, r, end[r], blocks * T.int64(cols), minus_inf, lanes)
-                    for lane in T.vectorized(lanes):
-                        partial[lane] = minus_inf
-                    for vector in range(blocks * T.int64(cols // lanes)):
-                        for lane in T.vectorized(lanes):
-                            partial[lane] = T.max(partial[lane], scores[r, vector * T.int64(lanes) + lane])
-                    row_max[0] = partial[0]
-                    for lane in range(1, lanes):
-                        row_max[0] = T.max(row_max[0], partial[lane])
-                    if row_max[0] == minus_inf:  # a row past the end (never stored): no NaN from -inf - -inf
-                        row_max[0] = T.Cast(acc_dtype, 0)
-                    for lane in T.vectorized(lanes):
-                        partial[lane] = T.Cast(acc_dtype, 0)
-                    for vector in range(blocks * T.int64(cols // lanes)):
-                        for lane in T.vectorized(lanes):
-                            scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype)
-                            partial[lane] = partial[lane] + scores[r, vector * T.int64(lanes) + lane]
-                    reciprocal[r] = T.Cast(acc_dtype, 0)
-                    for lane in range(lanes):
-                        reciprocal[r] = reciprocal[r] + partial[lane]
-                    reciprocal[r] = T.Select(reciprocal[r] > T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / reciprocal[r], T.Cast(acc_dtype, 0))
-                for g in range(rows // group):
-                    # The keys some row of the group attends to; the others' probabilities there are 0.
-                    span[0] = begin[g * group]
-                    span[1] = end[g * group]
-                    for r in range(1, group):
-                        span[0] = T.min(span[0], begin[g * group + r])
-                        span[1] = T.max(span[1], end[g * group + r])
-                    for feature_tile in range(head_dim // T.int64(features)):
-                        column: T.let = feature_tile * T.int64(features)
-                        _zero_tile(out_acc, group, features, acc_dtype)
-                        for key in range(span[0], span[1]):
-                            for r in T.unroll(group):
-                                _accumulate(out_acc, r, values, block0 * T.int64(cols) + key, column, features,
-                                            scores[g * group + r, key])
-                        for r in T.unroll(group):
-                            if p0 + T.int64(g * group + r) < n:
-                                for lane in T.vectorized(features):
-                                    out[b, query[g * group + r], h, column + lane] = T.Cast(
-                                        dtype, out_acc[r, lane] * reciprocal[g * group + r])
+        _attention_body(q, k, v, out, out, dilation, window, scale, out, out, batch, n, heads, head_dim, dtype, "inference",
+                        acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
+
+    @T.prim_func
+    def training(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, dilation_handle: T.handle,
+                 window: T.int64, scale: T.float64, out_handle: T.handle, probs_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
+        probs = T.match_buffer(probs_handle, (batch, n, heads, T.int64(2 - causal) * window + T.int64(1)), dtype)
+        _attention_body(q, k, v, out, out, dilation, window, scale, out, probs, batch, n, heads, head_dim, dtype, "training",
+                        acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
+
+    return training if with_probs else inference
+
+
+def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
+    """The fused kernel's backward for dQ and dS (dK and dV are transposed products of the band).
+
+    Arguments: dO ``[b, n, h, f]``, V, K, probs ``[b, n, h, c]`` (from the training forward),
+    delta ``[b, n, h]`` (rowsum(dO * O), in the accumulation dtype), dilation, ``w``, the score
+    scale, dQ ``[b, n, h, f]`` and dS ``[b, n, h, c]`` (the gradient of the scaled scores). Per
+    tile: dP = dO . V^T (the Q.K^T micro-kernel), dS = P * (dP - delta) in the scores buffer,
+    stored, then dQ = scale * dS . K (the probs.V micro-kernel).
+    """
+    acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
+
+    @T.prim_func
+    def main(grad_handle: T.handle, v_handle: T.handle, k_handle: T.handle, probs_handle: T.handle,
+             delta_handle: T.handle, dilation_handle: T.handle, window: T.int64, scale: T.float64,
+             grad_q_handle: T.handle, grad_scores_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        grad = T.match_buffer(grad_handle, (batch, n, heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
+        probs = T.match_buffer(probs_handle, (batch, n, heads, T.int64(2 - causal) * window + T.int64(1)), dtype)
+        delta = T.match_buffer(delta_handle, (batch, n, heads), acc_dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        grad_q = T.match_buffer(grad_q_handle, (batch, n, heads, head_dim), dtype)
+        grad_scores = T.match_buffer(grad_scores_handle, (batch, n, heads, T.int64(2 - causal) * window + T.int64(1)), dtype)
+        _attention_body(grad, v, k, probs, delta, dilation, window, scale, grad_q, grad_scores, batch, n, heads, head_dim,
+                        dtype, "backward", acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
 
     return main
 
 
 HAND_WRITTEN["attention"] = attention
+HAND_WRITTEN["attention_train"] = lambda dtype, autoregressive, vector_bits: attention(dtype, autoregressive, vector_bits, True)
+HAND_WRITTEN["attention_backward"] = attention_backward
