@@ -146,6 +146,7 @@ def _gemm_range(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    command = command_line(sys.argv[1:] if argv is None else argv)  # before loading kernels sets TVM_NUM_THREADS
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     torch.manual_seed(0)
@@ -219,7 +220,6 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (args.name or device_name(args.device))
     report.write_csv(rows, stem.with_suffix(".csv"))
-    command = command_line(sys.argv[1:] if argv is None else argv)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
