@@ -205,7 +205,7 @@ class LongformerSelfAttention(nn.Module):
         if (self.attention_mode is AttentionMode.TVM and is_padding is None and globals_ is None and not need_probs
                 and not (self.training and self.dropout > 0)):
             # Plain local attention, nothing to remove from the band: one call, which runs the fused
-            # kernel (no band in memory) when no gradient is needed. q is already scaled.
+            # kernels on CPU (no score band; without gradients no band at all). q is already scaled.
             return sliding_window_attention(q, k, v, w, dil, ar, scale=1.0), None
         # Keys outside the sequence get -inf from the band product itself.
         if self.attention_mode is AttentionMode.TVM:
