@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from longformer_ops import _loader
@@ -27,6 +28,13 @@ def cpu_targets() -> list[str]:
     flags = _loader.cpu_flags()
     return sorted({e["target"] for e in manifest["libraries"].values()
                    if e["device"] == "cpu" and set(e["cpu_flags"]) <= flags})
+
+
+@pytest.fixture(params=cpu_targets())
+def cpu_library(request, monkeypatch):
+    """Runs a test once per CPU library this machine can run (each forced in turn)."""
+    monkeypatch.setenv(_loader.CPU_TARGET_ENV, request.param)
+    return request.param
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import longformer_ops.attention as attention_module
-from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, TOLERANCE, cpu_targets
+from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, TOLERANCE
 from longformer_ops import _loader, sliding_window_attention
 from longformer_ops.reference import diagonaled_mm_reference, sliding_window_attention_reference
 from test_diagonaled_mm import DILATIONS, SIZES, _dilation, _random
@@ -61,12 +61,6 @@ def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64):
     for name, x, y in zip("qkv", got, want, strict=True):
         error = (x.double() - y).abs().max() / max(y.abs().max(), terms, 1e-300)
         assert error <= TOLERANCE[dtype], f"d{name}: relative error {error:.2e}"
-
-
-@pytest.fixture(params=cpu_targets())
-def cpu_library(request, monkeypatch):
-    monkeypatch.setenv(_loader.CPU_TARGET_ENV, request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("with_grad", [False, True], ids=["fused", "autograd"])

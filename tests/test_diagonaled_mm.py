@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, assert_close_to_reference, cpu_targets
-from longformer_ops import _loader, diagonaled_mm, mask_invalid_locations
+from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, assert_close_to_reference
+from longformer_ops import diagonaled_mm, mask_invalid_locations
 from longformer_ops.diagonaled import transposed_product
 from longformer_ops.reference import diagonaled_mm_reference, invalid_locations
 
@@ -58,12 +58,6 @@ def _check_forward(device, dtype, size, autoregressive, dilation_kind, is_t1_dia
         invalid = invalid_locations(n, w, torch.as_tensor(d).expand(h) if isinstance(d, int) else d, autoregressive)
         assert (out.cpu()[:, invalid] == torch.tensor(padding, dtype=dtype)).all(), "padding positions must hold exactly `padding`"
     assert_close_to_reference(out, ref, scale, dtype)
-
-
-@pytest.fixture(params=cpu_targets())
-def cpu_library(request, monkeypatch):
-    monkeypatch.setenv(_loader.CPU_TARGET_ENV, request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("is_t1_diagonaled", [False, True], ids=["qk", "pv"])

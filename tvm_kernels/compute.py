@@ -27,7 +27,9 @@ fuse the two stages freely.
 
 The CPU kernels are written directly in TIR instead (``tvm_kernels/schedules/cpu.py``):
 these definitions are the specification they implement, and what the CUDA schedules
-take.
+take. The CPU's fused local-attention kernels compose them (Q.K^T, a softmax over the
+band, probs.V; their backward likewise); their reference is
+``longformer_ops.reference.sliding_window_attention_reference``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""x86-64 CPU kernels: the three banded products hand-written in TIR, GEMM-like tiles for any dilation.
+"""x86-64 CPU kernels: the three banded products and fused local attention, hand-written in TIR,
+GEMM-like tiles for any dilation.
 
 Why not TE schedules: the fast loop nests run over *residue classes* whose size
 depends on each head's runtime dilation, compute dense tiles wider than the band
@@ -28,6 +29,10 @@ micro-kernel (bench/NOTES.md has every variant measured):
   across classes or past the end first gather their weights, zeroed at invalid keys,
   into a small buffer. The output features accumulate in registers while the packed
   rows the tile touches stream through once.
+- attention (inference, training, backward): the qk micro-kernel writes a tile's scores into a
+  buffer that stays in cache, the softmax (or its backward) runs there, and the pv micro-kernel
+  streams the value rows once; no band in memory but what training keeps for the backward
+  (see :func:`attention`).
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
 (feature loops run over whole vectors or register tiles; the runtime zero-pads,
@@ -37,6 +42,8 @@ in registers.
 """
 
 from __future__ import annotations
+
+import functools
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -418,9 +425,6 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
     return main
 
 
-HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed}
-
-
 # exp on [-inf, 0] for the fused softmax, vectorisable: TVM lowers ``T.exp`` to one scalar ``expf``
 # call per lane. exp(x) = 2^m * exp(t), m = round(x / ln 2), t = x - m ln 2 in [-ln2/2, ln2/2]
 # (ln 2 split in two constants so that t keeps float32 precision), exp(t) by its degree-7
@@ -741,6 +745,5 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
     return main
 
 
-HAND_WRITTEN["attention"] = attention
-HAND_WRITTEN["attention_train"] = lambda dtype, autoregressive, vector_bits: attention(dtype, autoregressive, vector_bits, True)
-HAND_WRITTEN["attention_backward"] = attention_backward
+HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": attention,
+                "attention_train": functools.partial(attention, with_probs=True), "attention_backward": attention_backward}
