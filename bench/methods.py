@@ -8,7 +8,7 @@ Levels (``op``):
 - ``local_attention``: scores, edge mask, softmax, context (no global tokens).
 
 Methods: ``tvm`` (ours; local attention is :func:`longformer_ops.sliding_window_attention`: the
-fused kernel forward, the banded products with backward), ``tvm_out`` (ours, forward only,
+fused kernels on CPU, for inference and for training), ``tvm_out`` (ours, forward only,
 writing into the outputs of its first call, ``out=``, as an inference loop that reuses its
 buffers does: no fresh memory per call),
 ``full`` (n x n scores), ``sdpa`` (PyTorch SDPA with a boolean band mask), ``sliding_chunks``
@@ -171,7 +171,7 @@ def local_attention(method: str, q, k, v, w: int, dilation, buffers=None):
     """softmax(q k^T / sqrt(f) restricted to the band) v, for q, k, v [b, n, h, f] -> [b, n, h, f]."""
     b, n, h, f = q.shape
     scale = 1.0 / math.sqrt(f)
-    if method in OURS:  # the fused kernel for inference, the banded products with autograd
+    if method in OURS:  # on CPU the fused kernels, with and without autograd
         return _reusing(buffers, "context", lambda out: sliding_window_attention(
             q, k, v, w, list(dilation), scale=scale, out=out))
     if method == "sliding_chunks":

@@ -15,7 +15,9 @@ Layout inside: ``[batch, seq, heads, head_dim]``; band tensors ``[batch, seq, he
 with ``c = 2w + 1`` (``w + 1`` autoregressive). Scores are masked with the dtype's most
 negative finite value (as Hugging Face does, so that no row is all ``-inf``), softmax runs
 in the input dtype (torch's softmax accumulates half types in float32 and rounds once, so
-there is no float32 copy of the band), rows of padding queries are zeroed.
+there is no float32 copy of the band), rows of padding queries are zeroed. Plain local
+attention (no padding, no global token, no attentions asked for) is one call of
+:func:`longformer_ops.sliding_window_attention` (the fused kernels on CPU: no score band).
 """
 
 from __future__ import annotations
