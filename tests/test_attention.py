@@ -163,3 +163,15 @@ def test_inf_and_extreme_scores_stay_finite(cpu_library):
     with torch.no_grad():
         out = sliding_window_attention(q, k, v, 5, 1)
     _assert_close(out, q, k, v, 5, 1, False, 1 / math.sqrt(32), torch.float32)
+
+
+@pytest.mark.parametrize("with_grad", [False, True], ids=["fused", "autograd"])
+def test_non_contiguous_inputs(cpu_library, with_grad):
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 3, 40, 24, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_(with_grad)
+               for _ in range(3))  # [b, n=40, h=3, f=24] views
+    assert not q.is_contiguous()
+    out = sliding_window_attention(q, k, v, 5, [1, 2, 3])
+    _assert_close(out, q, k, v, 5, [1, 2, 3], False, 1 / math.sqrt(24), torch.float64)
+    if with_grad:
+        _check_gradients(q, k, v, 5, [1, 2, 3], False, 1 / math.sqrt(24))
