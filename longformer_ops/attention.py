@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 from longformer_ops import checks
 from longformer_ops._loader import library_for
 from longformer_ops._manifest import function_name
-from longformer_ops.diagonaled import _dilation_tensor, _launch, _new_output, _pad_features, diagonaled_mm
+from longformer_ops.diagonaled import _dilation_tensor, _launch, _new_output, _pad_features, diagonaled_mm, fill_band_at_keys_
 from longformer_ops.reference import band_width
 
 # The fused kernels' op names in the libraries (tvm_kernels.variants.FUSED_ATTENTION).
@@ -32,6 +32,7 @@ FUSED_TRAINING = ("attention_train", "attention_backward")
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, d=1,
                              autoregressive: bool = False, scale: float | None = None, *,
+                             key_padding_mask: torch.Tensor | None = None,
                              out: torch.Tensor | None = None) -> torch.Tensor:
     """Local attention of Longformer: each query attends to the keys of its band only.
 
@@ -39,14 +40,16 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     of head ``h`` attends to the keys ``i + d[h] * (j - w)`` for ``j = 0 .. 2w`` (``0 .. w`` when
     ``autoregressive``) that fall inside the sequence; ``d`` an int or one dilation >= 1 per
     head (as in :func:`diagonaled_mm`). ``scale`` multiplies the scores (default
-    ``1 / sqrt(head_dim)``). Returns ``[batch, seq_len, heads, head_dim]`` in the inputs' dtype.
+    ``1 / sqrt(head_dim)``). ``key_padding_mask``: optional bool ``[batch, seq_len]``, True for keys
+    no query attends to (padding); a query left with no key gets 0. Returns
+    ``[batch, seq_len, heads, head_dim]`` in the inputs' dtype.
 
     Differentiable in ``q``, ``k``, ``v`` (once). Where the library has the fused kernels (CPU),
     inference keeps no band in memory, and training keeps only the probabilities for the backward.
     ``out``: a contiguous tensor of the result's shape, dtype and device to write into and return
     (not differentiable).
     """
-    w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale)
+    w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if out is not None:
         checks.check_out(out, tuple(q.shape), {"q": q, "k": k, "v": v})
@@ -58,22 +61,40 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         f = q.shape[-1]
         # Zero features change no score and give zero output columns, dropped below.
         q, k, v = (_pad_features(x, library.feature_multiple) for x in (q, k, v))
+        bias = _key_bias(key_padding_mask, q)
         if needs_grad:
-            return _FusedAttention.apply(q, k, v, w, dilations, autoregressive, scale, library)[..., :f]
-        return _launch_fused(library, q.contiguous(), k.contiguous(), v.contiguous(), f, w, dilations, autoregressive,
-                             scale, out)
+            return _FusedAttention.apply(q, k, v, bias, w, dilations, autoregressive, scale, library)[..., :f]
+        return _launch_fused(library, q.contiguous(), k.contiguous(), v.contiguous(), bias, f, w, dilations,
+                             autoregressive, scale, out)
     scores = diagonaled_mm(q * scale, k, w, dilations, False, float("-inf"), autoregressive)
+    no_key = None
+    if key_padding_mask is not None:
+        # The lowest finite score, not -inf, so that a row of masked keys gives no NaN; such a row
+        # then gives 0, as in the fused kernels.
+        lowest = torch.finfo(scores.dtype).min
+        scores = fill_band_at_keys_(scores, key_padding_mask, w, dilations, autoregressive, lowest)
+        no_key = scores.amax(-1, keepdim=True) <= lowest
     # In the input dtype: torch's softmax accumulates half types in float32 and rounds once.
     probs = torch.softmax(scores, dim=-1) if needs_grad else torch.softmax(scores, dim=-1, out=scores)
+    if no_key is not None:
+        probs = probs.masked_fill(no_key, 0) if needs_grad else probs.masked_fill_(no_key, 0)
     return diagonaled_mm(probs, v, w, dilations, True, autoregressive=autoregressive, out=out)
 
 
-def _launch_fused(library, q, k, v, f: int, w: int, dilations: tuple[int, ...], autoregressive: bool, scale: float,
+def _key_bias(key_padding_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The fused kernels' additive score bias per key, ``[b, n]`` in the accumulation dtype: -inf at masked keys."""
+    accumulation = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if key_padding_mask is None:
+        return torch.zeros(q.shape[:2], dtype=accumulation, device=q.device)
+    return torch.zeros(q.shape[:2], dtype=accumulation, device=q.device).masked_fill_(key_padding_mask, float("-inf"))
+
+
+def _launch_fused(library, q, k, v, bias, f: int, w: int, dilations: tuple[int, ...], autoregressive: bool, scale: float,
                   out: torch.Tensor | None) -> torch.Tensor:
     """The inference kernel on contiguous inputs padded to the library's head_dim multiple (``f``: the real one)."""
     kernel_out = out if out is not None and q.shape[-1] == f else _new_output(q, q.shape)
     library.function(function_name(FUSED[0], autoregressive))(
-        q, k, v, _dilation_tensor(dilations, q.device), w, scale, kernel_out)
+        q, k, v, bias, _dilation_tensor(dilations, q.device), w, scale, kernel_out)
     if kernel_out.shape[-1] == f:
         return kernel_out
     if out is None:
@@ -87,12 +108,12 @@ class _FusedAttention(torch.autograd.Function):
     then dK = scale * dS^T Q and dV = P^T dO are the transposed product."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, dilations, autoregressive, scale, library):
+    def forward(ctx, q, k, v, bias, w, dilations, autoregressive, scale, library):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = _new_output(q, q.shape)
         probs = _new_output(q, (*q.shape[:3], band_width(w, autoregressive)))
         library.function(function_name(FUSED_TRAINING[0], autoregressive))(
-            q, k, v, _dilation_tensor(dilations, q.device), w, scale, out, probs)
+            q, k, v, bias, _dilation_tensor(dilations, q.device), w, scale, out, probs)
         ctx.save_for_backward(q, k, v, out, probs)
         ctx.config = (w, dilations, autoregressive, scale, library)
         return out
@@ -115,4 +136,4 @@ class _FusedAttention(torch.autograd.Function):
                 grad_k = _launch("transposed", grad_scores, q, w, dilations, autoregressive).mul_(scale)
         if ctx.needs_input_grad[2]:
             grad_v = _launch("transposed", probs, grad, w, dilations, autoregressive)
-        return grad_q, grad_k, grad_v, None, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None, None

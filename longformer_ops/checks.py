@@ -95,7 +95,7 @@ def check_diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
     return w, dilations, band
 
 
-def check_sliding_window_attention(q, k, v, w, d, autoregressive, scale):
+def check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=None):
     """Validate sliding_window_attention's arguments; return ``(w, dilations, scale)``."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
@@ -113,6 +113,15 @@ def check_sliding_window_attention(q, k, v, w, d, autoregressive, scale):
         scale = 1.0 / math.sqrt(q.shape[3]) if q.shape[3] else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite real number or None (1/sqrt(head_dim)), got {scale!r}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError("key_padding_mask must be a bool tensor [batch, seq_len] (True: a key no query attends to), "
+                            f"got {getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
+        if tuple(key_padding_mask.shape) != tuple(q.shape[:2]):
+            raise ValueError(f"key_padding_mask must be [batch, seq_len] = {tuple(q.shape[:2])}, "
+                             f"got shape {tuple(key_padding_mask.shape)}")
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"key_padding_mask must be on q's device {q.device}, got {key_padding_mask.device}")
     return check_window(w), check_dilation(d, q.shape[2]), float(scale)
 
 

@@ -15,8 +15,8 @@ Layout inside: ``[batch, seq, heads, head_dim]``; band tensors ``[batch, seq, he
 with ``c = 2w + 1`` (``w + 1`` autoregressive). Scores are masked with the dtype's most
 negative finite value (as Hugging Face does, so that no row is all ``-inf``), softmax runs
 in the input dtype (torch's softmax accumulates half types in float32 and rounds once, so
-there is no float32 copy of the band), rows of padding queries are zeroed. Plain local
-attention (no padding, no global token, no attentions asked for) is one call of
+there is no float32 copy of the band), rows of padding queries are zeroed. Local
+attention without global tokens (and no attentions asked for) is one call of
 :func:`longformer_ops.sliding_window_attention` (the fused kernels on CPU: no score band).
 """
 
@@ -30,28 +30,8 @@ from torch import nn
 
 from longformer_ops.attention import sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
-from longformer_ops.diagonaled import diagonaled_mm
+from longformer_ops.diagonaled import diagonaled_mm, fill_band_at_keys_
 from longformer_ops.reference import band_width, key_positions, sliding_chunks_pv, sliding_chunks_qk
-
-
-def _fill_band_at_keys_(band: torch.Tensor, flags: torch.Tensor, w: int, dilation: tuple[int, ...],
-                        autoregressive: bool, value: float) -> torch.Tensor:
-    """In place, ``band [b, n, h, c]`` = ``value`` wherever the key of (i, h, j), ``i + d[h] * (j - w)``,
-    is inside the sequence and flagged in ``flags [b, n]`` (bool); returns ``band``.
-
-    Each head's flags are a strided view of the zero-padded flags, copied into one bool mask of
-    the band's shape (a quarter of a float32 band), then one ``masked_fill_``. No int64 index
-    (at n = 4096 it alone was 200 MiB and a third of the layer's time), and no in-place fill per
-    head: on a band that requires grad each of those makes autograd copy the whole band's
-    gradient once more (12 heads: ~0.7 s of a 2.4 s layer forward+backward at n = 4096).
-    """
-    b, n = flags.shape
-    c = band_width(w, autoregressive)
-    at_flagged_keys = torch.empty(band.shape, dtype=torch.bool, device=band.device)
-    for head, d in enumerate(dilation):
-        padded = nn.functional.pad(flags, (w * d, w * d)).contiguous()      # padded[i + w*d] = flags[i]
-        at_flagged_keys[:, :, head] = padded.as_strided((b, n, c), (padded.stride(0), 1, d))  # padded[i + d*j]
-    return band.masked_fill_(at_flagged_keys, value)
 
 
 @dataclass
@@ -204,11 +184,12 @@ class LongformerSelfAttention(nn.Module):
         """TVM kernels or sliding chunks: band scores ``[b, n, h, c]``, never an n x n matrix.
         ``is_padding`` is None when nothing is padding."""
         w, dil, ar = self.window, self.dilation, self.autoregressive
-        if (self.attention_mode is AttentionMode.TVM and is_padding is None and globals_ is None and not need_probs
+        if (self.attention_mode is AttentionMode.TVM and globals_ is None and not need_probs
                 and not (self.training and self.dropout > 0)):
-            # Plain local attention, nothing to remove from the band: one call, which runs the fused
-            # kernels on CPU (no score band; without gradients no band at all). q is already scaled.
-            return sliding_window_attention(q, k, v, w, dil, ar, scale=1.0), None
+            # Local attention without global tokens: one call, which runs the fused kernels on CPU (no
+            # score band; without gradients no band at all), padding keys masked. q is already scaled.
+            context = sliding_window_attention(q, k, v, w, dil, ar, scale=1.0, key_padding_mask=is_padding)
+            return (context if is_padding is None else context.masked_fill(is_padding[:, :, None, None], 0)), None
         # Keys outside the sequence get -inf from the band product itself.
         if self.attention_mode is AttentionMode.TVM:
             band = diagonaled_mm(q, k, w, dil, is_t1_diagonaled=False, padding=float("-inf"), autoregressive=ar)
@@ -218,7 +199,7 @@ class LongformerSelfAttention(nn.Module):
         # output that no backward needs).
         if is_padding is not None or globals_ is not None:
             flagged = is_global if is_padding is None else is_padding | is_global
-            _fill_band_at_keys_(band, flagged, w, dil, ar, torch.finfo(q.dtype).min)
+            fill_band_at_keys_(band, flagged, w, dil, ar, torch.finfo(q.dtype).min)
 
         g = 0 if globals_ is None else globals_.positions.shape[1]
         scores = band

@@ -2,8 +2,8 @@
 
 - :func:`diagonaled_mm_reference`: a direct gather formulation of the exact
   semantics (any window, dilation, autoregressive); the oracle for tests.
-- :func:`sliding_window_attention_reference`: local attention (scores, softmax,
-  context) from it.
+- :func:`sliding_window_attention_reference` (and its probabilities,
+  :func:`sliding_window_probs_reference`): local attention (scores, softmax, context) from it.
 - :func:`sliding_chunks_qk` / :func:`sliding_chunks_pv`: the sliding-chunks
   algorithm (Hugging Face's), dense einsums over overlapping chunks of 2w.
   No dilation, no autoregressive mode; the layer's pure-PyTorch fallback and a
@@ -74,13 +74,28 @@ def diagonaled_mm_reference(t1, t2, w: int, d, is_t1_diagonaled: bool = False, p
     return scores.masked_fill(invalid, padding)
 
 
-def sliding_window_attention_reference(q, k, v, w: int, d, autoregressive: bool = False,
-                                       scale: float | None = None) -> torch.Tensor:
-    """Same contract as :func:`longformer_ops.sliding_window_attention`: the band's scores
-    (``-inf`` at keys outside the sequence), a softmax over the band, probs.V."""
+def sliding_window_probs_reference(q, k, w: int, d, autoregressive: bool = False, scale: float | None = None,
+                                   key_padding_mask=None) -> torch.Tensor:
+    """The band probabilities of :func:`sliding_window_attention_reference`, ``[b, n, h, c]``: a softmax
+    of the scores with ``-inf`` at keys outside the sequence or flagged in ``key_padding_mask``
+    (a row with no key left: 0)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = diagonaled_mm_reference(q * scale, k, w, d, False, float("-inf"), autoregressive)
-    return diagonaled_mm_reference(torch.softmax(scores, dim=-1), v, w, d, True, 0, autoregressive)
+    if key_padding_mask is not None:
+        b, n, h, _ = q.shape
+        keys = key_positions(n, w, _per_head(d, h, q.device), autoregressive)     # [n, h, c]
+        inside = (keys >= 0) & (keys < n)
+        masked = key_padding_mask[:, keys.clamp(0, max(n - 1, 0))] & inside       # [b, n, h, c]
+        scores = scores.masked_fill(masked, float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows of -inf only give NaN: 0
+
+
+def sliding_window_attention_reference(q, k, v, w: int, d, autoregressive: bool = False,
+                                       scale: float | None = None, key_padding_mask=None) -> torch.Tensor:
+    """Same contract as :func:`longformer_ops.sliding_window_attention`: the probabilities of
+    :func:`sliding_window_probs_reference` times V."""
+    probs = sliding_window_probs_reference(q, k, w, d, autoregressive, scale, key_padding_mask)
+    return diagonaled_mm_reference(probs, v, w, d, True, 0, autoregressive)
 
 
 # ---------------------------------------------------------------------------

@@ -17,17 +17,18 @@ import torch
 import longformer_ops.attention as attention_module
 from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, TOLERANCE
 from longformer_ops import _loader, sliding_window_attention
-from longformer_ops.reference import diagonaled_mm_reference, sliding_window_attention_reference
+from longformer_ops.reference import (diagonaled_mm_reference, sliding_window_attention_reference,
+                                      sliding_window_probs_reference)
 from test_diagonaled_mm import DILATIONS, SIZES, _dilation, _random
 
 # Beyond the shared grid: windows near the sequence length, many whole tiles, dilations 1..8.
 LARGER = [(1, 200, 2, 64, 190), (2, 300, 4, 40, 37), (1, 700, 2, 96, 40)]
 
 
-def _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype):
+def _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype, key_padding_mask=None):
     q64, k64, v64 = (x.detach().double().cpu() for x in (q, k, v))
-    ref = sliding_window_attention_reference(q64, k64, v64, w, d, autoregressive, scale)
-    probs = torch.softmax(diagonaled_mm_reference(q64 * scale, k64, w, d, False, float("-inf"), autoregressive), -1)
+    ref = sliding_window_attention_reference(q64, k64, v64, w, d, autoregressive, scale, key_padding_mask)
+    probs = sliding_window_probs_reference(q64, k64, w, d, autoregressive, scale, key_padding_mask)
     context_scale = diagonaled_mm_reference(probs, v64.abs(), w, d, True, 0, autoregressive)
     score_scale = diagonaled_mm_reference(q64.abs() * scale, k64.abs(), w, d, False, 0, autoregressive)
     bound = TOLERANCE[dtype] * context_scale * (1 + 2 * score_scale.amax(-1, keepdim=True)) + torch.finfo(dtype).tiny
@@ -48,13 +49,15 @@ def _check(device, dtype, size, autoregressive, dilation_kind, with_grad):
     _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype)
 
 
-def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64):
+def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64, key_padding_mask=None):
     """Gradients of all three inputs against the float64 reference's, for a random output gradient."""
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    got = torch.autograd.grad(sliding_window_attention(q, k, v, w, d, autoregressive, scale), (q, k, v), grad.to(dtype))
+    out = sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=key_padding_mask)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want = torch.autograd.grad(sliding_window_attention_reference(*exact, w, d, autoregressive, scale), exact, grad)
+    want = torch.autograd.grad(sliding_window_attention_reference(*exact, w, d, autoregressive, scale, key_padding_mask),
+                               exact, grad)
     # Relative to the largest gradient, or where gradients cancel to ~0 (a row with one valid key
     # has dS = 0), to the size of the terms that cancel: |dO| |v| |q or k| head_dim scale.
     terms = grad.abs().max() * max(x.detach().double().abs().max() for x in (q, k, v)) ** 2 * q.shape[-1] * scale
@@ -125,15 +128,44 @@ def test_gradients_of_a_subset_of_inputs(cpu_library, needs):
 
 
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
-def test_library_without_the_fused_kernels_runs_the_band_products(monkeypatch, autoregressive):
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "key-padding-mask"])
+def test_library_without_the_fused_kernels_runs_the_band_products(monkeypatch, autoregressive, masked):
     """A library without them (the CUDA ones) gives the same results through the three steps."""
     monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 77, 3, 20, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = _padding_mask(2, 77, g) if masked else None
     with torch.no_grad():
-        out = sliding_window_attention(q, k, v, 9, [1, 2, 5], autoregressive, scale=0.3)
-    _assert_close(out, q, k, v, 9, [1, 2, 5], autoregressive, 0.3, torch.float64)
-    _check_gradients(q, k, v, 9, [1, 2, 5], autoregressive, 0.3)
+        out = sliding_window_attention(q, k, v, 9, [1, 2, 5], autoregressive, scale=0.3, key_padding_mask=mask)
+    _assert_close(out, q, k, v, 9, [1, 2, 5], autoregressive, 0.3, torch.float64, mask)
+    _check_gradients(q, k, v, 9, [1, 2, 5], autoregressive, 0.3, key_padding_mask=mask)
+
+
+def _padding_mask(b: int, n: int, generator) -> torch.Tensor:
+    """Random masked keys (~30%), and the last example's second half all masked: some of its
+    queries keep no key at all (their output must be 0)."""
+    mask = torch.rand(b, n, generator=generator) < 0.3
+    mask[-1, n // 2:] = True
+    return mask
+
+
+MASKED_SIZES = [(1, 17, 4, 31, 20), (2, 17, 3, 64, 1), (1, 513, 4, 64, 16)] + LARGER
+
+
+@pytest.mark.parametrize("with_grad", [False, True], ids=["fused", "autograd"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("size", MASKED_SIZES, ids=str)
+def test_key_padding_mask_matches_reference(cpu_library, size, dtype, autoregressive, with_grad):
+    b, n, h, f, w = size
+    g = torch.Generator().manual_seed(hash((size, autoregressive, str(dtype))) % 2**31)
+    d = _dilation("per-head", h, g)
+    mask = _padding_mask(b, n, g)
+    q, k, v = (_random((b, n, h, f), dtype, "cpu", g).requires_grad_(with_grad) for _ in range(3))
+    out = sliding_window_attention(q, k, v, w, d, autoregressive, key_padding_mask=mask)
+    _assert_close(out, q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype, mask)
+    if with_grad:
+        _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype, mask)
 
 
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])

@@ -263,20 +263,27 @@ def test_inference_path_equals_the_autograd_path(mode, pad_from, globals_):
         assert (a is None and b is None) or torch.equal(a, b.detach())
 
 
+@pytest.mark.parametrize("pad_from", [None, [37, 21]], ids=["no-padding", "padding"])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
-def test_plain_local_inference_runs_the_fused_kernel(monkeypatch, autoregressive):
-    """No padding, no global token, no attentions asked for: under no_grad the layer runs the fused
-    kernel (no band product), with the result of the banded path."""
+def test_local_attention_without_globals_runs_the_fused_kernels(monkeypatch, autoregressive, pad_from):
+    """No global token, no attentions asked for: the layer runs the fused kernels (no band product),
+    with and without gradients, with the outputs and gradients of the banded path."""
     import longformer_ops.attention
 
     cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 3]], autoregressive=autoregressive)
-    x, _ = layer_inputs(7, 2, 37, 32, dtype=torch.float32)
-    layer = layer_for(cfg, dtype=torch.float32)
-    banded = layer(x, None, output_attentions=True)[0]  # the band path (attentions need the band)
+    x, mask = layer_inputs(7, 2, 37, 32, pad_from=pad_from)
+    layer = layer_for(cfg)
+    xb = x.clone().requires_grad_()
+    banded = layer(xb, mask, output_attentions=True)[0]  # the band path (attentions need the band)
+    grad = torch.randn_like(banded)
+    banded.backward(grad)
     monkeypatch.setattr(longformer_ops.attention, "diagonaled_mm", None)  # any band product would fail
     with torch.no_grad():
-        fused = layer(x, None)[0]
-    assert_close(fused, banded.detach(), 1e-5, "fused vs banded")
+        fused = layer(x, mask)[0]
+    assert_close(fused, banded.detach(), 1e-12, "fused vs banded")
+    xf = x.clone().requires_grad_()
+    layer(xf, mask)[0].backward(grad)
+    assert_close(xf.grad, xb.grad, 1e-12, "gradient, fused vs banded")
 
 
 def test_band_gradient_is_not_copied_per_head():
@@ -333,7 +340,7 @@ def test_layer_on_cuda_matches_cpu(mode, dtype):
 @pytest.mark.parametrize("autoregressive", [False, True])
 @pytest.mark.parametrize("n, w, dilation", [(1, 0, (1,)), (9, 3, (1, 2, 5)), (40, 7, (3, 1, 9, 2))])
 def test_fill_band_at_keys_matches_an_explicit_gather(n, w, dilation, autoregressive):
-    from longformer_ops.layer import _fill_band_at_keys_
+    from longformer_ops.diagonaled import fill_band_at_keys_
     from longformer_ops.reference import key_positions
 
     flags = torch.rand(2, n, generator=torch.Generator().manual_seed(n)) < 0.3
@@ -341,5 +348,5 @@ def test_fill_band_at_keys_matches_an_explicit_gather(n, w, dilation, autoregres
     inside = (keys >= 0) & (keys < n)
     expected = flags[:, keys.clamp(0, n - 1)] & inside
     band = torch.zeros(expected.shape)
-    assert _fill_band_at_keys_(band, flags, w, dilation, autoregressive, 1.0) is band
+    assert fill_band_at_keys_(band, flags, w, dilation, autoregressive, 1.0) is band
     assert torch.equal(band.bool(), expected)

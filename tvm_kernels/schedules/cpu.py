@@ -450,10 +450,10 @@ def _exp(x, acc_dtype):
 
 
 @T.macro
-def _pack_attention_operands(keys, values, t_keys, t_values, row_of, block_keys, b, h, n, head_dim, margin, blocks,
-                             cols, lanes, per_line, acc_dtype):
-    """keys as in qk (blocks of ``cols``, feature-major), values as in pv (rows), at the same packed
-    columns, zero outside the sequence."""
+def _pack_attention_operands(keys, values, biases, t_keys, t_values, key_bias, row_of, block_keys, b, h, n, head_dim,
+                             margin, blocks, cols, lanes, per_line, acc_dtype, with_bias):
+    """keys as in qk (blocks of ``cols``, feature-major), values as in pv (rows), and with_bias the
+    keys' score biases, at the same packed columns, zero outside the sequence."""
     for block in range(blocks):
         for lane in range(T.int64(cols)):
             p: T.let = block * T.int64(cols) + lane - margin  # packed position
@@ -473,6 +473,8 @@ def _pack_attention_operands(keys, values, t_keys, t_values, row_of, block_keys,
                     values[block * T.int64(cols) + lane, vector * T.int64(lanes) + lane2] = T.Select(
                         inside, T.Cast(acc_dtype, t_values[b, block_keys[lane], h, vector * T.int64(lanes) + lane2]),
                         T.Cast(acc_dtype, 0))
+            if with_bias:
+                biases[block * T.int64(cols) + lane] = T.Select(inside, key_bias[b, block_keys[lane]], T.Cast(acc_dtype, 0))
 
 
 @T.macro
@@ -492,8 +494,9 @@ def _attention_tile_rows(query, begin, end, queries, t_rows, row_of, b, h, n, he
 
 
 @T.macro
-def _attention_tile_scores(scores, acc, queries, keys, block0, blocks, head_dim, rows, cols, acc_dtype):
-    """scores[r, c] = queries[r] . packed key (block0 * cols + c), for the tile's ``blocks`` key blocks."""
+def _attention_tile_scores(scores, acc, queries, keys, biases, block0, blocks, head_dim, rows, cols, acc_dtype, with_bias):
+    """scores[r, c] = queries[r] . packed key (block0 * cols + c) (+ that key's bias), for the tile's
+    ``blocks`` key blocks."""
     for block in range(blocks):
         _zero_tile(acc, rows, cols, acc_dtype)
         for f in range(head_dim):
@@ -502,7 +505,10 @@ def _attention_tile_scores(scores, acc, queries, keys, block0, blocks, head_dim,
                     acc[r, lane] = acc[r, lane] + queries[r, f] * keys[block0 + block, f, lane]
         for r in T.unroll(rows):
             for lane in T.vectorized(cols):
-                scores[r, block * T.int64(cols) + lane] = acc[r, lane]
+                if with_bias:
+                    scores[r, block * T.int64(cols) + lane] = acc[r, lane] + biases[(block0 + block) * T.int64(cols) + lane]
+                else:
+                    scores[r, block * T.int64(cols) + lane] = acc[r, lane]
 
 
 @T.macro
@@ -587,12 +593,13 @@ def _attention_tile_gradient(scores, probs, delta, query, begin, end, b, h, base
 
 
 @T.macro
-def _attention_body(t_rows, t_keys, t_values, probs_in, delta, dilation, window, scale, out, band_out,
+def _attention_body(t_rows, t_keys, t_values, key_bias, probs_in, delta, dilation, window, scale, out, band_out,
                     batch, n, heads, head_dim, dtype, mode, acc_dtype, lanes, rows, cols, group, features, causal,
                     per_line, minus_inf):
     """The fused kernels' loop nest (see :func:`attention`). ``mode``: "inference" (out = context),
     "training" (also band_out = probabilities) or "backward" (t_rows = dO, t_keys = V, t_values = K:
-    band_out = dS = P * (dP - delta), out = scale * dS . K)."""
+    band_out = dS = P * (dP - delta), out = scale * dS . K). The forward modes add ``key_bias[b, key]``
+    (0, or -inf for a masked key) to each score; the backward needs no bias (P is 0 there)."""
     w: T.let = window
     band: T.let = T.int64(2 - causal) * window + T.int64(1)
     margin: T.let = w + T.int64(cols)  # packed columns before the first key
@@ -607,6 +614,9 @@ def _attention_body(t_rows, t_keys, t_values, probs_in, delta, dilation, window,
         values = T.decl_buffer(
             (((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols),
              head_dim), acc_dtype)
+        biases = T.decl_buffer(
+            (((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols),),
+            acc_dtype)
         scores = T.decl_buffer((T.int64(rows), T.int64(2 - causal) * window + T.int64(1 + rows + 2 * cols)), acc_dtype)
         queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
         query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
@@ -621,9 +631,9 @@ def _attention_body(t_rows, t_keys, t_values, probs_in, delta, dilation, window,
         acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
         out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
         _fill_residue_major(row_of, n, d)
-        _pack_attention_operands(keys, values, t_keys, t_values, row_of, block_keys, b, h, n, head_dim, margin,
-                                 (n + band + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1),
-                                 cols, lanes, per_line, acc_dtype)
+        _pack_attention_operands(keys, values, biases, t_keys, t_values, key_bias, row_of, block_keys, b, h, n, head_dim,
+                                 margin, (n + band + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1),
+                                 cols, lanes, per_line, acc_dtype, mode != "backward")
         for r in range(rows):
             unit[r] = T.Cast(acc_dtype, 1)
         for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
@@ -634,7 +644,8 @@ def _attention_body(t_rows, t_keys, t_values, probs_in, delta, dilation, window,
             blocks: T.let = (first + T.int64(rows - 2) + band) // T.int64(cols) - block0 + T.int64(1)
             _attention_tile_rows(query, begin, end, queries, t_rows, row_of, b, h, n, head_dim, p0, w, d, band, base,
                                  T.float64(1) if mode == "backward" else scale, rows, lanes, acc_dtype)
-            _attention_tile_scores(scores, acc, queries, keys, block0, blocks, head_dim, rows, cols, acc_dtype)
+            _attention_tile_scores(scores, acc, queries, keys, biases, block0, blocks, head_dim, rows, cols, acc_dtype,
+                                   mode != "backward")
             if mode == "backward":
                 _attention_tile_gradient(scores, probs_in, delta, query, begin, end, b, h, base, blocks, rows, cols,
                                          lanes, acc_dtype)
@@ -669,15 +680,16 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int, with_probs: bo
     into a buffer that stays in cache; each row is exponentiated in place (0 at its invalid
     and out-of-band keys) and summed; the probs.V micro-kernel then streams the same packed
     value rows through once, and each output row is divided by its sum as it is stored.
-    Arguments: q, k, v ``[b, n, h, f]``, dilation ``[h]``, the one-sided window ``w``, the score
-    scale, out ``[b, n, h, f]``; ``with_probs`` (training): also the probabilities, ``probs
-    [b, n, h, c]`` (0 at invalid keys), which the backward needs.
+    Arguments: q, k, v ``[b, n, h, f]``, key_bias ``[b, n]`` (accumulation dtype: 0, or -inf for
+    a key no query attends to), dilation ``[h]``, the one-sided window ``w``, the score scale, out
+    ``[b, n, h, f]``; ``with_probs`` (training): also the probabilities, ``probs [b, n, h, c]`` (0
+    at invalid keys), which the backward needs. A row with no key left gets 0.
     """
     acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
 
     @T.prim_func
-    def inference(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, dilation_handle: T.handle,
-                  window: T.int64, scale: T.float64, out_handle: T.handle):
+    def inference(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
+                  dilation_handle: T.handle, window: T.int64, scale: T.float64, out_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -686,14 +698,16 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int, with_probs: bo
         q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
         k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
         v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
-        _attention_body(q, k, v, out, out, dilation, window, scale, out, out, batch, n, heads, head_dim, dtype, "inference",
+        _attention_body(q, k, v, key_bias, out, out, dilation, window, scale, out, out, batch, n, heads, head_dim, dtype, "inference",
                         acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
 
     @T.prim_func
-    def training(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, dilation_handle: T.handle,
-                 window: T.int64, scale: T.float64, out_handle: T.handle, probs_handle: T.handle):
+    def training(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
+                 dilation_handle: T.handle, window: T.int64, scale: T.float64, out_handle: T.handle,
+                 probs_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -702,10 +716,11 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int, with_probs: bo
         q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
         k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
         v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
         probs = T.match_buffer(probs_handle, (batch, n, heads, T.int64(2 - causal) * window + T.int64(1)), dtype)
-        _attention_body(q, k, v, out, out, dilation, window, scale, out, probs, batch, n, heads, head_dim, dtype, "training",
+        _attention_body(q, k, v, key_bias, out, out, dilation, window, scale, out, probs, batch, n, heads, head_dim, dtype, "training",
                         acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
 
     return training if with_probs else inference
@@ -739,7 +754,7 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         grad_q = T.match_buffer(grad_q_handle, (batch, n, heads, head_dim), dtype)
         grad_scores = T.match_buffer(grad_scores_handle, (batch, n, heads, T.int64(2 - causal) * window + T.int64(1)), dtype)
-        _attention_body(grad, v, k, probs, delta, dilation, window, scale, grad_q, grad_scores, batch, n, heads, head_dim,
+        _attention_body(grad, v, k, delta, probs, delta, dilation, window, scale, grad_q, grad_scores, batch, n, heads, head_dim,
                         dtype, "backward", acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
 
     return main
