@@ -33,7 +33,7 @@ FUSED_TRAINING = ("attention_train", "attention_backward")
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, d=1,
                              autoregressive: bool = False, scale: float | None = None, *,
                              key_padding_mask: torch.Tensor | None = None,
-                             out: torch.Tensor | None = None) -> torch.Tensor:
+                             out: torch.Tensor | None = None, return_lse: bool = False):
     """Local attention of Longformer: each query attends to the keys of its band only.
 
     ``q``, ``k``, ``v``: ``[batch, seq_len, heads, head_dim]``, one dtype and device. Query ``i``
@@ -48,13 +48,25 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     inference keeps no band in memory, and training keeps only the probabilities for the backward.
     ``out``: a contiguous tensor of the result's shape, dtype and device to write into and return
     (not differentiable).
+
+    ``return_lse``: return ``(result, lse)``, ``lse`` each row's log-sum-exp of its scaled scores
+    over the keys it attends to, ``[batch, seq_len, heads]`` in float32 (float64 for float64
+    inputs), ``-inf`` for a row with no key. With it a caller merges this result with attention
+    over other keys (the layer's global tokens: ``result * exp(lse - total) + ...``). Without
+    gradients only (no gradient flows through it).
     """
     w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if return_lse and needs_grad:
+        raise ValueError("return_lse=True is for inference only: call it under torch.no_grad() or with inputs "
+                         "that do not require grad (no gradient flows through the log-sum-exp)")
     if out is not None:
         checks.check_out(out, tuple(q.shape), {"q": q, "k": k, "v": v})
     if q.numel() == 0 and not needs_grad:
-        return out if out is not None else q.new_empty(q.shape)
+        result = out if out is not None else q.new_empty(q.shape)
+        return (result, q.new_empty(q.shape[:3], dtype=_accumulation_dtype(q))) if return_lse else result
     library = library_for(q.device, str(q.dtype).removeprefix("torch.")) if q.numel() else None
     fused = [function_name(op, autoregressive) for op in (FUSED_TRAINING if needs_grad else FUSED)]
     if library is not None and all(library.has(name) for name in fused):
@@ -64,8 +76,9 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         bias = _key_bias(key_padding_mask, q)
         if needs_grad:
             return _FusedAttention.apply(q, k, v, bias, w, dilations, autoregressive, scale, library)[..., :f]
-        return _launch_fused(library, q.contiguous(), k.contiguous(), v.contiguous(), bias, f, w, dilations,
-                             autoregressive, scale, out)
+        result, lse = _launch_fused(library, q.contiguous(), k.contiguous(), v.contiguous(), bias, f, w, dilations,
+                                    autoregressive, scale, out)
+        return (result, lse) if return_lse else result
     scores = diagonaled_mm(q * scale, k, w, dilations, False, float("-inf"), autoregressive)
     no_key = None
     if key_padding_mask is not None:
@@ -74,32 +87,43 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         lowest = torch.finfo(scores.dtype).min
         scores = fill_band_at_keys_(scores, key_padding_mask, w, dilations, autoregressive, lowest)
         no_key = scores.amax(-1, keepdim=True) <= lowest
+    lse = None
+    if return_lse:  # before the in-place softmax below overwrites the scores
+        lse = torch.logsumexp(scores.to(_accumulation_dtype(q)), dim=-1)
+        if no_key is not None:
+            lse = lse.masked_fill_(no_key[..., 0], float("-inf"))
     # In the input dtype: torch's softmax accumulates half types in float32 and rounds once.
     probs = torch.softmax(scores, dim=-1) if needs_grad else torch.softmax(scores, dim=-1, out=scores)
     if no_key is not None:
         probs = probs.masked_fill(no_key, 0) if needs_grad else probs.masked_fill_(no_key, 0)
-    return diagonaled_mm(probs, v, w, dilations, True, autoregressive=autoregressive, out=out)
+    result = diagonaled_mm(probs, v, w, dilations, True, autoregressive=autoregressive, out=out)
+    return (result, lse) if return_lse else result
+
+
+def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The kernels' accumulation dtype for inputs like ``x``: float64 for float64, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _key_bias(key_padding_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """The fused kernels' additive score bias per key, ``[b, n]`` in the accumulation dtype: -inf at masked keys."""
-    accumulation = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if key_padding_mask is None:
-        return torch.zeros(q.shape[:2], dtype=accumulation, device=q.device)
-    return torch.zeros(q.shape[:2], dtype=accumulation, device=q.device).masked_fill_(key_padding_mask, float("-inf"))
+    bias = torch.zeros(q.shape[:2], dtype=_accumulation_dtype(q), device=q.device)
+    return bias if key_padding_mask is None else bias.masked_fill_(key_padding_mask, float("-inf"))
 
 
 def _launch_fused(library, q, k, v, bias, f: int, w: int, dilations: tuple[int, ...], autoregressive: bool, scale: float,
-                  out: torch.Tensor | None) -> torch.Tensor:
-    """The inference kernel on contiguous inputs padded to the library's head_dim multiple (``f``: the real one)."""
+                  out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inference kernel on contiguous inputs padded to the library's head_dim multiple (``f``: the real one);
+    returns the result and the rows' log-sum-exp."""
     kernel_out = out if out is not None and q.shape[-1] == f else _new_output(q, q.shape)
+    lse = q.new_empty(q.shape[:3], dtype=_accumulation_dtype(q))
     library.function(function_name(FUSED[0], autoregressive))(
-        q, k, v, bias, _dilation_tensor(dilations, q.device), w, scale, kernel_out)
+        q, k, v, bias, _dilation_tensor(dilations, q.device), w, scale, kernel_out, lse)
     if kernel_out.shape[-1] == f:
-        return kernel_out
+        return kernel_out, lse
     if out is None:
-        return kernel_out[..., :f].contiguous()
-    return out.copy_(kernel_out[..., :f])
+        return kernel_out[..., :f].contiguous(), lse
+    return out.copy_(kernel_out[..., :f]), lse
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -126,7 +150,7 @@ class _FusedAttention(torch.autograd.Function):
         grad = grad.contiguous()
         grad_q = grad_k = grad_v = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            accumulation = torch.float64 if q.dtype == torch.float64 else torch.float32
+            accumulation = _accumulation_dtype(q)
             delta = (grad.to(accumulation) * out.to(accumulation)).sum(-1)  # [b, n, h]
             grad_q = _new_output(q, q.shape)
             grad_scores = _new_output(q, probs.shape)

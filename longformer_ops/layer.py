@@ -15,9 +15,10 @@ Layout inside: ``[batch, seq, heads, head_dim]``; band tensors ``[batch, seq, he
 with ``c = 2w + 1`` (``w + 1`` autoregressive). Scores are masked with the dtype's most
 negative finite value (as Hugging Face does, so that no row is all ``-inf``), softmax runs
 in the input dtype (torch's softmax accumulates half types in float32 and rounds once, so
-there is no float32 copy of the band), rows of padding queries are zeroed. Local
-attention without global tokens (and no attentions asked for) is one call of
-:func:`longformer_ops.sliding_window_attention` (the fused kernels on CPU: no score band).
+there is no float32 copy of the band), rows of padding queries are zeroed. When no attentions
+are asked for, local attention is one call of :func:`longformer_ops.sliding_window_attention`
+(the fused kernels on CPU: no score band): always without global tokens, and with them in
+inference, where the global keys' columns are merged in through the rows' log-sum-exp.
 """
 
 from __future__ import annotations
@@ -170,25 +171,49 @@ class LongformerSelfAttention(nn.Module):
                 probs = probs.masked_fill(is_padding[:, :, None, None], 0)
         return nn.functional.dropout(probs, p=self.dropout, training=self.training)
 
-    def _global_key_scores(self, q, k, globals_: GlobalTokens):
-        """Scores of every query against the global tokens' (local) keys: ``[b, n, h, g]``."""
+    def _global_key_scores(self, q, k, globals_: GlobalTokens, hidden_score: float | None = None):
+        """Scores of every query against the global tokens' (local) keys: ``[b, n, h, g]``; keys a
+        query does not see (empty slots, later tokens when autoregressive) get ``hidden_score``
+        (default: the dtype's lowest finite value)."""
         n = q.shape[1]
         scores = torch.einsum("bnhd,bghd->bnhg", q, globals_.gather(k))  # [b, n, h, g]
         hidden = ~globals_.valid[:, None, None, :]                        # empty slots
         if self.autoregressive:  # no query sees a global token to its right
             later = globals_.positions[:, None, :] > torch.arange(n, device=q.device)[None, :, None]
             hidden = hidden | later[:, :, None, :]
-        return scores.masked_fill(hidden, torch.finfo(q.dtype).min)
+        return scores.masked_fill(hidden, torch.finfo(q.dtype).min if hidden_score is None else hidden_score)
+
+    def _merge_global_keys(self, context, lse, q, k, v, globals_: GlobalTokens):
+        """One softmax over [band keys | global keys] from the band part's normalised ``context`` and its
+        rows' log-sum-exp ``lse``: each part is weighted by exp(its log-sum-exp - the total's)."""
+        acc = lse.dtype
+        scores = self._global_key_scores(q, k, globals_, hidden_score=float("-inf")).to(acc)  # [b, n, h, g]
+        total = torch.logaddexp(lse, torch.logsumexp(scores, dim=-1))                        # [b, n, h]
+        total = total.masked_fill(total == float("-inf"), 0)  # a row with no key at all: weights exp(-inf) = 0
+        global_probs = torch.exp(scores - total[..., None])
+        merged = torch.einsum("bnhg,bghd->bnhd", global_probs, globals_.gather(v).to(acc))
+        merged.addcmul_(context.to(acc), torch.exp(lse - total)[..., None])
+        return merged.to(q.dtype)
 
     def _local_banded(self, q, k, v, is_padding, is_global, globals_, need_probs: bool):
         """TVM kernels or sliding chunks: band scores ``[b, n, h, c]``, never an n x n matrix.
         ``is_padding`` is None when nothing is padding."""
         w, dil, ar = self.window, self.dilation, self.autoregressive
-        if (self.attention_mode is AttentionMode.TVM and globals_ is None and not need_probs
-                and not (self.training and self.dropout > 0)):
-            # Local attention without global tokens: one call, which runs the fused kernels on CPU (no
-            # score band; without gradients no band at all), padding keys masked. q is already scaled.
-            context = sliding_window_attention(q, k, v, w, dil, ar, scale=1.0, key_padding_mask=is_padding)
+        one_call = (self.attention_mode is AttentionMode.TVM and not need_probs
+                    and not (self.training and self.dropout > 0))
+        inference = not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
+        if one_call and (globals_ is None or inference):
+            # Local attention in one call, which runs the fused kernels on CPU (no score band; without
+            # gradients no band at all), padding keys masked. q is already scaled. Global tokens
+            # (inference only): removed from the band as keys, their columns merged in by the rows'
+            # log-sum-exp.
+            if globals_ is None:
+                context = sliding_window_attention(q, k, v, w, dil, ar, scale=1.0, key_padding_mask=is_padding)
+            else:
+                band_keys_hidden = is_global if is_padding is None else is_padding | is_global
+                context, lse = sliding_window_attention(q, k, v, w, dil, ar, scale=1.0,
+                                                        key_padding_mask=band_keys_hidden, return_lse=True)
+                context = self._merge_global_keys(context, lse, q, k, v, globals_)
             return (context if is_padding is None else context.masked_fill(is_padding[:, :, None, None], 0)), None
         # Keys outside the sequence get -inf from the band product itself.
         if self.attention_mode is AttentionMode.TVM:

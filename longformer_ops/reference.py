@@ -74,11 +74,9 @@ def diagonaled_mm_reference(t1, t2, w: int, d, is_t1_diagonaled: bool = False, p
     return scores.masked_fill(invalid, padding)
 
 
-def sliding_window_probs_reference(q, k, w: int, d, autoregressive: bool = False, scale: float | None = None,
-                                   key_padding_mask=None) -> torch.Tensor:
-    """The band probabilities of :func:`sliding_window_attention_reference`, ``[b, n, h, c]``: a softmax
-    of the scores with ``-inf`` at keys outside the sequence or flagged in ``key_padding_mask``
-    (a row with no key left: 0)."""
+def _sliding_window_scores(q, k, w: int, d, autoregressive: bool, scale: float | None, key_padding_mask) -> torch.Tensor:
+    """Band scores ``[b, n, h, c]`` of ``scale * Q.K^T``, ``-inf`` at keys outside the sequence or
+    flagged in ``key_padding_mask``."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = diagonaled_mm_reference(q * scale, k, w, d, False, float("-inf"), autoregressive)
     if key_padding_mask is not None:
@@ -87,7 +85,23 @@ def sliding_window_probs_reference(q, k, w: int, d, autoregressive: bool = False
         inside = (keys >= 0) & (keys < n)
         masked = key_padding_mask[:, keys.clamp(0, max(n - 1, 0))] & inside       # [b, n, h, c]
         scores = scores.masked_fill(masked, float("-inf"))
+    return scores
+
+
+def sliding_window_probs_reference(q, k, w: int, d, autoregressive: bool = False, scale: float | None = None,
+                                   key_padding_mask=None) -> torch.Tensor:
+    """The band probabilities of :func:`sliding_window_attention_reference`, ``[b, n, h, c]``: a softmax
+    of the scores with ``-inf`` at keys outside the sequence or flagged in ``key_padding_mask``
+    (a row with no key left: 0)."""
+    scores = _sliding_window_scores(q, k, w, d, autoregressive, scale, key_padding_mask)
     return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows of -inf only give NaN: 0
+
+
+def sliding_window_lse_reference(q, k, w: int, d, autoregressive: bool = False, scale: float | None = None,
+                                 key_padding_mask=None) -> torch.Tensor:
+    """Each row's log-sum-exp of the same scores, ``[b, n, h]`` (``-inf`` for a row with no key left):
+    what ``sliding_window_attention(..., return_lse=True)`` returns beside the result."""
+    return torch.logsumexp(_sliding_window_scores(q, k, w, d, autoregressive, scale, key_padding_mask), dim=-1)
 
 
 def sliding_window_attention_reference(q, k, v, w: int, d, autoregressive: bool = False,

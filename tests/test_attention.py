@@ -18,7 +18,7 @@ import longformer_ops.attention as attention_module
 from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, TOLERANCE
 from longformer_ops import _loader, sliding_window_attention
 from longformer_ops.reference import (diagonaled_mm_reference, sliding_window_attention_reference,
-                                      sliding_window_probs_reference)
+                                      sliding_window_lse_reference, sliding_window_probs_reference)
 from test_diagonaled_mm import DILATIONS, SIZES, _dilation, _random
 
 # Beyond the shared grid: windows near the sequence length, many whole tiles, dilations 1..8.
@@ -166,6 +166,41 @@ def test_key_padding_mask_matches_reference(cpu_library, size, dtype, autoregres
     _assert_close(out, q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype, mask)
     if with_grad:
         _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype, mask)
+
+
+def _assert_lse_close(lse, q, k, w, d, autoregressive, scale, dtype, key_padding_mask):
+    """The rows' log-sum-exp against the float64 reference's: equal -inf at rows with no key, else
+    within the dtype's tolerance of the row's score scale (sum of |q_i| |k_j| * scale)."""
+    q64, k64 = (x.detach().double().cpu() for x in (q, k))
+    ref = sliding_window_lse_reference(q64, k64, w, d, autoregressive, scale, key_padding_mask)
+    score_scale = diagonaled_mm_reference(q64.abs() * scale, k64.abs(), w, d, False, 0, autoregressive).amax(-1)
+    accumulation = torch.float64 if dtype == torch.float64 else torch.float32
+    assert lse.shape == q.shape[:3] and lse.dtype == accumulation
+    empty = ref == float("-inf")
+    assert torch.equal(lse.cpu() == float("-inf"), empty), "-inf exactly at the rows with no key"
+    error = (lse.double().cpu() - ref)[~empty].abs()
+    bound = (TOLERANCE[dtype] * (1 + score_scale))[~empty]
+    assert (error <= bound).all(), f"{dtype}: lse max error {error.max():.3e}"
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "three-steps"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("size", MASKED_SIZES, ids=str)
+def test_return_lse_matches_reference(cpu_library, monkeypatch, size, dtype, autoregressive, fused):
+    """return_lse gives the result unchanged and each row's log-sum-exp, from the fused kernel and
+    from the three steps (a library without it), with masked keys and rows left with no key."""
+    if not fused:
+        monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
+    b, n, h, f, w = size
+    g = torch.Generator().manual_seed(hash((size, autoregressive, str(dtype), "lse")) % 2**31)
+    d = _dilation("per-head", h, g)
+    mask = _padding_mask(b, n, g)
+    q, k, v = (_random((b, n, h, f), dtype, "cpu", g) for _ in range(3))
+    with torch.no_grad():
+        out, lse = sliding_window_attention(q, k, v, w, d, autoregressive, 0.7, key_padding_mask=mask, return_lse=True)
+        assert torch.equal(out, sliding_window_attention(q, k, v, w, d, autoregressive, 0.7, key_padding_mask=mask))
+    _assert_lse_close(lse, q, k, w, d, autoregressive, 0.7, dtype, mask)
 
 
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])

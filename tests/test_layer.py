@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_helpers import assert_close, hf_config, single_thread
-from longformer_ops import AttentionMode, LongformerConfig, LongformerSelfAttention
+from longformer_ops import AttentionMode, LongformerConfig, LongformerSelfAttention, _loader
 
 _ = single_thread  # autouse fixture: these tiny ops only lose from intra-op threads on a loaded machine
 MODES = list(AttentionMode)
@@ -244,6 +244,10 @@ def test_half_precision_tvm_layer(dtype):
     assert half[0].dtype == dtype and half[1].dtype == dtype
     assert_close(half[0][real].float(), reference[0][real], tol * reference[0].abs().max().item(), f"{dtype} out")
     assert_close(half[1].float(), reference[1], tol, f"{dtype} attentions")
+    with torch.no_grad():  # no attentions asked for: one call, global keys merged by log-sum-exp
+        merged = layer_for(cfg, dtype=dtype)(x.to(dtype), mask)[0]
+    assert merged.dtype == dtype
+    assert_close(merged[real].float(), reference[0][real], tol * reference[0].abs().max().item(), f"{dtype} merged out")
 
 
 @pytest.mark.parametrize("mode", [AttentionMode.TVM, AttentionMode.SLIDING_CHUNKS])
@@ -284,6 +288,30 @@ def test_local_attention_without_globals_runs_the_fused_kernels(monkeypatch, aut
     xf = x.clone().requires_grad_()
     layer(xf, mask)[0].backward(grad)
     assert_close(xf.grad, xb.grad, 1e-12, "gradient, fused vs banded")
+
+
+@pytest.mark.parametrize("library", ["fused", "three-steps"])
+@pytest.mark.parametrize("pad_from", [None, [37, 21]], ids=["no-padding", "padding"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_inference_with_globals_merges_them_into_one_call(monkeypatch, autoregressive, pad_from, library):
+    """Global tokens in inference: the layer runs one sliding_window_attention call (global keys
+    masked out of the band) and merges the global keys' columns by the rows' log-sum-exp, with the
+    band path's outputs; example 1 has fewer global tokens than example 0 (an empty slot)."""
+    import longformer_ops.attention
+    import longformer_ops.layer
+
+    if library == "three-steps":  # a library without the fused kernels (the CUDA ones)
+        monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
+    cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 3]], autoregressive=autoregressive)
+    x, mask = layer_inputs(8, 2, 37, 32, pad_from=pad_from, globals_=[(0, 4), (0, 30), (1, 2)])
+    layer = layer_for(cfg)
+    with torch.no_grad():
+        banded = layer(x, mask, output_attentions=True)[0]  # the band path (attentions need the band)
+        monkeypatch.setattr(longformer_ops.layer, "diagonaled_mm", None)  # the layer's own band path would fail
+        if library == "fused":
+            monkeypatch.setattr(longformer_ops.attention, "diagonaled_mm", None)  # so would any band product
+        merged = layer(x, mask)[0]
+    assert_close(merged, banded, 1e-12, "merged vs banded")
 
 
 def test_band_gradient_is_not_copied_per_head():

@@ -535,10 +535,11 @@ def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin
 
 
 @T.macro
-def _attention_tile_softmax(scores, partial, row_max, reciprocal, begin, end, blocks, rows, cols, lanes, acc_dtype,
-                            minus_inf):
+def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin, end, blocks, rows, cols, lanes,
+                            acc_dtype, minus_inf):
     """Each row: -inf at its invalid and out-of-band columns (exp gives exactly 0 there), then
-    exp(score - row max) in place, and 1 / their sum."""
+    exp(score - row max) in place, 1 / their sum, and the row's log-sum-exp of the scores
+    (-inf for a row with no key)."""
     for r in range(rows):
         _fill_run(scores, r, T.int64(0), begin[r], minus_inf, lanes)
         _fill_run(scores, r, end[r], blocks * T.int64(cols), minus_inf, lanes)
@@ -561,6 +562,7 @@ def _attention_tile_softmax(scores, partial, row_max, reciprocal, begin, end, bl
         reciprocal[r] = T.Cast(acc_dtype, 0)
         for lane in range(lanes):
             reciprocal[r] = reciprocal[r] + partial[lane]
+        log_sum[r] = row_max[0] + T.log(reciprocal[r])  # one scalar log per row; log(0) = -inf
         reciprocal[r] = T.Select(reciprocal[r] > T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / reciprocal[r], T.Cast(acc_dtype, 0))
 
 
@@ -593,11 +595,11 @@ def _attention_tile_gradient(scores, probs, delta, query, begin, end, b, h, base
 
 
 @T.macro
-def _attention_body(t_rows, t_keys, t_values, key_bias, probs_in, delta, dilation, window, scale, out, band_out,
+def _attention_body(t_rows, t_keys, t_values, key_bias, probs_in, delta, dilation, window, scale, out, band_out, lse,
                     batch, n, heads, head_dim, dtype, mode, acc_dtype, lanes, rows, cols, group, features, causal,
                     per_line, minus_inf):
-    """The fused kernels' loop nest (see :func:`attention`). ``mode``: "inference" (out = context),
-    "training" (also band_out = probabilities) or "backward" (t_rows = dO, t_keys = V, t_values = K:
+    """The fused kernels' loop nest (see :func:`attention`). ``mode``: "inference" (out = context,
+    lse = each row's log-sum-exp of its scores), "training" (also band_out = probabilities) or "backward" (t_rows = dO, t_keys = V, t_values = K:
     band_out = dS = P * (dP - delta), out = scale * dS . K). The forward modes add ``key_bias[b, key]``
     (0, or -inf for a masked key) to each score; the backward needs no bias (P is 0 there)."""
     w: T.let = window
@@ -624,6 +626,7 @@ def _attention_body(t_rows, t_keys, t_values, key_bias, probs_in, delta, dilatio
         begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
         end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
         row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+        log_sum = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
         unit = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
         partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
         row_max = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
@@ -653,8 +656,12 @@ def _attention_body(t_rows, t_keys, t_values, key_bias, probs_in, delta, dilatio
                 for r in range(rows):
                     row_scale[r] = T.Cast(acc_dtype, scale)
             else:
-                _attention_tile_softmax(scores, partial, row_max, row_scale, begin, end, blocks, rows, cols, lanes,
-                                        acc_dtype, minus_inf)
+                _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, blocks, rows, cols,
+                                        lanes, acc_dtype, minus_inf)
+                if mode == "inference":
+                    for r in range(rows):
+                        if p0 + T.int64(r) < n:
+                            lse[b, query[r], h] = log_sum[r]
                 if mode == "training":
                     _store_band_rows(band_out, scores, row_scale, query, b, h, p0, n, base, band, rows, lanes, dtype)
             _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n,
@@ -682,14 +689,18 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int, with_probs: bo
     value rows through once, and each output row is divided by its sum as it is stored.
     Arguments: q, k, v ``[b, n, h, f]``, key_bias ``[b, n]`` (accumulation dtype: 0, or -inf for
     a key no query attends to), dilation ``[h]``, the one-sided window ``w``, the score scale, out
-    ``[b, n, h, f]``; ``with_probs`` (training): also the probabilities, ``probs [b, n, h, c]`` (0
-    at invalid keys), which the backward needs. A row with no key left gets 0.
+    ``[b, n, h, f]``, then for inference lse ``[b, n, h]`` (accumulation dtype: each row's
+    log-sum-exp of its scaled, biased scores, -inf for a row with no key: what merges this
+    result with attention to other keys, such as global tokens); ``with_probs`` (training):
+    instead the probabilities, ``probs [b, n, h, c]`` (0 at invalid keys), which the backward
+    needs. A row with no key left gets 0.
     """
     acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
 
     @T.prim_func
     def inference(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
-                  dilation_handle: T.handle, window: T.int64, scale: T.float64, out_handle: T.handle):
+                  dilation_handle: T.handle, window: T.int64, scale: T.float64, out_handle: T.handle,
+                  lse_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -701,7 +712,8 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int, with_probs: bo
         key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
-        _attention_body(q, k, v, key_bias, out, out, dilation, window, scale, out, out, batch, n, heads, head_dim, dtype, "inference",
+        lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
+        _attention_body(q, k, v, key_bias, out, out, dilation, window, scale, out, out, lse, batch, n, heads, head_dim, dtype, "inference",
                         acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
 
     @T.prim_func
@@ -720,7 +732,7 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int, with_probs: bo
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
         probs = T.match_buffer(probs_handle, (batch, n, heads, T.int64(2 - causal) * window + T.int64(1)), dtype)
-        _attention_body(q, k, v, key_bias, out, out, dilation, window, scale, out, probs, batch, n, heads, head_dim, dtype, "training",
+        _attention_body(q, k, v, key_bias, out, out, dilation, window, scale, out, probs, out, batch, n, heads, head_dim, dtype, "training",
                         acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
 
     return training if with_probs else inference
@@ -754,7 +766,7 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         grad_q = T.match_buffer(grad_q_handle, (batch, n, heads, head_dim), dtype)
         grad_scores = T.match_buffer(grad_scores_handle, (batch, n, heads, T.int64(2 - causal) * window + T.int64(1)), dtype)
-        _attention_body(grad, v, k, delta, probs, delta, dilation, window, scale, grad_q, grad_scores, batch, n, heads, head_dim,
+        _attention_body(grad, v, k, delta, probs, delta, dilation, window, scale, grad_q, grad_scores, delta, batch, n, heads, head_dim,
                         dtype, "backward", acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
 
     return main
