@@ -7,9 +7,9 @@
 - on a library with the fused kernels (the CPU libraries), inference runs one kernel that
   computes scores, softmax and context per tile of queries, so the ``[b, n, h, 2w+1]`` band
   never exists in memory (at n = 4096, 12 heads, w = 256: 100 MiB not allocated, faulted in
-  and written; ``bench/NOTES.md``); training runs a kernel that also writes the probabilities,
-  and a backward kernel for dQ and dS (softmax backward included), then the transposed product
-  for dK and dV;
+  and written; ``bench/NOTES.md``); training runs the same kernel, which also gives each row's
+  log-sum-exp, and a backward kernel that recomputes each tile's probabilities from it and gives
+  dQ, dK and dV (FlashAttention's backward): no band in training either;
 - otherwise (a library without them: CUDA) the three steps above, differentiable through
   :func:`diagonaled_mm`'s kernels.
 """
@@ -22,12 +22,11 @@ from torch.autograd.function import once_differentiable
 from longformer_ops import checks
 from longformer_ops._loader import library_for
 from longformer_ops._manifest import function_name
-from longformer_ops.diagonaled import _dilation_tensor, _launch, _new_output, _pad_features, diagonaled_mm, fill_band_at_keys_
-from longformer_ops.reference import band_width
+from longformer_ops.diagonaled import _dilation_tensor, _new_output, _pad_features, diagonaled_mm, fill_band_at_keys_
 
 # The fused kernels' op names in the libraries (tvm_kernels.variants.FUSED_ATTENTION).
-FUSED = ("attention",)
-FUSED_TRAINING = ("attention_train", "attention_backward")
+FUSED = "attention"
+FUSED_BACKWARD = "attention_backward"
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, d=1,
@@ -45,7 +44,8 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ``[batch, seq_len, heads, head_dim]`` in the inputs' dtype.
 
     Differentiable in ``q``, ``k``, ``v`` (once). Where the library has the fused kernels (CPU),
-    inference keeps no band in memory, and training keeps only the probabilities for the backward.
+    neither inference nor training keeps a band in memory (the backward recomputes each tile's
+    probabilities from the rows' log-sum-exp).
     ``out``: a contiguous tensor of the result's shape, dtype and device to write into and return
     (not differentiable).
 
@@ -68,7 +68,7 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         result = out if out is not None else q.new_empty(q.shape)
         return (result, q.new_empty(q.shape[:3], dtype=_accumulation_dtype(q))) if return_lse else result
     library = library_for(q.device, str(q.dtype).removeprefix("torch.")) if q.numel() else None
-    fused = [function_name(op, autoregressive) for op in (FUSED_TRAINING if needs_grad else FUSED)]
+    fused = [function_name(op, autoregressive) for op in ((FUSED, FUSED_BACKWARD) if needs_grad else (FUSED,))]
     if library is not None and all(library.has(name) for name in fused):
         f = q.shape[-1]
         # Zero features change no score and give zero output columns, dropped below.
@@ -117,7 +117,7 @@ def _launch_fused(library, q, k, v, bias, f: int, w: int, dilations: tuple[int, 
     returns the result and the rows' log-sum-exp."""
     kernel_out = out if out is not None and q.shape[-1] == f else _new_output(q, q.shape)
     lse = q.new_empty(q.shape[:3], dtype=_accumulation_dtype(q))
-    library.function(function_name(FUSED[0], autoregressive))(
+    library.function(function_name(FUSED, autoregressive))(
         q, k, v, bias, _dilation_tensor(dilations, q.device), w, scale, kernel_out, lse)
     if kernel_out.shape[-1] == f:
         return kernel_out, lse
@@ -127,37 +127,30 @@ def _launch_fused(library, q, k, v, bias, f: int, w: int, dilations: tuple[int, 
 
 
 class _FusedAttention(torch.autograd.Function):
-    """Forward: the training kernel (context and the probabilities P). Backward: the backward kernel
-    gives dQ and dS = P * (dP - rowsum(dO * O)) in one pass (dP = dO . V^T per tile, never stored),
-    then dK = scale * dS^T Q and dV = P^T dO are the transposed product."""
+    """Forward: the inference kernel (context and the rows' log-sum-exp). Backward: one kernel gives
+    dQ, dK and dV, FlashAttention-style: per tile it recomputes the scores and P = exp(score - lse),
+    then dP = dO . V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale * dS . K, and accumulates
+    dV += P^T dO and dK += scale * dS^T Q; no band is kept between the passes or made in either."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, w, dilations, autoregressive, scale, library):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = _new_output(q, q.shape)
-        probs = _new_output(q, (*q.shape[:3], band_width(w, autoregressive)))
-        library.function(function_name(FUSED_TRAINING[0], autoregressive))(
-            q, k, v, bias, _dilation_tensor(dilations, q.device), w, scale, out, probs)
-        ctx.save_for_backward(q, k, v, out, probs)
+        out, lse = _launch_fused(library, q, k, v, bias, q.shape[-1], w, dilations, autoregressive, scale, None)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.config = (w, dilations, autoregressive, scale, library)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        q, k, v, out, probs = ctx.saved_tensors
+        q, k, v, bias, out, lse = ctx.saved_tensors
         w, dilations, autoregressive, scale, library = ctx.config
         grad = grad.contiguous()
-        grad_q = grad_k = grad_v = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            accumulation = _accumulation_dtype(q)
-            delta = (grad.to(accumulation) * out.to(accumulation)).sum(-1)  # [b, n, h]
-            grad_q = _new_output(q, q.shape)
-            grad_scores = _new_output(q, probs.shape)
-            library.function(function_name(FUSED_TRAINING[1], autoregressive))(
-                grad, v, k, probs, delta, _dilation_tensor(dilations, q.device), w, scale, grad_q, grad_scores)
-            if ctx.needs_input_grad[1]:
-                grad_k = _launch("transposed", grad_scores, q, w, dilations, autoregressive).mul_(scale)
-        if ctx.needs_input_grad[2]:
-            grad_v = _launch("transposed", probs, grad, w, dilations, autoregressive)
-        return grad_q, grad_k, grad_v, None, None, None, None, None, None
+        accumulation = _accumulation_dtype(q)
+        delta = (grad.to(accumulation) * out.to(accumulation)).sum(-1)  # [b, n, h]
+        grad_q, grad_k, grad_v = (_new_output(q, q.shape) for _ in range(3))
+        library.function(function_name(FUSED_BACKWARD, autoregressive))(
+            grad, q, k, v, bias, lse, delta, _dilation_tensor(dilations, q.device), w, scale, grad_q, grad_k, grad_v)
+        needs = ctx.needs_input_grad
+        return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
+                None, None, None, None, None, None)

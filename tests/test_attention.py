@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import longformer_ops.attention as attention_module
+import longformer_ops.diagonaled as diagonaled_module
 from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, TOLERANCE
 from longformer_ops import _loader, sliding_window_attention
 from longformer_ops.reference import (diagonaled_mm_reference, sliding_window_attention_reference,
@@ -97,17 +98,22 @@ def test_cuda_matches_reference(size, dtype, autoregressive, with_grad):
 
 
 def test_cpu_runs_the_fused_kernels_only(cpu_library, monkeypatch):
-    """On CPU no band product of diagonaled_mm runs, with or without gradients (no score band is
-    ever allocated; training keeps only the probabilities)."""
+    """On CPU no band product runs, with or without gradients, and training saves no band for the
+    backward (q, k, v, the key bias, the output and the rows' log-sum-exp only)."""
     def no_band(*args, **kwargs):
-        raise AssertionError("the band products ran")
+        raise AssertionError("a band product ran")
 
     monkeypatch.setattr(attention_module, "diagonaled_mm", no_band)
+    monkeypatch.setattr(diagonaled_module, "_launch", no_band)
     q, k, v = (torch.randn(1, 50, 2, 32, requires_grad=True) for _ in range(3))
     with torch.no_grad():
         sliding_window_attention(q, k, v, 4, [1, 3])
     sliding_window_attention(q.detach(), k.detach(), v.detach(), 4, [1, 3])
-    sliding_window_attention(q, k, v, 4, [1, 3]).sum().backward()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
+        out = sliding_window_attention(q, k, v, 4, [1, 3])
+    assert sorted(saved) == sorted([(1, 50)] + [(1, 50, 2)] + [(1, 50, 2, 32)] * 4), saved
+    out.sum().backward()
     assert all(x.grad is not None for x in (q, k, v))
 
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from longformer_ops._manifest import function_name  # noqa: F401  (the naming contract with the runtime)
 
 OPS = ("qk", "pv", "transposed")  # the three banded products, see tvm_kernels.compute
-# Fused local attention (qk, softmax, pv per tile, see tvm_kernels/schedules/cpu.py): for inference
-# (no band in memory), for training (also writes the probabilities) and its backward (dQ and dS).
+# Fused local attention (qk, softmax, pv per tile, see tvm_kernels/schedules/cpu.py) and its
+# backward (dQ, dK, dV from the forward's row log-sum-exp): no band in memory either way.
 # CPU targets only; the runtime runs the three products where a library lacks them.
-FUSED_ATTENTION = ("attention", "attention_train", "attention_backward")
+FUSED_ATTENTION = ("attention", "attention_backward")
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs

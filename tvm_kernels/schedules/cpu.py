@@ -29,16 +29,16 @@ micro-kernel (bench/NOTES.md has every variant measured):
   across classes or past the end first gather their weights, zeroed at invalid keys,
   into a small buffer. The output features accumulate in registers while the packed
   rows the tile touches stream through once.
-- attention (inference, training, backward): the qk micro-kernel writes a tile's scores into a
-  buffer that stays in cache, the softmax (or its backward) runs there, and the pv micro-kernel
-  streams the value rows once; no band in memory but what training keeps for the backward
-  (see :func:`attention`).
+- attention: the qk micro-kernel writes a tile's scores into a buffer that stays in cache, the
+  softmax runs there, and the pv micro-kernel streams the value rows once; no band in memory
+  (see :func:`attention`). Its backward recomputes each tile's probabilities from the forward's
+  row log-sum-exp and accumulates dK and dV in packed rows (:func:`attention_backward`).
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
 (feature loops run over whole vectors or register tiles; the runtime zero-pads,
 which is exact). Scratch per (batch, head): the packed rows (about one
-head's slice of the input), a row table and a per-tile buffer; accumulators live
-in registers.
+head's slice of the input; the attention backward also its dK and dV sums), a row
+table and a per-tile buffer; accumulators live in registers.
 """
 
 from __future__ import annotations
@@ -451,16 +451,17 @@ def _exp(x, acc_dtype):
 
 @T.macro
 def _pack_attention_operands(keys, values, biases, t_keys, t_values, key_bias, row_of, block_keys, b, h, n, head_dim,
-                             margin, blocks, cols, lanes, per_line, acc_dtype, with_bias):
-    """keys as in qk (blocks of ``cols``, feature-major), values as in pv (rows), and with_bias the
-    keys' score biases, at the same packed columns, zero outside the sequence."""
+                             margin, blocks, cols, lanes, per_line, acc_dtype, with_bias, with_values):
+    """keys as in qk (blocks of ``cols``, feature-major), with_values the values as in pv (rows), and
+    with_bias the keys' score biases, at the same packed columns, zero outside the sequence."""
     for block in range(blocks):
         for lane in range(T.int64(cols)):
             p: T.let = block * T.int64(cols) + lane - margin  # packed position
             block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
             ahead: T.let = row_of[T.max(T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1)), T.int64(0))]
             _prefetch_row(t_keys, b, ahead, h, head_dim, per_line)
-            _prefetch_row(t_values, b, ahead, h, head_dim, per_line)
+            if with_values:
+                _prefetch_row(t_values, b, ahead, h, head_dim, per_line)
         for f in range(head_dim):
             for lane in T.vectorized(cols):
                 keys[block, f, lane] = T.Select(
@@ -468,11 +469,12 @@ def _pack_attention_operands(keys, values, biases, t_keys, t_values, key_bias, r
                     T.Cast(acc_dtype, t_keys[b, block_keys[lane], h, f]), T.Cast(acc_dtype, 0))
         for lane in range(T.int64(cols)):
             inside: T.let = block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n
-            for vector in range(head_dim // T.int64(lanes)):
-                for lane2 in T.vectorized(lanes):
-                    values[block * T.int64(cols) + lane, vector * T.int64(lanes) + lane2] = T.Select(
-                        inside, T.Cast(acc_dtype, t_values[b, block_keys[lane], h, vector * T.int64(lanes) + lane2]),
-                        T.Cast(acc_dtype, 0))
+            if with_values:
+                for vector in range(head_dim // T.int64(lanes)):
+                    for lane2 in T.vectorized(lanes):
+                        values[block * T.int64(cols) + lane, vector * T.int64(lanes) + lane2] = T.Select(
+                            inside, T.Cast(acc_dtype, t_values[b, block_keys[lane], h, vector * T.int64(lanes) + lane2]),
+                            T.Cast(acc_dtype, 0))
             if with_bias:
                 biases[block * T.int64(cols) + lane] = T.Select(inside, key_bias[b, block_keys[lane]], T.Cast(acc_dtype, 0))
 
@@ -567,119 +569,67 @@ def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin
 
 
 @T.macro
-def _store_band_rows(band_out, scores, row_scale, query, b, h, p0, n, base, band, rows, lanes, dtype):
-    """band_out[b, query[r], h, j] = row_scale[r] * scores[r, base + r + j] for every real row."""
+def _attention_tile_probs(scores, lse, query, begin, end, b, h, blocks, rows, cols, lanes, acc_dtype, minus_inf):
+    """The backward's P from the forward's log-sum-exp, in place: exp(score - lse) at each row's
+    valid columns, exactly 0 elsewhere (-inf first) and in rows with no key (lse -inf) or past
+    the end (no valid column)."""
     for r in range(rows):
-        if p0 + T.int64(r) < n:
-            for vector in range(band // T.int64(lanes)):
-                for lane in T.vectorized(lanes):
-                    band_out[b, query[r], h, vector * T.int64(lanes) + lane] = T.Cast(
-                        dtype, scores[r, base + T.int64(r) + vector * T.int64(lanes) + lane] * row_scale[r])
-            for j in range(band // T.int64(lanes) * T.int64(lanes), band):
-                band_out[b, query[r], h, j] = T.Cast(dtype, scores[r, base + T.int64(r) + j] * row_scale[r])
-
-
-@T.macro
-def _attention_tile_gradient(scores, probs, delta, query, begin, end, b, h, base, blocks, rows, cols, lanes, acc_dtype):
-    """Softmax backward in place: scores (dP) -> probs * (dP - delta) at each row's valid columns, 0 elsewhere."""
-    for r in range(rows):
-        _fill_run(scores, r, T.int64(0), begin[r], T.Cast(acc_dtype, 0), lanes)
-        _fill_run(scores, r, end[r], blocks * T.int64(cols), T.Cast(acc_dtype, 0), lanes)
-        for vector in range((end[r] - begin[r]) // T.int64(lanes)):
+        _fill_run(scores, r, T.int64(0), begin[r], minus_inf, lanes)
+        _fill_run(scores, r, end[r], blocks * T.int64(cols), minus_inf, lanes)
+        row_lse: T.let = T.Select(lse[b, query[r], h] == minus_inf, T.Cast(acc_dtype, 0), lse[b, query[r], h])
+        for vector in range(blocks * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
-                scores[r, begin[r] + vector * T.int64(lanes) + lane] = T.Cast(
-                    acc_dtype, probs[b, query[r], h, begin[r] - base - T.int64(r) + vector * T.int64(lanes) + lane]) * (
-                    scores[r, begin[r] + vector * T.int64(lanes) + lane] - delta[b, query[r], h])
-        for c in range(begin[r] + (end[r] - begin[r]) // T.int64(lanes) * T.int64(lanes), end[r]):
-            scores[r, c] = T.Cast(acc_dtype, probs[b, query[r], h, c - base - T.int64(r)]) * (scores[r, c] - delta[b, query[r], h])
+                scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_lse, acc_dtype)
 
 
 @T.macro
-def _attention_body(t_rows, t_keys, t_values, key_bias, probs_in, delta, dilation, window, scale, out, band_out, lse,
-                    batch, n, heads, head_dim, dtype, mode, acc_dtype, lanes, rows, cols, group, features, causal,
-                    per_line, minus_inf):
-    """The fused kernels' loop nest (see :func:`attention`). ``mode``: "inference" (out = context,
-    lse = each row's log-sum-exp of its scores), "training" (also band_out = probabilities) or "backward" (t_rows = dO, t_keys = V, t_values = K:
-    band_out = dS = P * (dP - delta), out = scale * dS . K). The forward modes add ``key_bias[b, key]``
-    (0, or -inf for a masked key) to each score; the backward needs no bias (P is 0 there)."""
-    w: T.let = window
-    band: T.let = T.int64(2 - causal) * window + T.int64(1)
-    margin: T.let = w + T.int64(cols)  # packed columns before the first key
-    for bh in T.parallel(batch * heads):
-        b: T.let = bh // heads
-        h: T.let = bh % heads
-        d: T.let = T.Cast("int64", dilation[h])
-        row_of = T.decl_buffer((n,), "int64")
-        keys = T.decl_buffer(
-            ((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1),
-             head_dim, T.int64(cols)), acc_dtype)
-        values = T.decl_buffer(
-            (((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols),
-             head_dim), acc_dtype)
-        biases = T.decl_buffer(
-            (((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols),),
-            acc_dtype)
-        scores = T.decl_buffer((T.int64(rows), T.int64(2 - causal) * window + T.int64(1 + rows + 2 * cols)), acc_dtype)
-        queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
-        query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-        block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
-        begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-        end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-        row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
-        log_sum = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
-        unit = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
-        partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
-        row_max = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
-        span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
-        acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
-        out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
-        _fill_residue_major(row_of, n, d)
-        _pack_attention_operands(keys, values, biases, t_keys, t_values, key_bias, row_of, block_keys, b, h, n, head_dim,
-                                 margin, (n + band + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1),
-                                 cols, lanes, per_line, acc_dtype, mode != "backward")
-        for r in range(rows):
-            unit[r] = T.Cast(acc_dtype, 1)
-        for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
-            p0: T.let = tile * T.int64(rows)
-            first: T.let = p0 - w + margin  # packed column of row 0's band column 0
-            block0: T.let = first // T.int64(cols)
-            base: T.let = first - block0 * T.int64(cols)  # scores column of row 0's band column 0
-            blocks: T.let = (first + T.int64(rows - 2) + band) // T.int64(cols) - block0 + T.int64(1)
-            _attention_tile_rows(query, begin, end, queries, t_rows, row_of, b, h, n, head_dim, p0, w, d, band, base,
-                                 T.float64(1) if mode == "backward" else scale, rows, lanes, acc_dtype)
-            _attention_tile_scores(scores, acc, queries, keys, biases, block0, blocks, head_dim, rows, cols, acc_dtype,
-                                   mode != "backward")
-            if mode == "backward":
-                _attention_tile_gradient(scores, probs_in, delta, query, begin, end, b, h, base, blocks, rows, cols,
-                                         lanes, acc_dtype)
-                _store_band_rows(band_out, scores, unit, query, b, h, p0, n, base, band, rows, lanes, dtype)
-                for r in range(rows):
-                    row_scale[r] = T.Cast(acc_dtype, scale)
-            else:
-                _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, blocks, rows, cols,
-                                        lanes, acc_dtype, minus_inf)
-                if mode == "inference":
-                    for r in range(rows):
-                        if p0 + T.int64(r) < n:
-                            lse[b, query[r], h] = log_sum[r]
-                if mode == "training":
-                    _store_band_rows(band_out, scores, row_scale, query, b, h, p0, n, base, band, rows, lanes, dtype)
-            _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n,
-                                    block0, head_dim, rows, cols, group, features, acc_dtype, dtype)
+def _attention_tile_softmax_grad(grads, probs, delta, query, p0, n, b, h, width, rows, lanes, acc_dtype):
+    """Softmax backward in place: grads (dP) -> dS = P * (dP - delta) over the tile's columns
+    (0 wherever P is 0; rows past the end have P = 0 and no delta)."""
+    for r in range(rows):
+        row_delta: T.let = T.Select(p0 + T.int64(r) < n, delta[b, query[r], h], T.Cast(acc_dtype, 0))
+        for vector in range(width // T.int64(lanes)):
+            for lane in T.vectorized(lanes):
+                grads[r, vector * T.int64(lanes) + lane] = probs[r, vector * T.int64(lanes) + lane] * (
+                    grads[r, vector * T.int64(lanes) + lane] - row_delta)
+
+
+@T.macro
+def _accumulate_keys(total, weights, tile_rows, first, width, head_dim, rows, keys, features, key_acc, acc_dtype):
+    """total[first + c] += sum over the tile's rows r of weights[r, c] * tile_rows[r], for c < width
+    (a multiple of ``keys``): dK and dV, the transposed products, per tile. ``keys`` packed rows x
+    ``features`` accumulate in registers; per tile row one broadcast per key, one load per vector."""
+    for group in range(width // T.int64(keys)):
+        for feature_tile in range(head_dim // T.int64(features)):
+            column: T.let = feature_tile * T.int64(features)
+            for j in T.unroll(keys):
+                for lane in T.vectorized(features):
+                    key_acc[j, lane] = total[first + group * T.int64(keys) + T.int64(j), column + lane]
+            for r in range(rows):
+                for j in T.unroll(keys):
+                    _accumulate(key_acc, j, tile_rows, T.int64(r), column, features, weights[r, group * T.int64(keys) + T.int64(j)])
+            for j in T.unroll(keys):
+                for lane in T.vectorized(features):
+                    total[first + group * T.int64(keys) + T.int64(j), column + lane] = key_acc[j, lane]
 
 
 def _attention_sizes(dtype: str, autoregressive: bool, vector_bits: int) -> tuple:
     acc_dtype = accumulation_dtype(dtype)
     lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
     rows, vectors = (16, 1) if vector_bits >= 512 else (6, 2)  # the Q.K^T tile, as in qk
-    # In the order of _attention_body's last arguments.
     return (acc_dtype, lanes, rows, vectors * lanes,
             8 if vector_bits >= 512 else 6,  # rows of one probs.V register tile (as in pv)
             2 * lanes, 1 if autoregressive else 0, 64 * 8 // _BITS[dtype], tirx.const(float("-inf"), acc_dtype))
 
 
-def attention(dtype: str, autoregressive: bool, vector_bits: int, with_probs: bool = False):
-    """Fused local attention: ``out = softmax(scale * Q.K^T on the band) . V``.
+# Packed rows of one head's operands: the sequence with margins of a band and a few tiles.
+def _packed_length(n, window, causal, rows, cols):
+    return ((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols)
+
+
+def attention(dtype: str, autoregressive: bool, vector_bits: int):
+    """Fused local attention: ``out = softmax(scale * Q.K^T on the band) . V``, and each row's
+    log-sum-exp.
 
     What :func:`qk`, a softmax over each row's valid keys and :func:`pv` compute one after the
     other, without the band in memory: per tile of ``rows`` consecutive packed queries, the
@@ -689,18 +639,16 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int, with_probs: bo
     value rows through once, and each output row is divided by its sum as it is stored.
     Arguments: q, k, v ``[b, n, h, f]``, key_bias ``[b, n]`` (accumulation dtype: 0, or -inf for
     a key no query attends to), dilation ``[h]``, the one-sided window ``w``, the score scale, out
-    ``[b, n, h, f]``, then for inference lse ``[b, n, h]`` (accumulation dtype: each row's
-    log-sum-exp of its scaled, biased scores, -inf for a row with no key: what merges this
-    result with attention to other keys, such as global tokens); ``with_probs`` (training):
-    instead the probabilities, ``probs [b, n, h, c]`` (0 at invalid keys), which the backward
-    needs. A row with no key left gets 0.
+    ``[b, n, h, f]``, lse ``[b, n, h]`` (accumulation dtype: each row's log-sum-exp of its scaled,
+    biased scores, -inf for a row with no key: what the backward recomputes the probabilities
+    from, and what merges this result with attention to other keys, such as global tokens).
+    A row with no key left gets 0.
     """
     acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
 
     @T.prim_func
-    def inference(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
-                  dilation_handle: T.handle, window: T.int64, scale: T.float64, out_handle: T.handle,
-                  lse_handle: T.handle):
+    def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
+             dilation_handle: T.handle, window: T.int64, scale: T.float64, out_handle: T.handle, lse_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -713,64 +661,161 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int, with_probs: bo
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
         lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
-        _attention_body(q, k, v, key_bias, out, out, dilation, window, scale, out, out, lse, batch, n, heads, head_dim, dtype, "inference",
-                        acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
+        w: T.let = window
+        band: T.let = T.int64(2 - causal) * window + T.int64(1)
+        margin: T.let = w + T.int64(cols)  # packed columns before the first key
+        for bh in T.parallel(batch * heads):
+            b: T.let = bh // heads
+            h: T.let = bh % heads
+            d: T.let = T.Cast("int64", dilation[h])
+            row_of = T.decl_buffer((n,), "int64")
+            keys = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols), head_dim, T.int64(cols)), acc_dtype)
+            values = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
+            biases = T.decl_buffer((_packed_length(n, window, causal, rows, cols),), acc_dtype)
+            scores = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
+            queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+            query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
+            begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+            log_sum = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+            partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            row_max = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
+            acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
+            out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
+            _fill_residue_major(row_of, n, d)
+            _pack_attention_operands(keys, values, biases, k, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+                                     margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                                     cols, lanes, per_line, acc_dtype, True, True)
+            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+                p0: T.let = tile * T.int64(rows)
+                first: T.let = p0 - w + margin  # packed column of row 0's band column 0
+                block0: T.let = first // T.int64(cols)
+                base: T.let = first - block0 * T.int64(cols)  # scores column of row 0's band column 0
+                blocks: T.let = (first + T.int64(rows - 2) + band) // T.int64(cols) - block0 + T.int64(1)
+                _attention_tile_rows(query, begin, end, queries, q, row_of, b, h, n, head_dim, p0, w, d, band, base,
+                                     scale, rows, lanes, acc_dtype)
+                _attention_tile_scores(scores, acc, queries, keys, biases, block0, blocks, head_dim, rows, cols, acc_dtype, True)
+                _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, blocks, rows, cols,
+                                        lanes, acc_dtype, minus_inf)
+                for r in range(rows):
+                    if p0 + T.int64(r) < n:
+                        lse[b, query[r], h] = log_sum[r]
+                _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n,
+                                        block0, head_dim, rows, cols, group, features, acc_dtype, dtype)
 
-    @T.prim_func
-    def training(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
-                 dilation_handle: T.handle, window: T.int64, scale: T.float64, out_handle: T.handle,
-                 probs_handle: T.handle):
-        T.func_attr({"tir.noalias": True})
-        batch = T.int64()
-        n = T.int64()
-        heads = T.int64()
-        head_dim = T.int64()
-        q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
-        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
-        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
-        key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
-        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
-        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
-        probs = T.match_buffer(probs_handle, (batch, n, heads, T.int64(2 - causal) * window + T.int64(1)), dtype)
-        _attention_body(q, k, v, key_bias, out, out, dilation, window, scale, out, probs, out, batch, n, heads, head_dim, dtype, "training",
-                        acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
-
-    return training if with_probs else inference
+    return main
 
 
 def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
-    """The fused kernel's backward for dQ and dS (dK and dV are transposed products of the band).
+    """The fused kernel's backward, FlashAttention-style: dQ, dK and dV with no band in memory.
 
-    Arguments: dO ``[b, n, h, f]``, V, K, probs ``[b, n, h, c]`` (from the training forward),
-    delta ``[b, n, h]`` (rowsum(dO * O), in the accumulation dtype), dilation, ``w``, the score
-    scale, dQ ``[b, n, h, f]`` and dS ``[b, n, h, c]`` (the gradient of the scaled scores). Per
-    tile: dP = dO . V^T (the Q.K^T micro-kernel), dS = P * (dP - delta) in the scores buffer,
-    stored, then dQ = scale * dS . K (the probs.V micro-kernel).
+    Arguments: dO ``[b, n, h, f]``, q, k, v, key_bias and lse as in :func:`attention` (lse from
+    its forward call), delta ``[b, n, h]`` (rowsum(dO * O), accumulation dtype), dilation, ``w``,
+    the score scale, dQ, dK, dV ``[b, n, h, f]``. Per (batch, head) K and V are packed as in the
+    forward, and dK, dV accumulate over the tiles in packed rows (scratch of the packed operands'
+    size), cast into place at the end. Per tile of ``rows`` packed queries, in cache: the
+    scores again (the Q.K^T micro-kernel) and P = exp(score - lse); dP = dO . V^T (the same
+    micro-kernel); dS = P * (dP - delta); dQ = scale * dS . K (the probs.V micro-kernel);
+    dV += P^T dO and dK += dS^T (scale Q) over the keys the tile touches.
     """
     acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
+    keys_per_update = 8 if vector_bits >= 512 else 4  # rows of the dK/dV register tile (x 2 vectors)
 
     @T.prim_func
-    def main(grad_handle: T.handle, v_handle: T.handle, k_handle: T.handle, probs_handle: T.handle,
-             delta_handle: T.handle, dilation_handle: T.handle, window: T.int64, scale: T.float64,
-             grad_q_handle: T.handle, grad_scores_handle: T.handle):
+    def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
+             key_bias_handle: T.handle, lse_handle: T.handle, delta_handle: T.handle, dilation_handle: T.handle,
+             window: T.int64, scale: T.float64, grad_q_handle: T.handle, grad_k_handle: T.handle,
+             grad_v_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
         heads = T.int64()
         head_dim = T.int64()
         grad = T.match_buffer(grad_handle, (batch, n, heads, head_dim), dtype)
-        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
         k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
-        probs = T.match_buffer(probs_handle, (batch, n, heads, T.int64(2 - causal) * window + T.int64(1)), dtype)
+        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
+        lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
         delta = T.match_buffer(delta_handle, (batch, n, heads), acc_dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         grad_q = T.match_buffer(grad_q_handle, (batch, n, heads, head_dim), dtype)
-        grad_scores = T.match_buffer(grad_scores_handle, (batch, n, heads, T.int64(2 - causal) * window + T.int64(1)), dtype)
-        _attention_body(grad, v, k, delta, probs, delta, dilation, window, scale, grad_q, grad_scores, delta, batch, n, heads, head_dim,
-                        dtype, "backward", acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf)
+        grad_k = T.match_buffer(grad_k_handle, (batch, n, heads, head_dim), dtype)
+        grad_v = T.match_buffer(grad_v_handle, (batch, n, heads, head_dim), dtype)
+        w: T.let = window
+        band: T.let = T.int64(2 - causal) * window + T.int64(1)
+        margin: T.let = w + T.int64(cols)
+        for bh in T.parallel(batch * heads):
+            b: T.let = bh // heads
+            h: T.let = bh % heads
+            d: T.let = T.Cast("int64", dilation[h])
+            row_of = T.decl_buffer((n,), "int64")
+            keys_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols), head_dim, T.int64(cols)), acc_dtype)
+            keys_v = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols), head_dim, T.int64(cols)), acc_dtype)
+            rows_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
+            biases = T.decl_buffer((_packed_length(n, window, causal, rows, cols),), acc_dtype)
+            total_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
+            total_v = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
+            probs = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
+            grads = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
+            queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+            grad_rows = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+            query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
+            begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+            span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
+            acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
+            out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
+            key_acc = T.alloc_local((keys_per_update, features), acc_dtype, annotations=_ON_STACK)
+            _fill_residue_major(row_of, n, d)
+            _pack_attention_operands(keys_k, rows_k, biases, k, k, key_bias, row_of, block_keys, b, h, n, head_dim,
+                                     margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                                     cols, lanes, per_line, acc_dtype, True, True)
+            _pack_attention_operands(keys_v, rows_k, biases, v, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+                                     margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                                     cols, lanes, per_line, acc_dtype, False, False)
+            for t in range(_packed_length(n, window, causal, rows, cols)):
+                for vector in range(head_dim // T.int64(lanes)):
+                    for lane in T.vectorized(lanes):
+                        total_k[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
+                        total_v[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
+            for r in range(rows):
+                row_scale[r] = T.Cast(acc_dtype, scale)
+            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+                p0: T.let = tile * T.int64(rows)
+                first: T.let = p0 - w + margin
+                block0: T.let = first // T.int64(cols)
+                base: T.let = first - block0 * T.int64(cols)
+                blocks: T.let = (first + T.int64(rows - 2) + band) // T.int64(cols) - block0 + T.int64(1)
+                _attention_tile_rows(query, begin, end, queries, q, row_of, b, h, n, head_dim, p0, w, d, band, base,
+                                     scale, rows, lanes, acc_dtype)
+                _attention_tile_scores(probs, acc, queries, keys_k, biases, block0, blocks, head_dim, rows, cols, acc_dtype, True)
+                _attention_tile_probs(probs, lse, query, begin, end, b, h, blocks, rows, cols, lanes, acc_dtype, minus_inf)
+                _attention_tile_rows(query, begin, end, grad_rows, grad, row_of, b, h, n, head_dim, p0, w, d, band, base,
+                                     T.float64(1), rows, lanes, acc_dtype)
+                _attention_tile_scores(grads, acc, grad_rows, keys_v, biases, block0, blocks, head_dim, rows, cols, acc_dtype, False)
+                _attention_tile_softmax_grad(grads, probs, delta, query, p0, n, b, h, blocks * T.int64(cols), rows, lanes, acc_dtype)
+                _attention_tile_context(grad_q, out_acc, grads, rows_k, row_scale, span, begin, end, query, b, h, p0, n,
+                                        block0, head_dim, rows, cols, group, features, acc_dtype, dtype)
+                _accumulate_keys(total_v, probs, grad_rows, block0 * T.int64(cols), blocks * T.int64(cols), head_dim, rows,
+                                 keys_per_update, features, key_acc, acc_dtype)
+                _accumulate_keys(total_k, grads, queries, block0 * T.int64(cols), blocks * T.int64(cols), head_dim, rows,
+                                 keys_per_update, features, key_acc, acc_dtype)
+            for p in range(n):
+                for vector in range(head_dim // T.int64(lanes)):
+                    for lane in T.vectorized(lanes):
+                        grad_k[b, row_of[p], h, vector * T.int64(lanes) + lane] = T.Cast(
+                            dtype, total_k[margin + p, vector * T.int64(lanes) + lane])
+                        grad_v[b, row_of[p], h, vector * T.int64(lanes) + lane] = T.Cast(
+                            dtype, total_v[margin + p, vector * T.int64(lanes) + lane])
 
     return main
 
 
 HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": attention,
-                "attention_train": functools.partial(attention, with_probs=True), "attention_backward": attention_backward}
+                "attention_backward": attention_backward}
