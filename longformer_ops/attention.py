@@ -52,16 +52,13 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ``return_lse``: return ``(result, lse)``, ``lse`` each row's log-sum-exp of its scaled scores
     over the keys it attends to, ``[batch, seq_len, heads]`` in float32 (float64 for float64
     inputs), ``-inf`` for a row with no key. With it a caller merges this result with attention
-    over other keys (the layer's global tokens: ``result * exp(lse - total) + ...``). Without
-    gradients only (no gradient flows through it).
+    over other keys (the layer's global tokens: ``result * exp(lse - total) + ...``).
+    Differentiable too (its gradient joins the softmax's in the same backward).
     """
     w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if return_lse and needs_grad:
-        raise ValueError("return_lse=True is for inference only: call it under torch.no_grad() or with inputs "
-                         "that do not require grad (no gradient flows through the log-sum-exp)")
     if out is not None:
         checks.check_out(out, tuple(q.shape), {"q": q, "k": k, "v": v})
     if q.numel() == 0 and not needs_grad:
@@ -75,7 +72,8 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q, k, v = (_pad_features(x, library.feature_multiple) for x in (q, k, v))
         bias = _key_bias(key_padding_mask, q)
         if needs_grad:
-            return _FusedAttention.apply(q, k, v, bias, w, dilations, autoregressive, scale, library)[..., :f]
+            result, lse = _FusedAttention.apply(q, k, v, bias, w, dilations, autoregressive, scale, library)
+            return (result[..., :f], lse) if return_lse else result[..., :f]
         result, lse = _launch_fused(library, q.contiguous(), k.contiguous(), v.contiguous(), bias, f, w, dilations,
                                     autoregressive, scale, out)
         return (result, lse) if return_lse else result
@@ -91,7 +89,7 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if return_lse:  # before the in-place softmax below overwrites the scores
         lse = torch.logsumexp(scores.to(_accumulation_dtype(q)), dim=-1)
         if no_key is not None:
-            lse = lse.masked_fill_(no_key[..., 0], float("-inf"))
+            lse = lse.masked_fill(no_key[..., 0], float("-inf"))
     # In the input dtype: torch's softmax accumulates half types in float32 and rounds once.
     probs = torch.softmax(scores, dim=-1) if needs_grad else torch.softmax(scores, dim=-1, out=scores)
     if no_key is not None:
@@ -127,10 +125,11 @@ def _launch_fused(library, q, k, v, bias, f: int, w: int, dilations: tuple[int, 
 
 
 class _FusedAttention(torch.autograd.Function):
-    """Forward: the inference kernel (context and the rows' log-sum-exp). Backward: one kernel gives
+    """Forward: the inference kernel (context O and the rows' log-sum-exp). Backward: one kernel gives
     dQ, dK and dV, FlashAttention-style: per tile it recomputes the scores and P = exp(score - lse),
-    then dP = dO . V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale * dS . K, and accumulates
-    dV += P^T dO and dK += scale * dS^T Q; no band is kept between the passes or made in either."""
+    then dP = dO . V^T, dS = P * (dP - delta), dQ = scale * dS . K, and accumulates dV += P^T dO and
+    dK += scale * dS^T Q; no band is kept between the passes or made in either. delta is
+    rowsum(dO * O) less the log-sum-exp's own gradient (d lse / d score = P, so it joins dS there)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, w, dilations, autoregressive, scale, library):
@@ -138,19 +137,19 @@ class _FusedAttention(torch.autograd.Function):
         out, lse = _launch_fused(library, q, k, v, bias, q.shape[-1], w, dilations, autoregressive, scale, None)
         ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.config = (w, dilations, autoregressive, scale, library)
-        return out
+        return out, lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_lse):
         q, k, v, bias, out, lse = ctx.saved_tensors
         w, dilations, autoregressive, scale, library = ctx.config
         grad = grad.contiguous()
-        accumulation = _accumulation_dtype(q)
-        delta = (grad.to(accumulation) * out.to(accumulation)).sum(-1)  # [b, n, h]
+        delta = (grad.to(lse.dtype) * out.to(lse.dtype)).sum(-1) - grad_lse  # [b, n, h]
         grad_q, grad_k, grad_v = (_new_output(q, q.shape) for _ in range(3))
         library.function(function_name(FUSED_BACKWARD, autoregressive))(
-            grad, q, k, v, bias, lse, delta, _dilation_tensor(dilations, q.device), w, scale, grad_q, grad_k, grad_v)
+            grad, q, k, v, bias, lse, delta.contiguous(), _dilation_tensor(dilations, q.device), w, scale,
+            grad_q, grad_k, grad_v)
         needs = ctx.needs_input_grad
         return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
                 None, None, None, None, None, None)

@@ -16,9 +16,9 @@ with ``c = 2w + 1`` (``w + 1`` autoregressive). Scores are masked with the dtype
 negative finite value (as Hugging Face does, so that no row is all ``-inf``), softmax runs
 in the input dtype (torch's softmax accumulates half types in float32 and rounds once, so
 there is no float32 copy of the band), rows of padding queries are zeroed. When no attentions
-are asked for, local attention is one call of :func:`longformer_ops.sliding_window_attention`
-(the fused kernels on CPU: no score band): always without global tokens, and with them in
-inference, where the global keys' columns are merged in through the rows' log-sum-exp.
+are asked for and no attention dropout is active, local attention is one call of :func:`longformer_ops.sliding_window_attention`
+(the fused kernels on CPU: no score band); global keys' columns are merged in through the
+rows' log-sum-exp.
 """
 
 from __future__ import annotations
@@ -185,28 +185,29 @@ class LongformerSelfAttention(nn.Module):
 
     def _merge_global_keys(self, context, lse, q, k, v, globals_: GlobalTokens):
         """One softmax over [band keys | global keys] from the band part's normalised ``context`` and its
-        rows' log-sum-exp ``lse``: each part is weighted by exp(its log-sum-exp - the total's)."""
+        rows' log-sum-exp ``lse``: the band part weighs exp(lse - m), each global key exp(score - m),
+        over their sum (m any finite shift: the row's largest term). Differentiable, and no NaN for a
+        row that sees no global key (or no key at all: its weights stay 0)."""
         acc = lse.dtype
         scores = self._global_key_scores(q, k, globals_, hidden_score=float("-inf")).to(acc)  # [b, n, h, g]
-        total = torch.logaddexp(lse, torch.logsumexp(scores, dim=-1))                        # [b, n, h]
-        total = total.masked_fill(total == float("-inf"), 0)  # a row with no key at all: weights exp(-inf) = 0
-        global_probs = torch.exp(scores - total[..., None])
-        merged = torch.einsum("bnhg,bghd->bnhd", global_probs, globals_.gather(v).to(acc))
-        merged.addcmul_(context.to(acc), torch.exp(lse - total)[..., None])
-        return merged.to(q.dtype)
+        shift = torch.maximum(lse, scores.amax(-1)).detach()                                 # [b, n, h]
+        shift = shift.masked_fill(shift == float("-inf"), 0)
+        band_weight = torch.exp(lse - shift)
+        global_weights = torch.exp(scores - shift[..., None])
+        total = (band_weight + global_weights.sum(-1)).clamp_min(torch.finfo(acc).tiny)
+        merged = torch.einsum("bnhg,bghd->bnhd", global_weights, globals_.gather(v).to(acc))
+        merged = merged + context.to(acc) * band_weight[..., None]
+        return (merged / total[..., None]).to(q.dtype)
 
     def _local_banded(self, q, k, v, is_padding, is_global, globals_, need_probs: bool):
         """TVM kernels or sliding chunks: band scores ``[b, n, h, c]``, never an n x n matrix.
         ``is_padding`` is None when nothing is padding."""
         w, dil, ar = self.window, self.dilation, self.autoregressive
-        one_call = (self.attention_mode is AttentionMode.TVM and not need_probs
-                    and not (self.training and self.dropout > 0))
-        inference = not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))
-        if one_call and (globals_ is None or inference):
-            # Local attention in one call, which runs the fused kernels on CPU (no score band; without
-            # gradients no band at all), padding keys masked. q is already scaled. Global tokens
-            # (inference only): removed from the band as keys, their columns merged in by the rows'
-            # log-sum-exp.
+        if (self.attention_mode is AttentionMode.TVM and not need_probs
+                and not (self.training and self.dropout > 0)):
+            # Local attention in one call, which runs the fused kernels on CPU (no score band),
+            # padding keys masked. q is already scaled. Global tokens: removed from the band as
+            # keys, their columns merged in by the rows' log-sum-exp (differentiable).
             if globals_ is None:
                 context = sliding_window_attention(q, k, v, w, dil, ar, scale=1.0, key_padding_mask=is_padding)
             else:

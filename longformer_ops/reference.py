@@ -100,8 +100,11 @@ def sliding_window_probs_reference(q, k, w: int, d, autoregressive: bool = False
 def sliding_window_lse_reference(q, k, w: int, d, autoregressive: bool = False, scale: float | None = None,
                                  key_padding_mask=None) -> torch.Tensor:
     """Each row's log-sum-exp of the same scores, ``[b, n, h]`` (``-inf`` for a row with no key left):
-    what ``sliding_window_attention(..., return_lse=True)`` returns beside the result."""
-    return torch.logsumexp(_sliding_window_scores(q, k, w, d, autoregressive, scale, key_padding_mask), dim=-1)
+    what ``sliding_window_attention(..., return_lse=True)`` returns beside the result. Differentiable,
+    with gradient 0 (not NaN) at rows with no key."""
+    scores = _sliding_window_scores(q, k, w, d, autoregressive, scale, key_padding_mask)
+    empty = ~torch.isfinite(scores).any(-1)
+    return torch.logsumexp(scores.masked_fill(empty[..., None], 0), dim=-1).masked_fill(empty, float("-inf"))
 
 
 def sliding_window_attention_reference(q, k, v, w: int, d, autoregressive: bool = False,

@@ -209,11 +209,48 @@ def test_return_lse_matches_reference(cpu_library, monkeypatch, size, dtype, aut
     _assert_lse_close(lse, q, k, w, d, autoregressive, 0.7, dtype, mask)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "three-steps"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("size", MASKED_SIZES, ids=str)
+def test_return_lse_gradients_match_reference(cpu_library, monkeypatch, size, dtype, autoregressive, fused):
+    """Gradients through the result and the log-sum-exp together (the layer's global-token merge
+    needs both) against the float64 reference's; rows with no key (lse -inf) get no gradient."""
+    if not fused:
+        monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
+    b, n, h, f, w = size
+    g = torch.Generator().manual_seed(hash((size, autoregressive, str(dtype), "lse-grad")) % 2**31)
+    d = _dilation("per-head", h, g)
+    mask = _padding_mask(b, n, g)
+    q, k, v = (_random((b, n, h, f), dtype, "cpu", g) for _ in range(3))
+    grad_out, grad_lse = torch.randn(q.shape, generator=g, dtype=torch.float64), torch.randn(q.shape[:3], generator=g, dtype=torch.float64)
+
+    def loss(result, lse):
+        return (result.double() * grad_out).sum() + (lse.double().masked_fill(torch.isinf(lse), 0) * grad_lse).sum()
+
+    inputs = [x.requires_grad_() for x in (q, k, v)]
+    got = torch.autograd.grad(loss(*sliding_window_attention(*inputs, w, d, autoregressive, 0.7, key_padding_mask=mask,
+                                                             return_lse=True)), inputs)
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    reference = (sliding_window_attention_reference(*exact, w, d, autoregressive, 0.7, mask),
+                 sliding_window_lse_reference(exact[0], exact[1], w, d, autoregressive, 0.7, mask))
+    want = torch.autograd.grad(loss(*reference), exact)
+    # As in _check_gradients: relative to the largest gradient, or to the size of the terms that cancel.
+    terms = max(grad_out.abs().max(), grad_lse.abs().max()) * max(x.detach().double().abs().max() for x in (q, k, v)) ** 2 * f * 0.7
+    for name, x, y in zip("qkv", got, want, strict=True):
+        assert not torch.isnan(x).any(), f"NaN in d{name}"
+        error = (x.double() - y).abs().max() / max(y.abs().max(), terms, 1e-300)
+        assert error <= TOLERANCE[dtype], f"d{name}: relative error {error:.2e}"
+
+
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 def test_gradcheck_float64(autoregressive):
     q, k, v = (torch.randn(2, 9, 3, 5, dtype=torch.float64, requires_grad=True) for _ in range(3))
     assert torch.autograd.gradcheck(
         lambda a, b, c: sliding_window_attention(a, b, c, 2, torch.tensor([1, 2, 4]), autoregressive), (q, k, v))
+    assert torch.autograd.gradcheck(  # the result and the rows' log-sum-exp together
+        lambda a, b, c: sliding_window_attention(a, b, c, 2, torch.tensor([1, 2, 4]), autoregressive, return_lse=True),
+        (q, k, v))
 
 
 @pytest.mark.parametrize("size", [(1, 50, 2, 32, 4), (2, 33, 3, 20, 40), (0, 5, 2, 4, 1), (2, 5, 2, 0, 1)], ids=str)
