@@ -16,9 +16,9 @@ with ``c = 2w + 1`` (``w + 1`` autoregressive). Scores are masked with the dtype
 negative finite value (as Hugging Face does, so that no row is all ``-inf``), softmax runs
 in the input dtype (torch's softmax accumulates half types in float32 and rounds once, so
 there is no float32 copy of the band), rows of padding queries are zeroed. When no attentions
-are asked for and no attention dropout is active, local attention is one call of :func:`longformer_ops.sliding_window_attention`
-(the fused kernels on CPU: no score band); global keys' columns are merged in through the
-rows' log-sum-exp.
+are asked for and no attention dropout is active, local attention is one call of
+:func:`longformer_ops.sliding_window_attention` (the fused kernels on CPU: no score band), and
+the global keys' columns are merged in through the rows' log-sum-exp.
 """
 
 from __future__ import annotations

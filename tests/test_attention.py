@@ -163,15 +163,24 @@ MASKED_SIZES = [(1, 17, 4, 31, 20), (2, 17, 3, 64, 1), (1, 513, 4, 64, 16)] + LA
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize("size", MASKED_SIZES, ids=str)
 def test_key_padding_mask_matches_reference(cpu_library, size, dtype, autoregressive, with_grad):
+    q, k, v, w, d, mask, _ = _masked_case(size, dtype, autoregressive, "")
+    q, k, v = (x.requires_grad_(with_grad) for x in (q, k, v))
+    out = sliding_window_attention(q, k, v, w, d, autoregressive, key_padding_mask=mask)
+    scale = 1 / math.sqrt(q.shape[-1])
+    _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype, mask)
+    if with_grad:
+        _check_gradients(q, k, v, w, d, autoregressive, scale, dtype, mask)
+
+
+def _masked_case(size, dtype, autoregressive, tag: str):
+    """Random q, k, v on CPU, per-head dilations and a key padding mask (:func:`_padding_mask`) for one
+    grid size; returns ``(q, k, v, w, d, mask, generator)``, seeded by the case and ``tag``."""
     b, n, h, f, w = size
-    g = torch.Generator().manual_seed(hash((size, autoregressive, str(dtype))) % 2**31)
+    g = torch.Generator().manual_seed(hash((size, autoregressive, str(dtype), tag)) % 2**31)
     d = _dilation("per-head", h, g)
     mask = _padding_mask(b, n, g)
-    q, k, v = (_random((b, n, h, f), dtype, "cpu", g).requires_grad_(with_grad) for _ in range(3))
-    out = sliding_window_attention(q, k, v, w, d, autoregressive, key_padding_mask=mask)
-    _assert_close(out, q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype, mask)
-    if with_grad:
-        _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype, mask)
+    q, k, v = (_random((b, n, h, f), dtype, "cpu", g) for _ in range(3))
+    return q, k, v, w, d, mask, g
 
 
 def _assert_lse_close(lse, q, k, w, d, autoregressive, scale, dtype, key_padding_mask):
@@ -198,11 +207,7 @@ def test_return_lse_matches_reference(cpu_library, monkeypatch, size, dtype, aut
     from the three steps (a library without it), with masked keys and rows left with no key."""
     if not fused:
         monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
-    b, n, h, f, w = size
-    g = torch.Generator().manual_seed(hash((size, autoregressive, str(dtype), "lse")) % 2**31)
-    d = _dilation("per-head", h, g)
-    mask = _padding_mask(b, n, g)
-    q, k, v = (_random((b, n, h, f), dtype, "cpu", g) for _ in range(3))
+    q, k, v, w, d, mask, _ = _masked_case(size, dtype, autoregressive, "lse")
     with torch.no_grad():
         out, lse = sliding_window_attention(q, k, v, w, d, autoregressive, 0.7, key_padding_mask=mask, return_lse=True)
         assert torch.equal(out, sliding_window_attention(q, k, v, w, d, autoregressive, 0.7, key_padding_mask=mask))
@@ -218,11 +223,8 @@ def test_return_lse_gradients_match_reference(cpu_library, monkeypatch, size, dt
     needs both) against the float64 reference's; rows with no key (lse -inf) get no gradient."""
     if not fused:
         monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
-    b, n, h, f, w = size
-    g = torch.Generator().manual_seed(hash((size, autoregressive, str(dtype), "lse-grad")) % 2**31)
-    d = _dilation("per-head", h, g)
-    mask = _padding_mask(b, n, g)
-    q, k, v = (_random((b, n, h, f), dtype, "cpu", g) for _ in range(3))
+    q, k, v, w, d, mask, g = _masked_case(size, dtype, autoregressive, "lse-grad")
+    f = q.shape[-1]
     grad_out, grad_lse = torch.randn(q.shape, generator=g, dtype=torch.float64), torch.randn(q.shape[:3], generator=g, dtype=torch.float64)
 
     def loss(result, lse):

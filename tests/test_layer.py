@@ -267,46 +267,27 @@ def test_inference_path_equals_the_autograd_path(mode, pad_from, globals_):
         assert (a is None and b is None) or torch.equal(a, b.detach())
 
 
-@pytest.mark.parametrize("pad_from", [None, [37, 21]], ids=["no-padding", "padding"])
-@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
-def test_local_attention_without_globals_runs_the_fused_kernels(monkeypatch, autoregressive, pad_from):
-    """No global token, no attentions asked for: the layer runs the fused kernels (no band product),
-    with and without gradients, with the outputs and gradients of the banded path."""
-    import longformer_ops.attention
-
-    cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 3]], autoregressive=autoregressive)
-    x, mask = layer_inputs(7, 2, 37, 32, pad_from=pad_from)
-    layer = layer_for(cfg)
-    xb = x.clone().requires_grad_()
-    banded = layer(xb, mask, output_attentions=True)[0]  # the band path (attentions need the band)
-    grad = torch.randn_like(banded)
-    banded.backward(grad)
-    monkeypatch.setattr(longformer_ops.attention, "diagonaled_mm", None)  # any band product would fail
-    with torch.no_grad():
-        fused = layer(x, mask)[0]
-    assert_close(fused, banded.detach(), 1e-12, "fused vs banded")
-    xf = x.clone().requires_grad_()
-    layer(xf, mask)[0].backward(grad)
-    assert_close(xf.grad, xb.grad, 1e-12, "gradient, fused vs banded")
-
-
 @pytest.mark.parametrize("library", ["fused", "three-steps"])
-# [37, 5]: example 1's global token (position 20) is padding, so it has none, and its rows from
-# ~15 on see no key at all (no band key, no global key).
-@pytest.mark.parametrize("pad_from", [None, [37, 21], [37, 5]], ids=["no-padding", "padding", "keyless-rows"])
+@pytest.mark.parametrize("pad_from, globals_", [
+    (None, []), ([37, 21], []), (None, [(0, 4), (0, 30), (1, 2)]), ([37, 21], [(0, 4), (0, 30), (1, 2)]),
+    # Example 1's global token (position 20) is padding, so it has none, and its rows from ~15 on
+    # see no key at all (no band key, no global key).
+    ([37, 5], [(0, 4), (0, 30), (1, 20)]),
+], ids=["plain", "padding", "globals", "globals-padding", "keyless-rows"])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
-def test_global_tokens_merge_into_one_call(monkeypatch, autoregressive, pad_from, library):
-    """Global tokens: the layer runs one sliding_window_attention call (global keys masked out of the
-    band) and merges the global keys' columns by the rows' log-sum-exp, with the band path's outputs
-    and gradients; example 1 has fewer global tokens than example 0 (an empty slot), and causal
-    early rows see no global key."""
+def test_local_attention_is_one_call(monkeypatch, autoregressive, pad_from, globals_, library):
+    """No attentions asked for: the layer runs one sliding_window_attention call (the fused kernels
+    on CPU: no band product), padding and global keys masked out of the band, the global keys'
+    columns merged in by the rows' log-sum-exp; outputs and gradients those of the band path.
+    With globals example 1 has fewer than example 0 (an empty slot), and causal early rows see
+    no global key."""
     import longformer_ops.attention
     import longformer_ops.layer
 
     if library == "three-steps":  # a library without the fused kernels (the CUDA ones)
         monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
     cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 3]], autoregressive=autoregressive)
-    x, mask = layer_inputs(8, 2, 37, 32, pad_from=pad_from, globals_=[(0, 4), (0, 30), (1, 2 if pad_from != [37, 5] else 20)])
+    x, mask = layer_inputs(8, 2, 37, 32, pad_from=pad_from, globals_=globals_)
     layer = layer_for(cfg)
     xb = x.clone().requires_grad_()
     banded = layer(xb, mask, output_attentions=True)[0]  # the band path (attentions need the band)
@@ -317,10 +298,10 @@ def test_global_tokens_merge_into_one_call(monkeypatch, autoregressive, pad_from
         monkeypatch.setattr(longformer_ops.attention, "diagonaled_mm", None)  # so would any band product
     with torch.no_grad():
         merged = layer(x, mask)[0]
-    assert_close(merged, banded.detach(), 1e-12, "merged vs banded")
+    assert_close(merged, banded.detach(), 1e-12, "one call vs banded")
     xm = x.clone().requires_grad_()
     layer(xm, mask)[0].backward(grad)
-    assert_close(xm.grad, xb.grad, 1e-12, "gradient, merged vs banded")
+    assert_close(xm.grad, xb.grad, 1e-12, "gradient, one call vs banded")
 
 
 def test_band_gradient_is_not_copied_per_head():
