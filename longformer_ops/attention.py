@@ -31,7 +31,7 @@ FUSED_BACKWARD = "attention_backward"
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, d=1,
                              autoregressive: bool = False, scale: float | None = None, *,
-                             key_padding_mask: torch.Tensor | None = None,
+                             key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                              out: torch.Tensor | None = None, return_lse: bool = False):
     """Local attention of Longformer: each query attends to the keys of its band only.
 
@@ -46,6 +46,11 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Differentiable in ``q``, ``k``, ``v`` (once). Where the library has the fused kernels (CPU),
     neither inference nor training keeps a band in memory (the backward recomputes each tile's
     probabilities from the rows' log-sum-exp).
+    ``dropout_p``: attention dropout, as ``torch.nn.functional.dropout`` on the probabilities
+    (each zeroed with probability ``dropout_p``, the rest scaled by ``1 / (1 - dropout_p)``);
+    pass 0 outside training. On the fused kernels the mask comes from a counter-based generator
+    seeded from torch's default generator (reproducible under ``torch.manual_seed``), so the
+    backward regenerates it instead of keeping it; on the three steps it is torch's dropout.
     ``out``: a contiguous tensor of the result's shape, dtype and device to write into and return
     (not differentiable).
 
@@ -56,6 +61,7 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Differentiable too (its gradient joins the softmax's in the same backward).
     """
     w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask)
+    dropout_p = checks.check_dropout_p(dropout_p)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
@@ -71,11 +77,12 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         # Zero features change no score and give zero output columns, dropped below.
         q, k, v = (_pad_features(x, library.feature_multiple) for x in (q, k, v))
         bias = _key_bias(key_padding_mask, q)
+        dropout = (dropout_p, _dropout_seed() if dropout_p > 0 else 0)
         if needs_grad:
-            result, lse = _FusedAttention.apply(q, k, v, bias, w, dilations, autoregressive, scale, library)
+            result, lse = _FusedAttention.apply(q, k, v, bias, w, dilations, autoregressive, scale, dropout, library)
             return (result[..., :f], lse) if return_lse else result[..., :f]
         result, lse = _launch_fused(library, q.contiguous(), k.contiguous(), v.contiguous(), bias, f, w, dilations,
-                                    autoregressive, scale, out)
+                                    autoregressive, scale, dropout, out)
         return (result, lse) if return_lse else result
     scores = diagonaled_mm(q * scale, k, w, dilations, False, float("-inf"), autoregressive)
     no_key = None
@@ -94,8 +101,15 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     probs = torch.softmax(scores, dim=-1) if needs_grad else torch.softmax(scores, dim=-1, out=scores)
     if no_key is not None:
         probs = probs.masked_fill(no_key, 0) if needs_grad else probs.masked_fill_(no_key, 0)
+    if dropout_p > 0:
+        probs = torch.nn.functional.dropout(probs, dropout_p, training=True, inplace=not needs_grad)
     result = diagonaled_mm(probs, v, w, dilations, True, autoregressive=autoregressive, out=out)
     return (result, lse) if return_lse else result
+
+
+def _dropout_seed() -> int:
+    """The fused kernels' dropout seed: one draw from torch's default generator per call with dropout."""
+    return int(torch.randint(0, 2**31 - 1, ()))
 
 
 def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
@@ -110,13 +124,13 @@ def _key_bias(key_padding_mask: torch.Tensor | None, q: torch.Tensor) -> torch.T
 
 
 def _launch_fused(library, q, k, v, bias, f: int, w: int, dilations: tuple[int, ...], autoregressive: bool, scale: float,
-                  out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inference kernel on contiguous inputs padded to the library's head_dim multiple (``f``: the real one);
-    returns the result and the rows' log-sum-exp."""
+                  dropout: tuple[float, int], out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel on contiguous inputs padded to the library's head_dim multiple (``f``: the real one),
+    ``dropout`` = (p, seed); returns the result and the rows' log-sum-exp."""
     kernel_out = out if out is not None and q.shape[-1] == f else _new_output(q, q.shape)
     lse = q.new_empty(q.shape[:3], dtype=_accumulation_dtype(q))
     library.function(function_name(FUSED, autoregressive))(
-        q, k, v, bias, _dilation_tensor(dilations, q.device), w, scale, kernel_out, lse)
+        q, k, v, bias, _dilation_tensor(dilations, q.device), w, scale, *dropout, kernel_out, lse)
     if kernel_out.shape[-1] == f:
         return kernel_out, lse
     if out is None:
@@ -129,27 +143,28 @@ class _FusedAttention(torch.autograd.Function):
     dQ, dK and dV, FlashAttention-style: per tile it recomputes the scores and P = exp(score - lse),
     then dP = dO . V^T, dS = P * (dP - delta), dQ = scale * dS . K, and accumulates dV += P^T dO and
     dK += scale * dS^T Q; no band is kept between the passes or made in either. delta is
-    rowsum(dO * O) less the log-sum-exp's own gradient (d lse / d score = P, so it joins dS there)."""
+    rowsum(dO * O) less the log-sum-exp's own gradient (d lse / d score = P, so it joins dS there).
+    With dropout (mask Z regenerated from the seed) dP = (dO . V^T) * Z and dV += (P * Z)^T dO."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, w, dilations, autoregressive, scale, library):
+    def forward(ctx, q, k, v, bias, w, dilations, autoregressive, scale, dropout, library):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = _launch_fused(library, q, k, v, bias, q.shape[-1], w, dilations, autoregressive, scale, None)
+        out, lse = _launch_fused(library, q, k, v, bias, q.shape[-1], w, dilations, autoregressive, scale, dropout, None)
         ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.config = (w, dilations, autoregressive, scale, library)
+        ctx.config = (w, dilations, autoregressive, scale, dropout, library)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad, grad_lse):
         q, k, v, bias, out, lse = ctx.saved_tensors
-        w, dilations, autoregressive, scale, library = ctx.config
+        w, dilations, autoregressive, scale, dropout, library = ctx.config
         grad = grad.contiguous()
         delta = (grad.to(lse.dtype) * out.to(lse.dtype)).sum(-1) - grad_lse  # [b, n, h]
         grad_q, grad_k, grad_v = (_new_output(q, q.shape) for _ in range(3))
         library.function(function_name(FUSED_BACKWARD, autoregressive))(
-            grad, q, k, v, bias, lse, delta.contiguous(), _dilation_tensor(dilations, q.device), w, scale,
+            grad, q, k, v, bias, lse, delta.contiguous(), _dilation_tensor(dilations, q.device), w, scale, *dropout,
             grad_q, grad_k, grad_v)
         needs = ctx.needs_input_grad
         return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)

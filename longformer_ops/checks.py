@@ -125,6 +125,13 @@ def check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_pad
     return check_window(w), check_dilation(d, q.shape[2]), float(scale)
 
 
+def check_dropout_p(dropout_p) -> float:
+    """Validate an attention dropout probability; return it as a float."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p <= 1:
+        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+    return float(dropout_p)
+
+
 def check_out(out, shape: tuple[int, ...], inputs: dict[str, torch.Tensor], differentiable: bool = True) -> None:
     """Validate an ``out=`` tensor for a result of ``shape`` computed from ``inputs`` (by name)."""
     first = next(iter(inputs.values()))

@@ -16,7 +16,7 @@ with ``c = 2w + 1`` (``w + 1`` autoregressive). Scores are masked with the dtype
 negative finite value (as Hugging Face does, so that no row is all ``-inf``), softmax runs
 in the input dtype (torch's softmax accumulates half types in float32 and rounds once, so
 there is no float32 copy of the band), rows of padding queries are zeroed. When no attentions
-are asked for and no attention dropout is active, local attention is one call of
+are asked for, local attention (attention dropout included) is one call of
 :func:`longformer_ops.sliding_window_attention` (the fused kernels on CPU: no score band), and
 the global keys' columns are merged in through the rows' log-sum-exp.
 """
@@ -183,11 +183,12 @@ class LongformerSelfAttention(nn.Module):
             hidden = hidden | later[:, :, None, :]
         return scores.masked_fill(hidden, torch.finfo(q.dtype).min if hidden_score is None else hidden_score)
 
-    def _merge_global_keys(self, context, lse, q, k, v, globals_: GlobalTokens):
+    def _merge_global_keys(self, context, lse, q, k, v, globals_: GlobalTokens, dropout_p: float):
         """One softmax over [band keys | global keys] from the band part's normalised ``context`` and its
         rows' log-sum-exp ``lse``: the band part weighs exp(lse - m), each global key exp(score - m),
         over their sum (m any finite shift: the row's largest term). Differentiable, and no NaN for a
-        row that sees no global key (or no key at all: its weights stay 0)."""
+        row that sees no global key (or no key at all: its weights stay 0). ``context`` had its
+        dropout in the kernel; the global columns get theirs here (the sum is of undropped terms)."""
         acc = lse.dtype
         scores = self._global_key_scores(q, k, globals_, hidden_score=float("-inf")).to(acc)  # [b, n, h, g]
         shift = torch.maximum(lse, scores.amax(-1)).detach()                                 # [b, n, h]
@@ -195,7 +196,8 @@ class LongformerSelfAttention(nn.Module):
         band_weight = torch.exp(lse - shift)
         global_weights = torch.exp(scores - shift[..., None])
         total = (band_weight + global_weights.sum(-1)).clamp_min(torch.finfo(acc).tiny)
-        merged = torch.einsum("bnhg,bghd->bnhd", global_weights, globals_.gather(v).to(acc))
+        dropped = nn.functional.dropout(global_weights, dropout_p, training=dropout_p > 0)
+        merged = torch.einsum("bnhg,bghd->bnhd", dropped, globals_.gather(v).to(acc))
         merged = merged + context.to(acc) * band_weight[..., None]
         return (merged / total[..., None]).to(q.dtype)
 
@@ -203,18 +205,19 @@ class LongformerSelfAttention(nn.Module):
         """TVM kernels or sliding chunks: band scores ``[b, n, h, c]``, never an n x n matrix.
         ``is_padding`` is None when nothing is padding."""
         w, dil, ar = self.window, self.dilation, self.autoregressive
-        if (self.attention_mode is AttentionMode.TVM and not need_probs
-                and not (self.training and self.dropout > 0)):
+        if self.attention_mode is AttentionMode.TVM and not need_probs:
             # Local attention in one call, which runs the fused kernels on CPU (no score band),
-            # padding keys masked. q is already scaled. Global tokens: removed from the band as
-            # keys, their columns merged in by the rows' log-sum-exp (differentiable).
+            # padding keys masked, attention dropout inside. q is already scaled. Global tokens:
+            # removed from the band as keys, their columns merged in by the rows' log-sum-exp.
+            dropout_p = self.dropout if self.training else 0.0
             if globals_ is None:
-                context = sliding_window_attention(q, k, v, w, dil, ar, scale=1.0, key_padding_mask=is_padding)
+                context = sliding_window_attention(q, k, v, w, dil, ar, scale=1.0, key_padding_mask=is_padding,
+                                                   dropout_p=dropout_p)
             else:
                 band_keys_hidden = is_global if is_padding is None else is_padding | is_global
-                context, lse = sliding_window_attention(q, k, v, w, dil, ar, scale=1.0,
-                                                        key_padding_mask=band_keys_hidden, return_lse=True)
-                context = self._merge_global_keys(context, lse, q, k, v, globals_)
+                context, lse = sliding_window_attention(q, k, v, w, dil, ar, scale=1.0, key_padding_mask=band_keys_hidden,
+                                                        dropout_p=dropout_p, return_lse=True)
+                context = self._merge_global_keys(context, lse, q, k, v, globals_, dropout_p)
             return (context if is_padding is None else context.masked_fill(is_padding[:, :, None, None], 0)), None
         # Keys outside the sequence get -inf from the band product itself.
         if self.attention_mode is AttentionMode.TVM:

@@ -108,11 +108,41 @@ def sliding_window_lse_reference(q, k, w: int, d, autoregressive: bool = False, 
 
 
 def sliding_window_attention_reference(q, k, v, w: int, d, autoregressive: bool = False,
-                                       scale: float | None = None, key_padding_mask=None) -> torch.Tensor:
+                                       scale: float | None = None, key_padding_mask=None,
+                                       dropout_factor: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as :func:`longformer_ops.sliding_window_attention`: the probabilities of
-    :func:`sliding_window_probs_reference` times V."""
+    :func:`sliding_window_probs_reference` (times ``dropout_factor``, ``[b, n, h, c]``, if given)
+    times V."""
     probs = sliding_window_probs_reference(q, k, w, d, autoregressive, scale, key_padding_mask)
+    if dropout_factor is not None:
+        probs = probs * dropout_factor.to(probs.dtype)
     return diagonaled_mm_reference(probs, v, w, d, True, 0, autoregressive)
+
+
+_UINT32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's fmix32 on int64 tensors holding uint32 values (products wrap; the low 32 bits are kept)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _UINT32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _UINT32
+    return x ^ (x >> 16)
+
+
+def dropout_factor_reference(seed: int, batch: int, seq_len: int, heads: int, band: int, p: float) -> torch.Tensor:
+    """The fused kernels' dropout mask as factors ``[b, n, h, c]`` in float64: ``1 / (1 - p)`` where band
+    column j of query i in head h of example b is kept, else 0. Each row's key is murmur3's finaliser
+    chained over (seed, b * heads + h, i); column j is kept when the top 24 bits of
+    mix(key + j * 0x9E3779B9) are >= int(p * 2^24) (``tvm_kernels/schedules/cpu.py``, ``_dropout_factor``)."""
+    bh = (torch.arange(batch)[:, None] * heads + torch.arange(heads)[None, :])[:, None, :]          # [b, 1, h]
+    row = torch.arange(seq_len)[None, :, None]                                                     # [1, n, 1]
+    key = _mix32((seed & _UINT32) ^ _mix32(((bh * _GOLDEN) & _UINT32) ^ _mix32(row)))              # [b, n, h]
+    bits = _mix32((key[..., None] + torch.arange(band) * _GOLDEN) & _UINT32) >> 8                  # [b, n, h, c]
+    kept = bits >= int(p * 2**24)
+    return kept.to(torch.float64) * (1.0 / (1.0 - p) if p < 1 else 0.0)
 
 
 # ---------------------------------------------------------------------------

@@ -18,18 +18,21 @@ import longformer_ops.attention as attention_module
 import longformer_ops.diagonaled as diagonaled_module
 from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, TOLERANCE
 from longformer_ops import _loader, sliding_window_attention
-from longformer_ops.reference import (diagonaled_mm_reference, sliding_window_attention_reference,
-                                      sliding_window_lse_reference, sliding_window_probs_reference)
+from longformer_ops.reference import (band_width, diagonaled_mm_reference, dropout_factor_reference,
+                                      sliding_window_attention_reference, sliding_window_lse_reference,
+                                      sliding_window_probs_reference)
 from test_diagonaled_mm import DILATIONS, SIZES, _dilation, _random
 
 # Beyond the shared grid: windows near the sequence length, many whole tiles, dilations 1..8.
 LARGER = [(1, 200, 2, 64, 190), (2, 300, 4, 40, 37), (1, 700, 2, 96, 40)]
 
 
-def _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype, key_padding_mask=None):
+def _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype, key_padding_mask=None, dropout_factor=None):
     q64, k64, v64 = (x.detach().double().cpu() for x in (q, k, v))
-    ref = sliding_window_attention_reference(q64, k64, v64, w, d, autoregressive, scale, key_padding_mask)
+    ref = sliding_window_attention_reference(q64, k64, v64, w, d, autoregressive, scale, key_padding_mask, dropout_factor)
     probs = sliding_window_probs_reference(q64, k64, w, d, autoregressive, scale, key_padding_mask)
+    if dropout_factor is not None:
+        probs = probs * dropout_factor
     context_scale = diagonaled_mm_reference(probs, v64.abs(), w, d, True, 0, autoregressive)
     score_scale = diagonaled_mm_reference(q64.abs() * scale, k64.abs(), w, d, False, 0, autoregressive)
     bound = TOLERANCE[dtype] * context_scale * (1 + 2 * score_scale.amax(-1, keepdim=True)) + torch.finfo(dtype).tiny
@@ -50,14 +53,20 @@ def _check(device, dtype, size, autoregressive, dilation_kind, with_grad):
     _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype)
 
 
-def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64, key_padding_mask=None):
-    """Gradients of all three inputs against the float64 reference's, for a random output gradient."""
+def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64, key_padding_mask=None, dropout=None):
+    """Gradients of all three inputs against the float64 reference's, for a random output gradient;
+    ``dropout`` = (p, torch seed): the fused kernels' dropout, its mask from the reference generator."""
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    out = sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=key_padding_mask)
+    factor = None
+    if dropout is not None:
+        factor = _dropout_factor(dropout, q.shape, w, autoregressive)
+        torch.manual_seed(dropout[1])
+    out = sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=key_padding_mask,
+                                   dropout_p=0.0 if dropout is None else dropout[0])
     got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want = torch.autograd.grad(sliding_window_attention_reference(*exact, w, d, autoregressive, scale, key_padding_mask),
+    want = torch.autograd.grad(sliding_window_attention_reference(*exact, w, d, autoregressive, scale, key_padding_mask, factor),
                                exact, grad)
     # Relative to the largest gradient, or where gradients cancel to ~0 (a row with one valid key
     # has dS = 0), to the size of the terms that cancel: |dO| |v| |q or k| head_dim scale.
@@ -243,6 +252,66 @@ def test_return_lse_gradients_match_reference(cpu_library, monkeypatch, size, dt
         assert not torch.isnan(x).any(), f"NaN in d{name}"
         error = (x.double() - y).abs().max() / max(y.abs().max(), terms, 1e-300)
         assert error <= TOLERANCE[dtype], f"d{name}: relative error {error:.2e}"
+
+
+def _dropout_factor(dropout, shape, w, autoregressive):
+    """The reference factors of the fused kernels' dropout mask for ``dropout`` = (p, torch seed): the
+    kernel seed is the call's one draw from torch's generator after ``torch.manual_seed(torch seed)``."""
+    p, torch_seed = dropout
+    torch.manual_seed(torch_seed)
+    b, n, h, _ = shape
+    return dropout_factor_reference(attention_module._dropout_seed(), b, n, h, band_width(w, autoregressive), p)
+
+
+@pytest.mark.parametrize("with_grad", [False, True], ids=["fused", "autograd"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("size", MASKED_SIZES, ids=str)
+def test_dropout_matches_reference(cpu_library, size, dtype, autoregressive, with_grad):
+    """The fused kernels' dropout against the reference with the same mask (its generator re-implemented
+    in PyTorch), forward and gradients: the backward regenerates the forward's mask."""
+    q, k, v, w, d, mask, _ = _masked_case(size, dtype, autoregressive, "dropout")
+    dropout = (0.3, 1234 + size[1])
+    factor = _dropout_factor(dropout, q.shape, w, autoregressive)
+    torch.manual_seed(dropout[1])
+    inputs = [x.requires_grad_(with_grad) for x in (q, k, v)]
+    out = sliding_window_attention(*inputs, w, d, autoregressive, key_padding_mask=mask, dropout_p=dropout[0])
+    _assert_close(out, q, k, v, w, d, autoregressive, 1 / math.sqrt(q.shape[-1]), dtype, mask, factor)
+    if with_grad:
+        _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(q.shape[-1]), dtype, mask, dropout)
+
+
+def test_dropout_mask_statistics_and_reproducibility(cpu_library):
+    """The generator keeps 1 - p of the probabilities (within 4 standard deviations, for several p),
+    without visible correlation between neighbouring columns or rows; one torch seed gives one result."""
+    for p in (0.1, 0.5, 0.9):
+        kept = dropout_factor_reference(7, 2, 512, 4, 257, p) > 0
+        count = kept.numel()
+        assert abs(kept.double().mean() - (1 - p)) <= 4 * math.sqrt(p * (1 - p) / count), p
+        both = (kept[..., 1:] & kept[..., :-1]).double().mean()  # neighbouring columns independent
+        assert abs(both - (1 - p) ** 2) <= 4 * math.sqrt(1 / count), p
+        rows = (kept[:, 1:] & kept[:, :-1]).double().mean()  # neighbouring rows independent
+        assert abs(rows - (1 - p) ** 2) <= 4 * math.sqrt(1 / count), p
+    q, k, v = (torch.randn(1, 64, 2, 32) for _ in range(3))
+    results = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        results.append(sliding_window_attention(q, k, v, 8, dropout_p=0.5))
+    assert torch.equal(results[0], results[1]) and not torch.equal(results[0], results[2])
+    assert torch.equal(sliding_window_attention(q, k, v, 8, dropout_p=0.0), sliding_window_attention(q, k, v, 8))
+    assert not sliding_window_attention(q, k, v, 8, dropout_p=1.0).any()
+
+
+def test_dropout_on_the_three_steps_is_torch_dropout(monkeypatch):
+    """A library without the fused kernels applies torch's dropout to the probabilities: the same result
+    as the reference probabilities through torch's dropout under the same torch seed."""
+    monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
+    q, k, v = (torch.randn(2, 40, 3, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    torch.manual_seed(11)
+    out = sliding_window_attention(q, k, v, 5, [1, 2, 3], dropout_p=0.4)
+    torch.manual_seed(11)
+    probs = torch.nn.functional.dropout(sliding_window_probs_reference(q, k, 5, [1, 2, 3]), 0.4)
+    torch.testing.assert_close(out, diagonaled_mm_reference(probs, v, 5, [1, 2, 3], True, 0), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])

@@ -304,6 +304,31 @@ def test_local_attention_is_one_call(monkeypatch, autoregressive, pad_from, glob
     assert_close(xm.grad, xb.grad, 1e-12, "gradient, one call vs banded")
 
 
+@pytest.mark.parametrize("globals_", [[], [(0, 4), (1, 2)]], ids=["plain", "globals"])
+def test_training_with_attention_dropout_is_one_call(monkeypatch, globals_):
+    """Training with attention dropout takes the one-call path too (dropout in the fused kernels, the
+    global columns' by torch), reproducibly under one torch seed, and dropout changes the result."""
+    import longformer_ops.attention
+    import longformer_ops.layer
+
+    cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 3]], attention_probs_dropout_prob=0.3)
+    x, mask = layer_inputs(9, 2, 37, 32, pad_from=[37, 21], globals_=globals_)
+    layer = layer_for(cfg).train()
+    monkeypatch.setattr(longformer_ops.layer, "diagonaled_mm", None)
+    monkeypatch.setattr(longformer_ops.attention, "diagonaled_mm", None)
+    runs = []
+    for seed in (5, 5):
+        torch.manual_seed(seed)
+        xi = x.clone().requires_grad_()
+        out = layer(xi, mask)[0]
+        out.sum().backward()
+        assert torch.isfinite(out).all() and torch.isfinite(xi.grad).all()
+        runs.append((out.detach(), xi.grad))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    with torch.no_grad():
+        assert not torch.allclose(runs[0][0], layer.eval()(x, mask)[0])
+
+
 def test_band_gradient_is_not_copied_per_head():
     """Removing flagged keys from the band must be one masked fill, not one in-place fill per head:
     on a band that requires grad each of those makes autograd copy the whole band's gradient

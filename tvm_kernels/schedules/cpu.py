@@ -449,6 +449,47 @@ def _exp(x, acc_dtype):
     return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", m) + T.int32(127), T.int32(23)))
 
 
+# Attention dropout without generator state, so that the backward regenerates the forward's mask:
+# each row's key is murmur3's 32-bit finaliser chained over (seed, batch * heads + head, query row);
+# band column j of that row is kept when the top 24 bits of mix(key + j * golden) are >= p * 2^24.
+# longformer_ops.reference.dropout_keep_reference computes the same mask in PyTorch.
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32(x):
+    """murmur3's fmix32 of a uint32 expression (a plain Python helper building the expression)."""
+    x = x ^ T.shift_right(x, T.uint32(16))
+    x = x * T.uint32(0x85EBCA6B)
+    x = x ^ T.shift_right(x, T.uint32(13))
+    x = x * T.uint32(0xC2B2AE35)
+    return x ^ T.shift_right(x, T.uint32(16))
+
+
+def _dropout_row_key(seed, bh, row):
+    return _mix32(T.Cast("uint32", seed) ^ _mix32(T.Cast("uint32", bh) * T.uint32(_GOLDEN) ^ _mix32(T.Cast("uint32", row))))
+
+
+def _dropout_factor(key, column, dropout, acc_dtype):
+    """1 / (1 - p) if band column ``column`` of the row with ``key`` is kept, else 0."""
+    bits = T.shift_right(_mix32(key + T.Cast("uint32", column) * T.uint32(_GOLDEN)), T.uint32(8))
+    return T.Select(bits >= T.Cast("uint32", dropout * T.float64(1 << 24)),
+                    T.Cast(acc_dtype, T.float64(1) / (T.float64(1) - dropout)), T.Cast(acc_dtype, 0))
+
+
+@T.macro
+def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype):
+    """Each row's valid columns [begin, end): kept = scores * (1/(1-p) or 0), 0 elsewhere in the
+    tile's row; ``kept`` may be ``scores`` itself (in place)."""
+    for r in range(rows):
+        key: T.let = _dropout_row_key(seed, bh, query[r])
+        for vector in range((end[r] - begin[r]) // T.int64(lanes)):
+            for lane in T.vectorized(lanes):
+                kept[r, begin[r] + vector * T.int64(lanes) + lane] = scores[r, begin[r] + vector * T.int64(lanes) + lane] * _dropout_factor(
+                    key, begin[r] + vector * T.int64(lanes) + lane - base - T.int64(r), dropout, acc_dtype)
+        for c in range(begin[r] + (end[r] - begin[r]) // T.int64(lanes) * T.int64(lanes), end[r]):
+            kept[r, c] = scores[r, c] * _dropout_factor(key, c - base - T.int64(r), dropout, acc_dtype)
+
+
 @T.macro
 def _pack_attention_operands(keys, values, biases, t_keys, t_values, key_bias, row_of, block_keys, b, h, n, head_dim,
                              margin, blocks, cols, lanes, per_line, acc_dtype, with_bias, with_values):
@@ -648,7 +689,8 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
 
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
-             dilation_handle: T.handle, window: T.int64, scale: T.float64, out_handle: T.handle, lse_handle: T.handle):
+             dilation_handle: T.handle, window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64,
+             out_handle: T.handle, lse_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -703,6 +745,8 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
                 for r in range(rows):
                     if p0 + T.int64(r) < n:
                         lse[b, query[r], h] = log_sum[r]
+                if dropout > T.float64(0):
+                    _apply_dropout(scores, scores, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
                 _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n,
                                         block0, head_dim, rows, cols, group, features, acc_dtype, dtype)
 
@@ -727,7 +771,7 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
     @T.prim_func
     def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
              key_bias_handle: T.handle, lse_handle: T.handle, delta_handle: T.handle, dilation_handle: T.handle,
-             window: T.int64, scale: T.float64, grad_q_handle: T.handle, grad_k_handle: T.handle,
+             window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64, grad_q_handle: T.handle, grad_k_handle: T.handle,
              grad_v_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
@@ -761,6 +805,7 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
             total_v = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
             probs = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
             grads = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
+            kept = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)  # P with dropout
             queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
             grad_rows = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
@@ -799,11 +844,20 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
                 _attention_tile_rows(query, begin, end, grad_rows, grad, row_of, b, h, n, head_dim, p0, w, d, band, base,
                                      T.float64(1), rows, lanes, acc_dtype)
                 _attention_tile_scores(grads, acc, grad_rows, keys_v, biases, block0, blocks, head_dim, rows, cols, acc_dtype, False)
+                if dropout > T.float64(0):  # the forward's mask Z: dP = (dO . V^T) * Z, dV from P * Z
+                    for r in range(rows):
+                        _fill_run(kept, r, T.int64(0), blocks * T.int64(cols), T.Cast(acc_dtype, 0), lanes)
+                    _apply_dropout(probs, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
+                    _apply_dropout(grads, grads, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
                 _attention_tile_softmax_grad(grads, probs, delta, query, p0, n, b, h, blocks * T.int64(cols), rows, lanes, acc_dtype)
                 _attention_tile_context(grad_q, out_acc, grads, rows_k, row_scale, span, begin, end, query, b, h, p0, n,
                                         block0, head_dim, rows, cols, group, features, acc_dtype, dtype)
-                _accumulate_keys(total_v, probs, grad_rows, block0 * T.int64(cols), blocks * T.int64(cols), head_dim, rows,
-                                 keys_per_update, features, key_acc, acc_dtype)
+                if dropout > T.float64(0):
+                    _accumulate_keys(total_v, kept, grad_rows, block0 * T.int64(cols), blocks * T.int64(cols), head_dim, rows,
+                                     keys_per_update, features, key_acc, acc_dtype)
+                else:
+                    _accumulate_keys(total_v, probs, grad_rows, block0 * T.int64(cols), blocks * T.int64(cols), head_dim, rows,
+                                     keys_per_update, features, key_acc, acc_dtype)
                 _accumulate_keys(total_k, grads, queries, block0 * T.int64(cols), blocks * T.int64(cols), head_dim, rows,
                                  keys_per_update, features, key_acc, acc_dtype)
             for p in range(n):
