@@ -452,7 +452,7 @@ def _exp(x, acc_dtype):
 # Attention dropout without generator state, so that the backward regenerates the forward's mask:
 # each row's key is murmur3's 32-bit finaliser chained over (seed, batch * heads + head, query row);
 # band column j of that row is kept when the top 24 bits of mix(key + j * golden) are >= p * 2^24.
-# longformer_ops.reference.dropout_keep_reference computes the same mask in PyTorch.
+# longformer_ops.reference.dropout_factor_reference computes the same mask in PyTorch.
 _GOLDEN = 0x9E3779B9
 
 
@@ -478,8 +478,8 @@ def _dropout_factor(key, column, dropout, acc_dtype):
 
 @T.macro
 def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype):
-    """Each row's valid columns [begin, end): kept = scores * (1/(1-p) or 0), 0 elsewhere in the
-    tile's row; ``kept`` may be ``scores`` itself (in place)."""
+    """kept[r, c] = scores[r, c] * (1/(1-p) or 0) at each row's valid columns [begin, end) (its other
+    columns are left as they are); ``kept`` may be ``scores`` itself (in place)."""
     for r in range(rows):
         key: T.let = _dropout_row_key(seed, bh, query[r])
         for vector in range((end[r] - begin[r]) // T.int64(lanes)):
@@ -679,7 +679,9 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
     and out-of-band keys) and summed; the probs.V micro-kernel then streams the same packed
     value rows through once, and each output row is divided by its sum as it is stored.
     Arguments: q, k, v ``[b, n, h, f]``, key_bias ``[b, n]`` (accumulation dtype: 0, or -inf for
-    a key no query attends to), dilation ``[h]``, the one-sided window ``w``, the score scale, out
+    a key no query attends to), dilation ``[h]``, the one-sided window ``w``, the score scale, the
+    dropout probability p and its seed (p = 0: none; else each probability is kept with its
+    factor 1/(1-p) or zeroed, by the stateless generator above, after lse), out
     ``[b, n, h, f]``, lse ``[b, n, h]`` (accumulation dtype: each row's log-sum-exp of its scaled,
     biased scores, -inf for a row with no key: what the backward recomputes the probabilities
     from, and what merges this result with attention to other keys, such as global tokens).
@@ -758,7 +760,8 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
 
     Arguments: dO ``[b, n, h, f]``, q, k, v, key_bias and lse as in :func:`attention` (lse from
     its forward call), delta ``[b, n, h]`` (rowsum(dO * O), accumulation dtype), dilation, ``w``,
-    the score scale, dQ, dK, dV ``[b, n, h, f]``. Per (batch, head) K and V are packed as in the
+    the score scale, the forward's dropout p and seed (its mask Z is regenerated: dP = (dO . V^T) * Z,
+    dV from P * Z), dQ, dK, dV ``[b, n, h, f]``. Per (batch, head) K and V are packed as in the
     forward, and dK, dV accumulate over the tiles in packed rows (scratch of the packed operands'
     size), cast into place at the end. Per tile of ``rows`` packed queries, in cache: the
     scores again (the Q.K^T micro-kernel) and P = exp(score - lse); dP = dO . V^T (the same
