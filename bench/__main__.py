@@ -61,12 +61,12 @@ def parse_args(argv):
     parser.add_argument("--dtype", type=_names(("float32", "float16", "bfloat16", "float64")), default=["float32"],
                         help="one dtype, or several comma-separated: each its own cases, timed in the same run")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--ops", type=_names(methods.OPS), default=list(methods.OPS))
+    parser.add_argument("--ops", type=_names(methods.ALL_OPS), default=list(methods.OPS))
     parser.add_argument("--passes", type=_names(("forward", "forward+backward")), default=["forward", "forward+backward"])
     parser.add_argument("--methods", type=_names(methods.METHODS), default=list(methods.METHODS))
-    parser.add_argument("--dilated-ops", type=_names(methods.OPS), default=list(methods.OPS),
+    parser.add_argument("--dilated-ops", type=_names(methods.ALL_OPS), default=list(methods.OPS),
                         help="ops that also run the dilated configurations (others run dilation 1 only)")
-    parser.add_argument("--backward-ops", type=_names(methods.OPS), default=["local_attention"],
+    parser.add_argument("--backward-ops", type=_names(methods.ALL_OPS), default=["local_attention", "layer"],
                         help="ops that also run forward+backward when --passes has it (others: forward only)")
     parser.add_argument("--dilated-passes", type=_names(("forward", "forward+backward")), default=["forward"],
                         help="passes that also run the dilated configurations")
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = "?"
-    header = (f"# Local attention and band products on {device_name(args.device)}\n\n"
+    header = (f"# {', '.join(args.ops)} on {device_name(args.device)}\n\n"
               f"Command: `{command}` (commit {commit or '?'}, {datetime.date.today()}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads). Reference: float32 torch.mm {GEMM_SIZE}^3 timed in the rounds of "
               f"every case ({_gemm_range(rows)}). "

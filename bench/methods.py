@@ -5,14 +5,19 @@ Levels (``op``):
 - ``pv_band``: context ``[b, n, h, f]`` from band probabilities and V;
 - ``transposed_band``: the backward's product, ``[b, n, h, f]`` from a band and rows
   (``dV = P^T dO``: each key row gathers the band entries that point at it);
-- ``local_attention``: scores, edge mask, softmax, context (no global tokens).
+- ``local_attention``: scores, edge mask, softmax, context (no global tokens);
+- ``layer``: one :class:`longformer_ops.LongformerSelfAttention` (hidden = heads x head_dim) with one
+  global token (position 0, as a classifier's ``<s>``): its five projections, local and global
+  attention; forward in eval mode, forward+backward in training mode with Hugging Face's default
+  attention dropout 0.1. Not in the default ``--ops`` (``--ops layer``).
 
 Methods: ``tvm`` (ours; local attention is :func:`longformer_ops.sliding_window_attention`: the
-fused kernels on CPU, for inference and for training), ``tvm_out`` (ours, forward only,
+fused kernels on CPU, for inference and for training; the layer in its ``tvm`` mode), ``tvm_out`` (ours, forward only,
 writing into the outputs of its first call, ``out=``, as an inference loop that reuses its
 buffers does: no fresh memory per call),
 ``full`` (n x n scores), ``sdpa`` (PyTorch SDPA with a boolean band mask), ``sliding_chunks``
-(Hugging Face's algorithm), ``flex`` (compiled FlexAttention with a sliding-window block mask).
+(Hugging Face's algorithm), ``flex`` (compiled FlexAttention with a sliding-window block mask);
+for the layer, ``full`` and ``sliding_chunks`` are its modes of those names.
 A method that cannot run a case says why in :func:`unsupported_reason`; the bench records that
 reason instead of dropping the row.
 """
@@ -25,7 +30,7 @@ import math
 
 import torch
 
-from longformer_ops import diagonaled_mm, sliding_window_attention
+from longformer_ops import AttentionMode, LongformerConfig, LongformerSelfAttention, diagonaled_mm, sliding_window_attention
 from longformer_ops.diagonaled import transposed_product
 from longformer_ops.layer import band_key_mask
 from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
@@ -33,10 +38,14 @@ from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_c
 METHODS = ("tvm", "tvm_out", "full", "sdpa", "sliding_chunks", "flex")
 OURS = ("tvm", "tvm_out")
 COMPILES_PER_SHAPE = {"flex"}  # its first call at a new length compiles
-OPS = ("qk_band", "pv_band", "transposed_band", "local_attention")
+OPS = ("qk_band", "pv_band", "transposed_band", "local_attention")  # the default --ops
+ALL_OPS = OPS + ("layer",)
+LAYER_METHODS = {"tvm": AttentionMode.TVM, "sliding_chunks": AttentionMode.SLIDING_CHUNKS, "full": AttentionMode.FULL}
 
 
 def unsupported_reason(method: str, op: str, backward: bool, dilation: tuple[int, ...], device: str) -> str | None:
+    if op == "layer" and method not in LAYER_METHODS:
+        return f"the layer's attention modes are {', '.join(LAYER_METHODS)}"
     if method == "tvm_out" and backward:
         return "out= is forward only (not differentiable)"
     if method in ("sdpa", "flex") and op != "local_attention":
@@ -59,9 +68,13 @@ def band_flops(batch: int, seq_len: int, heads: int, head_dim: int, w: int) -> f
 
 
 def useful_flops(op: str, backward: bool, batch, seq_len, heads, head_dim, w) -> float:
-    """Band products the op needs (2 for attention), x3 with backward (each product has two adjoints)."""
-    products = 2 if op == "local_attention" else 1
-    return band_flops(batch, seq_len, heads, head_dim, w) * products * (3 if backward else 1)
+    """Band products the op needs (2 for attention; the layer adds its five n x hidden x hidden
+    projections), x3 with backward (each product has two adjoints)."""
+    products = 2 if op in ("local_attention", "layer") else 1
+    flops = band_flops(batch, seq_len, heads, head_dim, w) * products
+    if op == "layer":
+        flops += 5 * 2.0 * batch * seq_len * (heads * head_dim) ** 2
+    return flops * (3 if backward else 1)
 
 
 # ---------------------------------------------------------------------------
@@ -200,6 +213,27 @@ def local_attention(method: str, q, k, v, w: int, dilation, buffers=None):
     raise ValueError(method)
 
 
+@functools.lru_cache(maxsize=4)
+def _layer_module(method: str, heads: int, head_dim: int, w: int, dilation: tuple[int, ...], dtype, device: str,
+                  training: bool) -> LongformerSelfAttention:
+    torch.manual_seed(0)  # the same weights for every method
+    config = LongformerConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_hidden_layers=1,
+                              attention_window=w, attention_dilation=[list(dilation)],
+                              attention_mode=LAYER_METHODS[method], attention_probs_dropout_prob=0.1)
+    return LongformerSelfAttention(config, 0).to(dtype=dtype, device=device).train(training)
+
+
+def layer(method: str, x, w: int, dilation, buffers=None):
+    """One attention layer on hidden states ``[b, n, hidden]``, token 0 global; training mode (with
+    attention dropout) when ``x`` requires grad."""
+    b, n, hidden = x.shape
+    heads = len(dilation)
+    module = _layer_module(method, heads, hidden // heads, w, tuple(dilation), x.dtype, x.device.type, x.requires_grad)
+    mask = torch.zeros(b, n, device=x.device)
+    mask[:, 0] = 1
+    return module(x, mask)[0]
+
+
 def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requires_grad: bool, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
 
@@ -209,6 +243,8 @@ def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requ
 
     if op == "qk_band":
         return tensor(batch, seq_len, heads, head_dim), tensor(batch, seq_len, heads, head_dim)
+    if op == "layer":
+        return (tensor(batch, seq_len, heads * head_dim),)
     if op in ("pv_band", "transposed_band"):
         probs = torch.softmax(torch.randn(batch, seq_len, heads, 2 * w + 1, generator=generator), -1)
         return probs.to(dtype=dtype, device=device).requires_grad_(requires_grad), tensor(batch, seq_len, heads, head_dim)
@@ -218,7 +254,7 @@ def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requ
 def runner(op: str, method: str, inputs, w: int, dilation, backward: bool):
     """A no-argument callable doing one forward (and backward) of ``op`` with ``method``."""
     function = {"qk_band": qk_band, "pv_band": pv_band, "transposed_band": transposed_band,
-                "local_attention": local_attention}[op]
+                "local_attention": local_attention, "layer": layer}[op]
 
     buffers = {} if method == "tvm_out" else None
 

@@ -51,7 +51,8 @@ def markdown(rows: list[dict], header: str) -> str:
     lines.append("Cells: median time per call / peak extra memory of one call (fresh process). "
                  "'not timed': too slow to time repeatedly, memory from one call.")
     lines += ["", "### Share of the GEMM rate", "",
-              "Useful GFLOP/s (2 b h n (2w+1) head_dim per band product; x2 for attention, x3 with backward) "
+              "Useful GFLOP/s (2 b h n (2w+1) head_dim per band product; x2 for attention, the layer adds its five "
+              "2 b n hidden^2 projections; x3 with backward) "
               "as a share of the float32 GEMM timed in the same rounds, per length:", ""]
     lengths = sorted({r["seq_len"] for r in rows if r["status"] == "ok"})
     lines += ["| op | pass | dilation | dtype | method | " + " | ".join(str(n) for n in lengths) + " |",

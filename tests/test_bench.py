@@ -68,6 +68,21 @@ def test_methods_agree_on_band_products(op, dilation):
             torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9, msg=name)
 
 
+def test_layer_methods_agree_and_train_with_dropout():
+    """The layer op: its three modes give one output in eval mode (forward); with gradients the layer
+    runs in training mode, whose attention dropout changes the result."""
+    dilation = (1, 1)
+    (x,) = methods.make_inputs("layer", 1, 48, 2, 16, 4, torch.float64, "cpu", False)
+    names = [m for m in methods.METHODS if not methods.unsupported_reason(m, "layer", False, dilation, "cpu")]
+    assert names == ["tvm", "full", "sliding_chunks"]
+    expected = methods.runner("layer", "full", (x,), 4, dilation, False)()
+    for name in names:
+        torch.testing.assert_close(methods.runner("layer", name, (x,), 4, dilation, False)(), expected,
+                                   rtol=1e-9, atol=1e-9, msg=name)
+    trained = methods.runner("layer", "tvm", (x.clone().requires_grad_(),), 4, dilation, True)()
+    assert not torch.allclose(trained.detach(), expected)
+
+
 def test_cli_writes_results(tmp_path):
     main(["--seq-lens", "64,128", "--window", "8", "--heads", "2", "--head-dim", "16", "--repeats", "1",
           "--methods", "tvm,full,sliding_chunks,sdpa", "--dilation", "1", "--dilation", "1,2",
@@ -100,6 +115,15 @@ def test_cli_times_several_dtypes_in_one_run(tmp_path):
         ("bfloat16", "full"), ("bfloat16", "tvm"), ("float32", "full"), ("float32", "tvm")]
     table = (tmp_path / "dtypes.md").read_text()
     assert "### qk_band, forward, dilation 1, float32" in table and "### qk_band, forward, dilation 1, bfloat16" in table
+
+
+def test_cli_runs_the_layer_op(tmp_path):
+    main(["--seq-lens", "64", "--window", "8", "--heads", "2", "--head-dim", "16", "--repeats", "1",
+          "--ops", "layer", "--methods", "tvm,sdpa", "--dilation", "1", "--no-memory", "--out", str(tmp_path),
+          "--name", "layer"])
+    rows = {(r["pass"], r["method"]): r for r in csv.DictReader(open(tmp_path / "layer.csv"))}
+    assert rows[("forward", "tvm")]["status"] == rows[("forward+backward", "tvm")]["status"] == "ok"
+    assert rows[("forward", "sdpa")]["reason"] == "the layer's attention modes are tvm, sliding_chunks, full"
 
 
 def test_memory_probe_runs_in_a_fresh_process():
