@@ -151,8 +151,10 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda: torch sees no CUDA device")
     torch.manual_seed(0)
     budget = memory_budget_bytes(args)
+    # dtype innermost: one op's dtypes are timed one right after another, so that comparing them
+    # suffers least from this shared machine's drift (a run spans minutes).
     groups = [(op, p == "forward+backward", _dilation_tuple(spec, args.heads), dtype)
-              for dtype in args.dtype for spec in args.dilation for op in args.ops for p in args.passes
+              for spec in args.dilation for op in args.ops for p in args.passes for dtype in args.dtype
               if (set(_dilation_tuple(spec, args.heads)) == {1} or (op in args.dilated_ops and p in args.dilated_passes))
               and (p == "forward" or op in args.backward_ops)]
     print(f"device {device_name(args.device)}: {len(groups)} cases x {len(args.seq_lens)} lengths x "
