@@ -63,8 +63,7 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask)
     dropout_p = checks.check_dropout_p(dropout_p)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    checks.check_bool("return_lse", return_lse)
     if out is not None:
         checks.check_out(out, tuple(q.shape), {"q": q, "k": k, "v": v})
     if q.numel() == 0 and not needs_grad:

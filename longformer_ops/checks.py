@@ -53,6 +53,13 @@ def check_dilation(d, heads: int) -> tuple[int, ...]:
     return values
 
 
+def check_bool(name: str, value) -> bool:
+    """A flag that must be a real bool (not 0/1 or None)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def _check_tensor(name: str, x) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -73,10 +80,8 @@ def check_diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
         raise TypeError(f"t1 and t2 must have the same dtype, got t1.dtype={t1.dtype}, t2.dtype={t2.dtype}")
     if t1.device != t2.device:
         raise ValueError(f"t1 and t2 must be on the same device, got t1.device={t1.device}, t2.device={t2.device}")
-    if not isinstance(is_t1_diagonaled, bool):
-        raise TypeError(f"is_t1_diagonaled must be a bool, got {type(is_t1_diagonaled).__name__}")
-    if not isinstance(autoregressive, bool):
-        raise TypeError(f"autoregressive must be a bool, got {type(autoregressive).__name__}")
+    check_bool("is_t1_diagonaled", is_t1_diagonaled)
+    check_bool("autoregressive", autoregressive)
     if isinstance(padding, bool) or not isinstance(padding, numbers.Real):
         raise TypeError(f"padding must be a real number, got {type(padding).__name__}: {padding!r}")
     w = check_window(w)
@@ -107,8 +112,7 @@ def check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_pad
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {name}.dtype={x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {name}.device={x.device}")
-    if not isinstance(autoregressive, bool):
-        raise TypeError(f"autoregressive must be a bool, got {type(autoregressive).__name__}")
+    check_bool("autoregressive", autoregressive)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3]) if q.shape[3] else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
@@ -161,8 +165,7 @@ def check_mask_invalid_locations(scores, w, d, autoregressive):
         raise ValueError(f"scores must be 4-D [batch, seq_len, heads, c], got shape {tuple(scores.shape)}")
     if not scores.dtype.is_floating_point:
         raise TypeError(f"scores must be a floating-point tensor (it receives -inf), got dtype={scores.dtype}")
-    if not isinstance(autoregressive, bool):
-        raise TypeError(f"autoregressive must be a bool, got {type(autoregressive).__name__}")
+    check_bool("autoregressive", autoregressive)
     w = check_window(w)
     band = w + (0 if autoregressive else w) + 1
     if scores.shape[3] != band:
