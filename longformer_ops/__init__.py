@@ -8,12 +8,13 @@ references live in :mod:`longformer_ops.reference`.
 """
 
 from longformer_ops._loader import KernelNotAvailableError, StaleKernelError
+from longformer_ops._output_cache import empty_cache
 from longformer_ops.attention import sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.diagonaled import diagonaled_mm, mask_invalid_locations
 from longformer_ops.layer import LongformerSelfAttention
 from longformer_ops.model import LongformerForMaskedLM, LongformerModel, from_hf_pretrained
 
-__all__ = ["diagonaled_mm", "mask_invalid_locations", "sliding_window_attention", "KernelNotAvailableError", "StaleKernelError",
-           "LongformerConfig", "AttentionMode", "LongformerSelfAttention", "LongformerModel",
+__all__ = ["diagonaled_mm", "mask_invalid_locations", "sliding_window_attention", "empty_cache", "KernelNotAvailableError",
+           "StaleKernelError", "LongformerConfig", "AttentionMode", "LongformerSelfAttention", "LongformerModel",
            "LongformerForMaskedLM", "from_hf_pretrained"]

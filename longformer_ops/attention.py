@@ -22,7 +22,8 @@ from torch.autograd.function import once_differentiable
 from longformer_ops import checks
 from longformer_ops._loader import library_for
 from longformer_ops._manifest import function_name
-from longformer_ops.diagonaled import _dilation_tensor, _new_output, _pad_features, diagonaled_mm, fill_band_at_keys_
+from longformer_ops._output_cache import new_output
+from longformer_ops.diagonaled import _dilation_tensor, _pad_features, diagonaled_mm, fill_band_at_keys_
 
 # The fused kernels' op names in the libraries (tvm_kernels.variants.FUSED_ATTENTION).
 FUSED = "attention"
@@ -126,7 +127,7 @@ def _launch_fused(library, q, k, v, bias, f: int, w: int, dilations: tuple[int, 
                   dropout: tuple[float, int], out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel on contiguous inputs padded to the library's head_dim multiple (``f``: the real one),
     ``dropout`` = (p, seed); returns the result and the rows' log-sum-exp."""
-    kernel_out = out if out is not None and q.shape[-1] == f else _new_output(q, q.shape)
+    kernel_out = out if out is not None and q.shape[-1] == f else new_output(q, q.shape)
     lse = q.new_empty(q.shape[:3], dtype=_accumulation_dtype(q))
     library.function(function_name(FUSED, autoregressive))(
         q, k, v, bias, _dilation_tensor(dilations, q.device), w, scale, *dropout, kernel_out, lse)
@@ -160,7 +161,7 @@ class _FusedAttention(torch.autograd.Function):
         w, dilations, autoregressive, scale, dropout, library = ctx.config
         grad = grad.contiguous()
         delta = (grad.to(lse.dtype) * out.to(lse.dtype)).sum(-1) - grad_lse  # [b, n, h]
-        grad_q, grad_k, grad_v = (_new_output(q, q.shape) for _ in range(3))
+        grad_q, grad_k, grad_v = (new_output(q, q.shape) for _ in range(3))
         library.function(function_name(FUSED_BACKWARD, autoregressive))(
             grad, q, k, v, bias, lse, delta.contiguous(), _dilation_tensor(dilations, q.device), w, scale, *dropout,
             grad_q, grad_k, grad_v)

@@ -12,9 +12,7 @@ Three layers, as in most kernel libraries:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import sys
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -22,6 +20,7 @@ from torch.autograd.function import once_differentiable
 from longformer_ops import checks
 from longformer_ops._loader import library_for
 from longformer_ops._manifest import function_name
+from longformer_ops._output_cache import new_output
 from longformer_ops.reference import band_width, invalid_locations
 
 
@@ -36,38 +35,6 @@ def _invalid_mask(seq_len: int, w: int, dilations: tuple[int, ...], autoregressi
     return invalid_locations(seq_len, w, torch.tensor(dilations, device=device), autoregressive)
 
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-@functools.cache
-def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise
-
-
-def _new_output(like: torch.Tensor, shape) -> torch.Tensor:
-    """An uninitialised output; on Linux CPU, large ones ask for transparent huge pages.
-
-    A fresh allocation above ~32 MiB comes straight from the OS, and faulting it in 4 KiB
-    pages cost as much as the whole Q.K^T kernel (100 MiB of scores at n = 4096: 20 ms
-    of page faults); 2 MiB pages cut that several-fold. Only the 2 MiB-aligned interior of
-    the tensor's own bytes is advised, so nothing else in the process is touched.
-    """
-    out = like.new_empty(shape)
-    madvise = _madvise() if out.device.type == "cpu" else None
-    if madvise is not None:
-        start = out.data_ptr()
-        first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
-        last = (start + out.numel() * out.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-        if last > first:
-            madvise(first, last - first, _MADV_HUGEPAGE)  # advice only: failure (THP off) changes nothing
-    return out
-
-
 def _pad_features(x: torch.Tensor, multiple: int) -> torch.Tensor:
     extra = (-x.shape[-1]) % multiple
     return torch.nn.functional.pad(x, (0, extra)) if extra else x
@@ -80,7 +47,7 @@ def _launch(op: str, t1: torch.Tensor, t2: torch.Tensor, w: int, dilations: tupl
     b, n, h, f = t2.shape
     band = w + (0 if autoregressive else w) + 1
     if out is None:
-        out = _new_output(t2, (b, n, h, band) if op == "qk" else (b, n, h, f))
+        out = new_output(t2, (b, n, h, band) if op == "qk" else (b, n, h, f))
     if b * n * h == 0 or (op != "qk" and f == 0):  # the output is empty
         return out
     if op == "qk" and f == 0:  # empty dot products: 0 where the key is valid
@@ -96,7 +63,7 @@ def _launch(op: str, t1: torch.Tensor, t2: torch.Tensor, w: int, dilations: tupl
         elif t2.shape[-1] == f:
             kernel(t1, t2, dilation, out)
         else:  # head_dim padded for the kernel: its output has the padded width
-            padded_out = _new_output(t2, t2.shape)
+            padded_out = new_output(t2, t2.shape)
             kernel(t1, t2, dilation, padded_out)
             out.copy_(padded_out[..., :f])
     return out
@@ -156,9 +123,9 @@ def diagonaled_mm(t1: torch.Tensor, t2: torch.Tensor, w: int, d, is_t1_diagonale
     Differentiable in ``t1`` and ``t2`` (once). Inputs need not be contiguous.
 
     ``out``: a contiguous tensor of the result's shape, dtype and device to write into and
-    return, sharing no memory with ``t1``/``t2``; not differentiable. For inference loops that
-    reuse their buffers: on CPU a fresh output above ~32 MiB is new memory from the OS each call,
-    and faulting it in costs a third of Q.K^T's time (``bench/NOTES.md``).
+    return, sharing no memory with ``t1``/``t2``; not differentiable. For code that manages its
+    own buffers; without it, large CPU outputs come from recycled memory already
+    (:mod:`longformer_ops._output_cache`).
     """
     w, dilations, band = checks.check_diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
     if out is not None:

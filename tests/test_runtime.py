@@ -224,29 +224,3 @@ def test_committed_prebuilt_matches_sources():
     expected = {f"{t}/longformer_{d}.so" for t in ("cpu-avx2", "cpu-avx512") for d in ("float32", "float64", "float16", "bfloat16")}
     expected |= {f"cuda/longformer_{d}.so" for d in ("float32", "float16", "bfloat16")}
     assert set(manifest["libraries"]) == expected
-
-
-def _smaps_field(address: int, field: str) -> str:
-    lines = open("/proc/self/smaps").read().splitlines()
-    for index, line in enumerate(lines):
-        span = line.split()[0]
-        if "-" in span and all(c in "0123456789abcdef-" for c in span):
-            start, end = (int(x, 16) for x in span.split("-"))
-            if start <= address < end:
-                for entry in lines[index + 1:]:
-                    if entry.startswith(field + ":"):
-                        return entry.split(":", 1)[1].split()
-    raise AssertionError(f"{field} not found for {address:#x}")
-
-
-@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
-                    or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
-                    reason="no transparent huge pages on this machine")
-def test_large_cpu_outputs_ask_for_huge_pages():
-    from longformer_ops.diagonaled import _new_output
-
-    like = torch.empty(0)
-    big = _new_output(like, (64 << 20) // 4)
-    small = _new_output(like, (16,))
-    assert big.numel() == (64 << 20) // 4 and small.numel() == 16
-    assert "hg" in _smaps_field(big.data_ptr() + (8 << 20), "VmFlags")  # madvise(MADV_HUGEPAGE) was applied
