@@ -123,6 +123,18 @@ def _copy_run(out, b, i, h, buffer, r, offset, begin, end, lanes, dtype):
 
 
 @T.macro
+def _valid_span(span, low, high, first, p0, n, rows):
+    """span = [first + min(r + low[r]), first + max(r + high[r])) over the tile's rows inside the sequence:
+    the packed columns where some row has a valid band column (row r's band column j is first + r + j)."""
+    span[0] = first + T.int64(rows)
+    span[1] = first
+    for r in T.unroll(rows):
+        if p0 + T.int64(r) < n:
+            span[0] = T.min(span[0], first + T.int64(r) + low[r])
+            span[1] = T.max(span[1], first + T.int64(r) + high[r])
+
+
+@T.macro
 def _fill_residue_major(row_of, n, d):
     """row_of[p] = the sequence row at packed position p: rows r, r+d, r+2d, ... for r = 0..d-1."""
     start = T.alloc_local((1,), "int64", annotations=_ON_STACK)
@@ -180,6 +192,7 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
             high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             direct_begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             direct_end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            valid_span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
             for block in range((n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1)):
                 # The block's 16 key rows first, then feature by feature: packing key by key wrote
@@ -212,7 +225,10 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
                         for lane in T.vectorized(lanes):
                             queries[r, vector * T.int64(lanes) + lane] = T.Cast(
                                 acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane])
-                for block in range(first // T.int64(cols), (first + T.int64(rows - 2) + band) // T.int64(cols) + T.int64(1)):
+                # Only the key blocks holding a valid column of some row: near the sequence's ends (and,
+                # dilated, near each residue class's ends) the rest of the band is padding, filled below.
+                _valid_span(valid_span, low, high, first, p0, n, rows)
+                for block in range(valid_span[0] // T.int64(cols), (valid_span[1] + T.int64(cols - 1)) // T.int64(cols)):
                     _zero_tile(acc, rows, cols, acc_dtype)
                     for f in range(head_dim):
                         for r in T.unroll(rows):
@@ -537,10 +553,34 @@ def _attention_tile_rows(query, begin, end, queries, t_rows, row_of, b, h, n, he
 
 
 @T.macro
-def _attention_tile_scores(scores, acc, queries, keys, biases, block0, blocks, head_dim, rows, cols, acc_dtype, with_bias):
-    """scores[r, c] = queries[r] . packed key (block0 * cols + c) (+ that key's bias), for the tile's
-    ``blocks`` key blocks."""
-    for block in range(blocks):
+def _attention_tile_blocks(tile_blocks, begin, end, rows, cols):
+    """tile_blocks = the key blocks (relative to block0) holding a valid column of some row of the
+    tile: at the sequence's ends and, dilated, at each residue class's ends the band reaches past
+    the keys, and those blocks are neither computed nor read. Row 0 is inside the sequence and
+    has a valid column (itself); rows past the end have begin = end = 0 and are left out."""
+    tile_blocks[0] = begin[0]
+    tile_blocks[1] = end[0]
+    for r in range(1, rows):
+        if begin[r] < end[r]:
+            tile_blocks[0] = T.min(tile_blocks[0], begin[r])
+            tile_blocks[1] = T.max(tile_blocks[1], end[r])
+    tile_blocks[0] = tile_blocks[0] // T.int64(cols)
+    tile_blocks[1] = (tile_blocks[1] + T.int64(cols - 1)) // T.int64(cols)
+
+
+@T.macro
+def _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, value):
+    """scores[r] = value over the tile's computed columns outside [begin[r], end[r]) (all of them
+    for a row past the end, whose begin = end = 0 lie left of them)."""
+    _fill_run(scores, r, tile_blocks[0] * T.int64(cols), T.max(begin[r], tile_blocks[0] * T.int64(cols)), value, lanes)
+    _fill_run(scores, r, T.max(end[r], tile_blocks[0] * T.int64(cols)), tile_blocks[1] * T.int64(cols), value, lanes)
+
+
+@T.macro
+def _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, with_bias):
+    """scores[r, c] = queries[r] . packed key (block0 * cols + c) (+ that key's bias), for the key
+    blocks [tile_blocks[0], tile_blocks[1]) (relative to block0)."""
+    for block in range(tile_blocks[0], tile_blocks[1]):
         _zero_tile(acc, rows, cols, acc_dtype)
         for f in range(head_dim):
             for r in T.unroll(rows):
@@ -556,15 +596,17 @@ def _attention_tile_scores(scores, acc, queries, keys, biases, block0, blocks, h
 
 @T.macro
 def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n, block0,
-                            head_dim, rows, cols, group, features, acc_dtype, dtype):
+                            tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype):
     """out row r = row_scale[r] * sum over c of scores[r, c] * packed value row (block0 * cols + c)."""
     for g in range(rows // group):
-        # The columns some row of the group has; the other rows' weights there are 0.
+        # The columns some row of the group has; the other rows' weights there are 0. (Rows past
+        # the end have begin = end = 0, left of the tile's computed blocks: not read.)
         span[0] = begin[g * group]
         span[1] = end[g * group]
         for r in range(1, group):
             span[0] = T.min(span[0], begin[g * group + r])
             span[1] = T.max(span[1], end[g * group + r])
+        span[0] = T.max(span[0], tile_blocks[0] * T.int64(cols))
         for feature_tile in range(head_dim // T.int64(features)):
             column: T.let = feature_tile * T.int64(features)
             _zero_tile(out_acc, group, features, acc_dtype)
@@ -578,17 +620,16 @@ def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin
 
 
 @T.macro
-def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin, end, blocks, rows, cols, lanes,
+def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin, end, tile_blocks, rows, cols, lanes,
                             acc_dtype, minus_inf):
-    """Each row: -inf at its invalid and out-of-band columns (exp gives exactly 0 there), then
-    exp(score - row max) in place, 1 / their sum, and the row's log-sum-exp of the scores
-    (-inf for a row with no key)."""
+    """Each row, over the tile's computed blocks: -inf at its invalid and out-of-band columns (exp
+    gives exactly 0 there), then exp(score - row max) in place, 1 / their sum, and the row's
+    log-sum-exp of the scores (-inf for a row with no key)."""
     for r in range(rows):
-        _fill_run(scores, r, T.int64(0), begin[r], minus_inf, lanes)
-        _fill_run(scores, r, end[r], blocks * T.int64(cols), minus_inf, lanes)
+        _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, minus_inf)
         for lane in T.vectorized(lanes):
             partial[lane] = minus_inf
-        for vector in range(blocks * T.int64(cols // lanes)):
+        for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
                 partial[lane] = T.max(partial[lane], scores[r, vector * T.int64(lanes) + lane])
         row_max[0] = partial[0]
@@ -598,7 +639,7 @@ def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin
             row_max[0] = T.Cast(acc_dtype, 0)
         for lane in T.vectorized(lanes):
             partial[lane] = T.Cast(acc_dtype, 0)
-        for vector in range(blocks * T.int64(cols // lanes)):
+        for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
                 scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype)
                 partial[lane] = partial[lane] + scores[r, vector * T.int64(lanes) + lane]
@@ -610,48 +651,48 @@ def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin
 
 
 @T.macro
-def _attention_tile_probs(scores, lse, query, begin, end, b, h, blocks, rows, cols, lanes, acc_dtype, minus_inf):
-    """The backward's P from the forward's log-sum-exp, in place: exp(score - lse) at each row's
-    valid columns, exactly 0 elsewhere (-inf first) and in rows with no key (lse -inf) or past
-    the end (no valid column)."""
+def _attention_tile_probs(scores, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, minus_inf):
+    """The backward's P from the forward's log-sum-exp, in place over the tile's computed blocks:
+    exp(score - lse) at each row's valid columns, exactly 0 elsewhere (-inf first) and in rows with
+    no key (lse -inf) or past the end (no valid column)."""
     for r in range(rows):
-        _fill_run(scores, r, T.int64(0), begin[r], minus_inf, lanes)
-        _fill_run(scores, r, end[r], blocks * T.int64(cols), minus_inf, lanes)
+        _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, minus_inf)
         row_lse: T.let = T.Select(lse[b, query[r], h] == minus_inf, T.Cast(acc_dtype, 0), lse[b, query[r], h])
-        for vector in range(blocks * T.int64(cols // lanes)):
+        for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
                 scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_lse, acc_dtype)
 
 
 @T.macro
-def _attention_tile_softmax_grad(grads, probs, delta, query, p0, n, b, h, width, rows, lanes, acc_dtype):
-    """Softmax backward in place: grads (dP) -> dS = P * (dP - delta) over the tile's columns
+def _attention_tile_softmax_grad(grads, probs, delta, query, p0, n, b, h, tile_blocks, rows, cols, lanes, acc_dtype):
+    """Softmax backward in place: grads (dP) -> dS = P * (dP - delta) over the tile's computed blocks
     (0 wherever P is 0; rows past the end have P = 0 and no delta)."""
     for r in range(rows):
         row_delta: T.let = T.Select(p0 + T.int64(r) < n, delta[b, query[r], h], T.Cast(acc_dtype, 0))
-        for vector in range(width // T.int64(lanes)):
+        for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
                 grads[r, vector * T.int64(lanes) + lane] = probs[r, vector * T.int64(lanes) + lane] * (
                     grads[r, vector * T.int64(lanes) + lane] - row_delta)
 
 
 @T.macro
-def _accumulate_keys(total, weights, tile_rows, first, width, head_dim, rows, keys, features, key_acc, acc_dtype):
-    """total[first + c] += sum over the tile's rows r of weights[r, c] * tile_rows[r], for c < width
-    (a multiple of ``keys``): dK and dV, the transposed products, per tile. ``keys`` packed rows x
-    ``features`` accumulate in registers; per tile row one broadcast per key, one load per vector."""
+def _accumulate_keys(total, weights, tile_rows, first, start, width, head_dim, rows, keys, features, key_acc, acc_dtype):
+    """total[first + c] += sum over the tile's rows r of weights[r, c] * tile_rows[r], for c in
+    [start, start + width) (width a multiple of ``keys``): dK and dV, the transposed products, per
+    tile. ``keys`` packed rows x ``features`` accumulate in registers; per tile row one broadcast per
+    key, one load per vector."""
     for group in range(width // T.int64(keys)):
         for feature_tile in range(head_dim // T.int64(features)):
             column: T.let = feature_tile * T.int64(features)
             for j in T.unroll(keys):
                 for lane in T.vectorized(features):
-                    key_acc[j, lane] = total[first + group * T.int64(keys) + T.int64(j), column + lane]
+                    key_acc[j, lane] = total[first + start + group * T.int64(keys) + T.int64(j), column + lane]
             for r in range(rows):
                 for j in T.unroll(keys):
-                    _accumulate(key_acc, j, tile_rows, T.int64(r), column, features, weights[r, group * T.int64(keys) + T.int64(j)])
+                    _accumulate(key_acc, j, tile_rows, T.int64(r), column, features, weights[r, start + group * T.int64(keys) + T.int64(j)])
             for j in T.unroll(keys):
                 for lane in T.vectorized(features):
-                    total[first + group * T.int64(keys) + T.int64(j), column + lane] = key_acc[j, lane]
+                    total[first + start + group * T.int64(keys) + T.int64(j), column + lane] = key_acc[j, lane]
 
 
 def _attention_sizes(dtype: str, autoregressive: bool, vector_bits: int) -> tuple:
@@ -727,6 +768,7 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
             partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
             row_max = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
             span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
+            tile_blocks = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
             out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
@@ -738,11 +780,11 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
                 first: T.let = p0 - w + margin  # packed column of row 0's band column 0
                 block0: T.let = first // T.int64(cols)
                 base: T.let = first - block0 * T.int64(cols)  # scores column of row 0's band column 0
-                blocks: T.let = (first + T.int64(rows - 2) + band) // T.int64(cols) - block0 + T.int64(1)
                 _attention_tile_rows(query, begin, end, queries, q, row_of, b, h, n, head_dim, p0, w, d, band, base,
                                      scale, rows, lanes, acc_dtype)
-                _attention_tile_scores(scores, acc, queries, keys, biases, block0, blocks, head_dim, rows, cols, acc_dtype, True)
-                _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, blocks, rows, cols,
+                _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
+                _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, True)
+                _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, tile_blocks, rows, cols,
                                         lanes, acc_dtype, minus_inf)
                 for r in range(rows):
                     if p0 + T.int64(r) < n:
@@ -750,7 +792,7 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
                 if dropout > T.float64(0):
                     _apply_dropout(scores, scores, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
                 _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n,
-                                        block0, head_dim, rows, cols, group, features, acc_dtype, dtype)
+                                        block0, tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype)
 
     return main
 
@@ -817,6 +859,7 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
             end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
             span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
+            tile_blocks = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
             out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
             key_acc = T.alloc_local((keys_per_update, features), acc_dtype, annotations=_ON_STACK)
@@ -839,29 +882,31 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
                 first: T.let = p0 - w + margin
                 block0: T.let = first // T.int64(cols)
                 base: T.let = first - block0 * T.int64(cols)
-                blocks: T.let = (first + T.int64(rows - 2) + band) // T.int64(cols) - block0 + T.int64(1)
                 _attention_tile_rows(query, begin, end, queries, q, row_of, b, h, n, head_dim, p0, w, d, band, base,
                                      scale, rows, lanes, acc_dtype)
-                _attention_tile_scores(probs, acc, queries, keys_k, biases, block0, blocks, head_dim, rows, cols, acc_dtype, True)
-                _attention_tile_probs(probs, lse, query, begin, end, b, h, blocks, rows, cols, lanes, acc_dtype, minus_inf)
+                _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
+                start: T.let = tile_blocks[0] * T.int64(cols)  # the computed columns: [start, start + width)
+                width: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols)
+                _attention_tile_scores(probs, acc, queries, keys_k, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, True)
+                _attention_tile_probs(probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, minus_inf)
                 _attention_tile_rows(query, begin, end, grad_rows, grad, row_of, b, h, n, head_dim, p0, w, d, band, base,
                                      T.float64(1), rows, lanes, acc_dtype)
-                _attention_tile_scores(grads, acc, grad_rows, keys_v, biases, block0, blocks, head_dim, rows, cols, acc_dtype, False)
+                _attention_tile_scores(grads, acc, grad_rows, keys_v, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, False)
                 if dropout > T.float64(0):  # the forward's mask Z: dP = (dO . V^T) * Z, dV from P * Z
                     for r in range(rows):
-                        _fill_run(kept, r, T.int64(0), blocks * T.int64(cols), T.Cast(acc_dtype, 0), lanes)
+                        _fill_run(kept, r, start, start + width, T.Cast(acc_dtype, 0), lanes)
                     _apply_dropout(probs, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
                     _apply_dropout(grads, grads, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
-                _attention_tile_softmax_grad(grads, probs, delta, query, p0, n, b, h, blocks * T.int64(cols), rows, lanes, acc_dtype)
+                _attention_tile_softmax_grad(grads, probs, delta, query, p0, n, b, h, tile_blocks, rows, cols, lanes, acc_dtype)
                 _attention_tile_context(grad_q, out_acc, grads, rows_k, row_scale, span, begin, end, query, b, h, p0, n,
-                                        block0, head_dim, rows, cols, group, features, acc_dtype, dtype)
+                                        block0, tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype)
                 if dropout > T.float64(0):
-                    _accumulate_keys(total_v, kept, grad_rows, block0 * T.int64(cols), blocks * T.int64(cols), head_dim, rows,
+                    _accumulate_keys(total_v, kept, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
                                      keys_per_update, features, key_acc, acc_dtype)
                 else:
-                    _accumulate_keys(total_v, probs, grad_rows, block0 * T.int64(cols), blocks * T.int64(cols), head_dim, rows,
+                    _accumulate_keys(total_v, probs, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
                                      keys_per_update, features, key_acc, acc_dtype)
-                _accumulate_keys(total_k, grads, queries, block0 * T.int64(cols), blocks * T.int64(cols), head_dim, rows,
+                _accumulate_keys(total_k, grads, queries, block0 * T.int64(cols), start, width, head_dim, rows,
                                  keys_per_update, features, key_acc, acc_dtype)
             for p in range(n):
                 for vector in range(head_dim // T.int64(lanes)):
