@@ -22,9 +22,10 @@ micro-kernel (bench/NOTES.md has every variant measured):
   are all valid is stored straight into the output row (those stores overlap the next
   blocks' FMAs); the rest goes, skewed by its row, into a small row buffer, from which
   the row's remaining columns are copied, ``padding`` outside the sequence.
-- pv / transposed (8 x 2 vectors on AVX-512, 6 x 2 on AVX2): for a tile whose rows
-  are consecutive in one residue class, the keys inside the sequence are the same
-  packed rows for every row, so the FMA loop reads its weights straight from the band
+- pv / transposed (8 x 2 vectors on AVX-512, 4 x 4 for half types when head_dim is a
+  multiple of 64; 6 x 2 on AVX2): for a tile whose rows are consecutive in one residue
+  class, the keys inside the sequence are the same packed rows for every row, so the
+  FMA loop reads its weights straight from the band
   (for transposed: from *other* rows' bands) with loop bounds instead of masks. Tiles
   across classes or past the end first gather their weights, zeroed at invalid keys,
   into a small buffer. The output features accumulate in registers while the packed
@@ -307,10 +308,109 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
     lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
     rows = 8 if vector_bits >= 512 else 6  # 12 measured no faster for pv, 1.5x slower for transposed
     cols = 2 * lanes  # output features of one register tile
+    # Half types on AVX-512 when head_dim is a multiple of 4 vectors: 4 rows x 4 vectors. A half
+    # weight costs a broadcast and a convert per use (float32's broadcast rides in the FMA); this
+    # tile uses each weight for 4 FMAs instead of 2 (bench/NOTES.md). 0: no wide tile.
+    wide_cols = 4 * lanes if vector_bits >= 512 and dtype in ("float16", "bfloat16") else 0
     causal = 1 if autoregressive else 0
     per_line = 64 * 8 // _BITS[dtype]  # elements of one 64-byte cache line
     # Row offset of band column 0: w for probs.V; w_upper (w, or 0 when causal) for transposed.
     offset_is_w = 0 if transposed and autoregressive else 1
+
+    @T.macro
+    def tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin, rows, cols):
+        """Every tile of ``rows`` packed rows x ``cols`` output features (the packed rows have a
+        margin of at least ``rows`` before the first)."""
+        weights = T.decl_buffer((band + T.int64(rows), T.int64(rows)) if transposed
+                                else (T.int64(rows), band + T.int64(rows)), acc_dtype)
+        query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+        low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+        high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+        acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
+        for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+            p0: T.let = tile * T.int64(rows)
+            for r in range(rows):
+                query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
+                # Valid band columns: 0 <= i + d*(j - offset) < n  <=>  low <= j < high.
+                low[r] = T.max(offset - query[r] // d, T.int64(0))
+                high[r] = T.min(offset + (n - T.int64(1) - query[r]) // d + T.int64(1), band)
+            first: T.let = p0 - offset + margin  # packed row of k = 0
+            # Row r's weight for the k-th packed row (p0 - offset + k) belongs to band column j = k - r.
+            # When the tile's rows are consecutive in one residue class (all but about one tile
+            # per class), the keys inside the sequence are the same packed rows for every row:
+            # k in [low[0], k_end), and row r has a column there iff r <= k < r + band.
+            k_end: T.let = T.min(offset + (n - T.int64(1) - query[0]) // d + T.int64(1), band + T.int64(rows - 1))
+            if p0 + T.int64(rows) <= n and query[rows - 1] == query[0] + T.int64(rows - 1) * d and band >= T.int64(rows - 1):
+                # The FMA loop reads its weights straight from the band rows; only the two
+                # triangles k < rows - 1 and k >= band, where some row has no column, select.
+                for feature_tile in range(head_dim // T.int64(cols)):
+                    column: T.let = feature_tile * T.int64(cols)
+                    _zero_tile(acc, rows, cols, acc_dtype)
+                    for k in range(low[0], T.max(T.min(k_end, T.int64(rows - 1)), low[0])):
+                        for r in T.unroll(rows):
+                            _accumulate(acc, r, packed, first + k, column, cols, T.Select(
+                                k >= T.int64(r), _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
+                                T.Cast(acc_dtype, 0)))
+                    for k in range(T.max(low[0], T.int64(rows - 1)), T.max(T.min(k_end, band), T.max(low[0], T.int64(rows - 1)))):
+                        if not transposed:
+                            # Fetch the next tile's band rows, a line per step, spread over the FMA
+                            # loop: all at once they fill the miss queue and the loop stalls (perf).
+                            _prefetch_line(t1, b, row_of[T.min(p0 + T.int64(rows) + k % T.int64(rows), n - T.int64(1))], h,
+                                           T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
+                        for r in T.unroll(rows):
+                            _accumulate(acc, r, packed, first + k, column, cols,
+                                        _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, False))
+                    for k in range(T.max(low[0], band), T.max(k_end, T.max(low[0], band))):
+                        for r in T.unroll(rows):
+                            _accumulate(acc, r, packed, first + k, column, cols, T.Select(
+                                k - T.int64(r) < band, _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
+                                T.Cast(acc_dtype, 0)))
+                    _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype)
+            else:
+                # A tile across residue classes or past the end: gather the weights, zeroed at
+                # invalid columns, into a buffer first.
+                if transposed:
+                    for k in range(band + T.int64(rows - 1)):
+                        # That row's band holds the weights of rows r = 0.. at columns band - 1 - k + r.
+                        row: T.let = row_of[T.max(T.min(p0 - offset + k, n - T.int64(1)), T.int64(0))]
+                        if k >= T.int64(rows - 1) and k < band:
+                            for r in T.vectorized(rows):
+                                weights[k, r] = T.Select(
+                                    k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
+                                    T.Cast(acc_dtype, t1[b, row, h, band - T.int64(1) - k + T.int64(r)]), T.Cast(acc_dtype, 0))
+                        else:  # the band's first and last columns: clamp the read, the weight is 0 anyway
+                            for r in range(rows):
+                                weights[k, r] = T.Select(
+                                    k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
+                                    T.Cast(acc_dtype, t1[b, row, h, T.max(T.min(band - T.int64(1) - k + T.int64(r), band - T.int64(1)), T.int64(0))]),
+                                    T.Cast(acc_dtype, 0))
+                else:
+                    # Fetch the next tile's band rows while this tile computes (the direct path
+                    # spreads them over its FMA loop instead). Transposed reads a few entries per
+                    # row, in an order the hardware prefetcher follows (measured: no gain).
+                    for r in range(rows):
+                        _prefetch_row(t1, b, row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))], h, band, per_line)
+                    for r in range(rows):
+                        for k in range(r):
+                            weights[r, k] = T.Cast(acc_dtype, 0)
+                        for vector in range(band // T.int64(lanes)):
+                            for lane in T.vectorized(lanes):
+                                weights[r, T.int64(r) + vector * T.int64(lanes) + lane] = T.Select(
+                                    vector * T.int64(lanes) + lane >= low[r] and vector * T.int64(lanes) + lane < high[r],
+                                    T.Cast(acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane]), T.Cast(acc_dtype, 0))
+                        for j in range(band // T.int64(lanes) * T.int64(lanes), band):
+                            weights[r, T.int64(r) + j] = T.Select(j >= low[r] and j < high[r],
+                                                                  T.Cast(acc_dtype, t1[b, query[r], h, j]), T.Cast(acc_dtype, 0))
+                        for k in range(T.int64(r) + band, band + T.int64(rows - 1)):
+                            weights[r, k] = T.Cast(acc_dtype, 0)
+                for feature_tile in range(head_dim // T.int64(cols)):
+                    column: T.let = feature_tile * T.int64(cols)
+                    _zero_tile(acc, rows, cols, acc_dtype)
+                    for k in range(band + T.int64(rows - 1)):
+                        for r in T.unroll(rows):
+                            _accumulate(acc, r, packed, first + k, column, cols,
+                                        weights[k, r] if transposed else weights[r, k])
+                    _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype)
 
     @T.prim_func
     def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, out_handle: T.handle):
@@ -333,12 +433,6 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
             d: T.let = T.Cast("int64", dilation[h])
             row_of = T.decl_buffer((n,), "int64")
             packed = T.decl_buffer((n + T.int64(2) * band + T.int64(2 * rows), head_dim), acc_dtype)
-            weights = T.decl_buffer((band + T.int64(rows), T.int64(rows)) if transposed
-                                    else (T.int64(rows), band + T.int64(rows)), acc_dtype)
-            query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-            low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-            high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-            acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
             for t in range(n + T.int64(2) * band + T.int64(2 * rows)):
                 p: T.let = t - margin  # packed position
@@ -353,90 +447,10 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
                     for vector in range(head_dim // T.int64(lanes)):
                         for lane in T.vectorized(lanes):
                             packed[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
-            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
-                p0: T.let = tile * T.int64(rows)
-                for r in range(rows):
-                    query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
-                    # Valid band columns: 0 <= i + d*(j - offset) < n  <=>  low <= j < high.
-                    low[r] = T.max(offset - query[r] // d, T.int64(0))
-                    high[r] = T.min(offset + (n - T.int64(1) - query[r]) // d + T.int64(1), band)
-                first: T.let = p0 - offset + margin  # packed row of k = 0
-                # Row r's weight for the k-th packed row (p0 - offset + k) belongs to band column j = k - r.
-                # When the tile's rows are consecutive in one residue class (all but about one tile
-                # per class), the keys inside the sequence are the same packed rows for every row:
-                # k in [low[0], k_end), and row r has a column there iff r <= k < r + band.
-                k_end: T.let = T.min(offset + (n - T.int64(1) - query[0]) // d + T.int64(1), band + T.int64(rows - 1))
-                if p0 + T.int64(rows) <= n and query[rows - 1] == query[0] + T.int64(rows - 1) * d and band >= T.int64(rows - 1):
-                    # The FMA loop reads its weights straight from the band rows; only the two
-                    # triangles k < rows - 1 and k >= band, where some row has no column, select.
-                    for feature_tile in range(head_dim // T.int64(cols)):
-                        column: T.let = feature_tile * T.int64(cols)
-                        _zero_tile(acc, rows, cols, acc_dtype)
-                        for k in range(low[0], T.max(T.min(k_end, T.int64(rows - 1)), low[0])):
-                            for r in T.unroll(rows):
-                                _accumulate(acc, r, packed, first + k, column, cols, T.Select(
-                                    k >= T.int64(r), _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
-                                    T.Cast(acc_dtype, 0)))
-                        for k in range(T.max(low[0], T.int64(rows - 1)), T.max(T.min(k_end, band), T.max(low[0], T.int64(rows - 1)))):
-                            if not transposed:
-                                # Fetch the next tile's band rows, a line per step, spread over the FMA
-                                # loop: all at once they fill the miss queue and the loop stalls (perf).
-                                _prefetch_line(t1, b, row_of[T.min(p0 + T.int64(rows) + k % T.int64(rows), n - T.int64(1))], h,
-                                               T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
-                            for r in T.unroll(rows):
-                                _accumulate(acc, r, packed, first + k, column, cols,
-                                            _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, False))
-                        for k in range(T.max(low[0], band), T.max(k_end, T.max(low[0], band))):
-                            for r in T.unroll(rows):
-                                _accumulate(acc, r, packed, first + k, column, cols, T.Select(
-                                    k - T.int64(r) < band, _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
-                                    T.Cast(acc_dtype, 0)))
-                        _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype)
-                else:
-                    # A tile across residue classes or past the end: gather the weights, zeroed at
-                    # invalid columns, into a buffer first.
-                    if transposed:
-                        for k in range(band + T.int64(rows - 1)):
-                            # That row's band holds the weights of rows r = 0.. at columns band - 1 - k + r.
-                            row: T.let = row_of[T.max(T.min(p0 - offset + k, n - T.int64(1)), T.int64(0))]
-                            if k >= T.int64(rows - 1) and k < band:
-                                for r in T.vectorized(rows):
-                                    weights[k, r] = T.Select(
-                                        k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
-                                        T.Cast(acc_dtype, t1[b, row, h, band - T.int64(1) - k + T.int64(r)]), T.Cast(acc_dtype, 0))
-                            else:  # the band's first and last columns: clamp the read, the weight is 0 anyway
-                                for r in range(rows):
-                                    weights[k, r] = T.Select(
-                                        k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
-                                        T.Cast(acc_dtype, t1[b, row, h, T.max(T.min(band - T.int64(1) - k + T.int64(r), band - T.int64(1)), T.int64(0))]),
-                                        T.Cast(acc_dtype, 0))
-                    else:
-                        # Fetch the next tile's band rows while this tile computes (the direct path
-                        # spreads them over its FMA loop instead). Transposed reads a few entries per
-                        # row, in an order the hardware prefetcher follows (measured: no gain).
-                        for r in range(rows):
-                            _prefetch_row(t1, b, row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))], h, band, per_line)
-                        for r in range(rows):
-                            for k in range(r):
-                                weights[r, k] = T.Cast(acc_dtype, 0)
-                            for vector in range(band // T.int64(lanes)):
-                                for lane in T.vectorized(lanes):
-                                    weights[r, T.int64(r) + vector * T.int64(lanes) + lane] = T.Select(
-                                        vector * T.int64(lanes) + lane >= low[r] and vector * T.int64(lanes) + lane < high[r],
-                                        T.Cast(acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane]), T.Cast(acc_dtype, 0))
-                            for j in range(band // T.int64(lanes) * T.int64(lanes), band):
-                                weights[r, T.int64(r) + j] = T.Select(j >= low[r] and j < high[r],
-                                                                      T.Cast(acc_dtype, t1[b, query[r], h, j]), T.Cast(acc_dtype, 0))
-                            for k in range(T.int64(r) + band, band + T.int64(rows - 1)):
-                                weights[r, k] = T.Cast(acc_dtype, 0)
-                    for feature_tile in range(head_dim // T.int64(cols)):
-                        column: T.let = feature_tile * T.int64(cols)
-                        _zero_tile(acc, rows, cols, acc_dtype)
-                        for k in range(band + T.int64(rows - 1)):
-                            for r in T.unroll(rows):
-                                _accumulate(acc, r, packed, first + k, column, cols,
-                                            weights[k, r] if transposed else weights[r, k])
-                        _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype)
+            if wide_cols > 0 and head_dim % T.int64(wide_cols) == 0:
+                tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin, 4, wide_cols)
+            else:
+                tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin, rows, cols)
 
     return main
 
