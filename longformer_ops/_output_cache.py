@@ -53,7 +53,7 @@ def new_output(like: torch.Tensor, shape) -> torch.Tensor:
     for size in shape:
         numel *= size
     nbytes = numel * like.element_size()
-    if like.device.type != "cpu" or nbytes < MIN_BYTES:
+    if like.device.type != "cpu" or nbytes < max(MIN_BYTES, 1):  # (no mapping is empty)
         return like.new_empty(shape)
     limit_bytes()  # a bad setting is reported here, to the caller, not later inside a finaliser
     mapping = _take(nbytes)

@@ -81,6 +81,11 @@ def test_memory_in_use_is_never_handed_out_again(every_output_cached):
     assert _output_cache.new_output(like, (128, 1024)).data_ptr() != address  # another size: a new mapping
 
 
+def test_empty_outputs_need_no_mapping(every_output_cached):
+    q = torch.randn(0, 5, 2, 4)
+    assert diagonaled_mm(q, q, 1, 1).shape == (0, 5, 2, 3)
+
+
 def test_outputs_freed_on_another_thread_are_parked(every_output_cached):
     holder = [_output_cache.new_output(torch.empty(0), (4, MIB // 4))]
     thread = threading.Thread(target=holder.clear)
