@@ -79,7 +79,13 @@ def _take(nbytes: int) -> mmap.mmap:
         for index in range(len(_parked) - 1, -1, -1):  # most recently parked first: its pages are warmest
             if len(_parked[index]) == nbytes:
                 return _parked.pop(index)
-    mapping = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MAP_PRIVATE"):
+        # Private, as malloc's memory: a forked child writing to an output copies the page instead
+        # of changing the parent's, and only private anonymous memory gets transparent huge pages
+        # (Python's default, MAP_SHARED, is shmem: no huge pages, and shared across fork).
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0))
+    else:  # Windows: anonymous mappings are private already
+        mapping = mmap.mmap(-1, nbytes)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: 2 MiB pages, a 512th of the faults (advice only)
         mapping.madvise(mmap.MADV_HUGEPAGE)
     return mapping

@@ -142,6 +142,20 @@ def _smaps_flags(address: int) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_write_into_the_parents_outputs(every_output_cached):
+    """Private mappings, as malloc's memory: Python's default anonymous mmap is shared across fork."""
+    out = _output_cache.new_output(torch.empty(0), (MIB // 4,))
+    out[0] = 1.0
+    assert "sh" not in _smaps_flags(out.data_ptr())
+    child = os.fork()
+    if child == 0:  # one element, no torch thread pool: safe in a forked child
+        out[0] = 5.0
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert out[0].item() == 1.0
+
+
 @pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
                     or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
                     reason="no transparent huge pages on this machine")
