@@ -5,8 +5,8 @@ tensor is freed (glibc ``mmap``/``munmap``; measured here from 25 MiB on), so ev
 returns a fresh band pays the OS for zeroed pages again: at n = 4096 a Q.K^T band is 100 MiB, and
 faulting it in cost a third of the kernel's time (31.6 vs 21.6 ms, ``bench/NOTES.md``).
 
-Outputs of at least ``MIN_BYTES`` on CPU come from here instead: an anonymous mapping, advised for
-transparent huge pages, wrapped as a tensor (``torch.frombuffer``). When the last tensor using it
+Outputs of at least ``MIN_BYTES`` on CPU come from here instead: a private anonymous mapping,
+wrapped as a tensor (``torch.frombuffer``). When the last tensor using it
 is freed (every view holds it), the mapping is parked, and the next output of the same byte size
 reuses it, its pages already in place. The kernels overwrite every element of their outputs, so
 old contents never show. Parked bytes are bounded by ``LONGFORMER_OPS_OUTPUT_CACHE_MIB`` (default
@@ -79,16 +79,14 @@ def _take(nbytes: int) -> mmap.mmap:
         for index in range(len(_parked) - 1, -1, -1):  # most recently parked first: its pages are warmest
             if len(_parked[index]) == nbytes:
                 return _parked.pop(index)
+    # Private, as malloc's memory: a forked child (a DataLoader worker) writing to an output copies
+    # the page instead of changing the parent's. Python's default, MAP_SHARED, is shmem.
+    # No transparent-huge-page advice: faults are rare once outputs are reused, and on this
+    # machine advised faults stalled on memory compaction (a fresh 200 MiB output 133-428 ms
+    # with it, 168-207 ms without; bench/NOTES.md).
     if hasattr(mmap, "MAP_PRIVATE"):
-        # Private, as malloc's memory: a forked child writing to an output copies the page instead
-        # of changing the parent's, and only private anonymous memory gets transparent huge pages
-        # (Python's default, MAP_SHARED, is shmem: no huge pages, and shared across fork).
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0))
-    else:  # Windows: anonymous mappings are private already
-        mapping = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: 2 MiB pages, a 512th of the faults (advice only)
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    return mapping
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0))
+    return mmap.mmap(-1, nbytes)  # Windows: anonymous mappings are private already
 
 
 def _park(mapping: mmap.mmap) -> None:

@@ -156,14 +156,6 @@ def test_a_forked_child_does_not_write_into_the_parents_outputs(every_output_cac
     assert out[0].item() == 1.0
 
 
-@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
-                    or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
-                    reason="no transparent huge pages on this machine")
-def test_cached_outputs_ask_for_huge_pages(every_output_cached):
-    big = _output_cache.new_output(torch.empty(0), (16 * MIB // 4,))
-    assert "hg" in _smaps_flags(big.data_ptr() + 8 * MIB)  # madvise(MADV_HUGEPAGE) was applied
-
-
 def test_cached_outputs_are_tensors_of_their_own(every_output_cached):
     """Not views: autograd allows in-place changes to a custom Function's output only then."""
     q = torch.randn(1, 9, 2, 4, requires_grad=True)
