@@ -143,7 +143,8 @@ class _FusedAttention(torch.autograd.Function):
     dQ, dK and dV, FlashAttention-style: per tile it recomputes the scores and P = exp(score - lse),
     then dP = dO . V^T, dS = P * (dP - delta), dQ = scale * dS . K, and accumulates dV += P^T dO and
     dK += scale * dS^T Q; no band is kept between the passes or made in either. delta is
-    rowsum(dO * O) less the log-sum-exp's own gradient (d lse / d score = P, so it joins dS there).
+    rowsum(dO * O) less the log-sum-exp's own gradient (d lse / d score = P, so it joins dS there),
+    computed per tile in the kernel (in torch it was three passes over [b, n, h, f] in float32).
     With dropout (mask Z regenerated from the seed) dP = (dO . V^T) * Z and dV += (P * Z)^T dO."""
 
     @staticmethod
@@ -159,12 +160,10 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx, grad, grad_lse):
         q, k, v, bias, out, lse = ctx.saved_tensors
         w, dilations, autoregressive, scale, dropout, library = ctx.config
-        grad = grad.contiguous()
-        delta = (grad.to(lse.dtype) * out.to(lse.dtype)).sum(-1) - grad_lse  # [b, n, h]
         grad_q, grad_k, grad_v = (new_output(q, q.shape) for _ in range(3))
         library.function(function_name(FUSED_BACKWARD, autoregressive))(
-            grad, q, k, v, bias, lse, delta.contiguous(), _dilation_tensor(dilations, q.device), w, scale, *dropout,
-            grad_q, grad_k, grad_v)
+            grad.contiguous(), q, k, v, bias, out, lse, grad_lse.contiguous(), _dilation_tensor(dilations, q.device), w,
+            scale, *dropout, grad_q, grad_k, grad_v)
         needs = ctx.needs_input_grad
         return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
                 None, None, None, None, None, None, None)

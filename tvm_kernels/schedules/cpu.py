@@ -678,15 +678,32 @@ def _attention_tile_probs(scores, lse, query, begin, end, b, h, tile_blocks, row
 
 
 @T.macro
-def _attention_tile_softmax_grad(grads, probs, delta, query, p0, n, b, h, tile_blocks, rows, cols, lanes, acc_dtype):
-    """Softmax backward in place: grads (dP) -> dS = P * (dP - delta) over the tile's computed blocks
-    (0 wherever P is 0; rows past the end have P = 0 and no delta)."""
+def _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows, lanes, acc_dtype):
+    """row_delta[r] = rowsum(dO * O) less the log-sum-exp's gradient, per row of the tile (0 past the end):
+    the softmax backward's shift, from the tile's dO rows already converted in grad_rows."""
     for r in range(rows):
-        row_delta: T.let = T.Select(p0 + T.int64(r) < n, delta[b, query[r], h], T.Cast(acc_dtype, 0))
+        for lane in T.vectorized(lanes):
+            partial[lane] = T.Cast(acc_dtype, 0)
+        for vector in range(head_dim // T.int64(lanes)):
+            for lane in T.vectorized(lanes):
+                partial[lane] = partial[lane] + grad_rows[r, vector * T.int64(lanes) + lane] * T.Cast(
+                    acc_dtype, out[b, query[r], h, vector * T.int64(lanes) + lane])
+        row_delta[r] = T.Cast(acc_dtype, 0) - grad_lse[b, query[r], h]
+        for lane in range(lanes):
+            row_delta[r] = row_delta[r] + partial[lane]
+        if p0 + T.int64(r) >= n:
+            row_delta[r] = T.Cast(acc_dtype, 0)
+
+
+@T.macro
+def _attention_tile_softmax_grad(grads, probs, row_delta, tile_blocks, rows, cols, lanes):
+    """Softmax backward in place: grads (dP) -> dS = P * (dP - row_delta) over the tile's computed
+    blocks (0 wherever P is 0; rows past the end have P = 0)."""
+    for r in range(rows):
         for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
                 grads[r, vector * T.int64(lanes) + lane] = probs[r, vector * T.int64(lanes) + lane] * (
-                    grads[r, vector * T.int64(lanes) + lane] - row_delta)
+                    grads[r, vector * T.int64(lanes) + lane] - row_delta[r])
 
 
 @T.macro
@@ -814,8 +831,9 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
 def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
     """The fused kernel's backward, FlashAttention-style: dQ, dK and dV with no band in memory.
 
-    Arguments: dO ``[b, n, h, f]``, q, k, v, key_bias and lse as in :func:`attention` (lse from
-    its forward call), delta ``[b, n, h]`` (rowsum(dO * O), accumulation dtype), dilation, ``w``,
+    Arguments: dO ``[b, n, h, f]``, q, k, v, key_bias, out and lse as in :func:`attention` (out and
+    lse from its forward call), grad_lse ``[b, n, h]`` (the gradient of lse, accumulation dtype;
+    it joins the softmax's shift delta = rowsum(dO * O) - grad_lse, computed per tile), dilation, ``w``,
     the score scale, the forward's dropout p and seed (its mask Z is regenerated: dP = (dO . V^T) * Z,
     dV from P * Z), dQ, dK, dV ``[b, n, h, f]``. Per (batch, head) K and V are packed as in the
     forward, and dK, dV accumulate over the tiles in packed rows (scratch of the packed operands'
@@ -829,7 +847,8 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
 
     @T.prim_func
     def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
-             key_bias_handle: T.handle, lse_handle: T.handle, delta_handle: T.handle, dilation_handle: T.handle,
+             key_bias_handle: T.handle, out_handle: T.handle, lse_handle: T.handle, grad_lse_handle: T.handle,
+             dilation_handle: T.handle,
              window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64, grad_q_handle: T.handle, grad_k_handle: T.handle,
              grad_v_handle: T.handle):
         T.func_attr({"tir.noalias": True})
@@ -842,8 +861,9 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
         k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
         v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
         key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
+        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
         lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
-        delta = T.match_buffer(delta_handle, (batch, n, heads), acc_dtype)
+        grad_lse = T.match_buffer(grad_lse_handle, (batch, n, heads), acc_dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         grad_q = T.match_buffer(grad_q_handle, (batch, n, heads, head_dim), dtype)
         grad_k = T.match_buffer(grad_k_handle, (batch, n, heads, head_dim), dtype)
@@ -872,6 +892,8 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
             begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+            row_delta = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+            partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
             span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             tile_blocks = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
@@ -905,13 +927,15 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
                 _attention_tile_probs(probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, minus_inf)
                 _attention_tile_rows(query, begin, end, grad_rows, grad, row_of, b, h, n, head_dim, p0, w, d, band, base,
                                      T.float64(1), rows, lanes, acc_dtype)
+                _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows,
+                                       lanes, acc_dtype)
                 _attention_tile_scores(grads, acc, grad_rows, keys_v, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, False)
                 if dropout > T.float64(0):  # the forward's mask Z: dP = (dO . V^T) * Z, dV from P * Z
                     for r in range(rows):
                         _fill_run(kept, r, start, start + width, T.Cast(acc_dtype, 0), lanes)
                     _apply_dropout(probs, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
                     _apply_dropout(grads, grads, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
-                _attention_tile_softmax_grad(grads, probs, delta, query, p0, n, b, h, tile_blocks, rows, cols, lanes, acc_dtype)
+                _attention_tile_softmax_grad(grads, probs, row_delta, tile_blocks, rows, cols, lanes)
                 _attention_tile_context(grad_q, out_acc, grads, rows_k, row_scale, span, begin, end, query, b, h, p0, n,
                                         block0, tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype)
                 if dropout > T.float64(0):
