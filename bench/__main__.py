@@ -1,9 +1,9 @@
 """``python -m bench``: time and memory of local attention and the band products, per method and length.
 
 Writes ``<out>/<device-name>.csv``, ``.md`` (table) and ``.png`` (plot). For each sequence
-length, the methods of one case are timed interleaved (a warm-up round for calls under a
-second and for FlexAttention, which compiles per shape; then rounds of every method and a
-reference GEMM, each round in a shuffled order; medians), then each method's memory is probed
+length, the methods of one case, in every dtype asked for, are timed interleaved (a warm-up
+round for calls under a second and for FlexAttention, which compiles per shape; then rounds of
+every method and dtype and a reference GEMM, each round in a shuffled order; medians), then each method's memory is probed
 in a fresh process (peak extra RSS,
 or CUDA max_memory_allocated, of one call), which also gives its first-call latency. A
 method predicted to exceed --max-call-seconds or the memory budget at a length (scaled
@@ -59,7 +59,7 @@ def parse_args(argv):
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", type=_names(("float32", "float16", "bfloat16", "float64")), default=["float32"],
-                        help="one dtype, or several comma-separated: each its own cases, timed in the same run")
+                        help="one dtype, or several comma-separated: each its own cases, a case's dtypes timed in the same rounds")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--ops", type=_names(methods.ALL_OPS), default=list(methods.OPS))
     parser.add_argument("--passes", type=_names(("forward", "forward+backward")), default=["forward", "forward+backward"])
@@ -144,6 +144,54 @@ def _gemm_range(rows: list[dict]) -> str:
     return f"{min(rates):.0f}-{max(rates):.0f} GFLOP/s across cases" if rates else "no case timed"
 
 
+def _case_rows(case: Case, args, skipped: dict, timings: dict, gemm: float | None, flops: float, last: dict,
+               progress) -> list[dict]:
+    """One result row per method of ``case``: its timing from the case's rounds and, unless --no-memory,
+    its peak memory and first call in a fresh process; or why it was skipped. Updates ``last``."""
+    op, backward, dilation, dtype, seq_len = case.op, case.backward, case.dilation, case.dtype, case.seq_len
+    rows = []
+    for method in args.methods:
+        row = dict(op=op, method=method, seq_len=seq_len, window=args.window, dilation=_dilation_label(dilation),
+                   heads=args.heads, head_dim=args.head_dim, batch=args.batch, dtype=dtype,
+                   device=args.device, **{"pass": case.pass_name})
+        if (case, method) in skipped:
+            reason = skipped[(case, method)]
+            measured = last.get((op, backward, dilation, dtype, method))
+            if (not args.no_memory and not backward and reason.startswith("too slow")
+                    and _expected_seconds(measured, method, seq_len) <= 2 * args.max_call_seconds):
+                # Too slow to time repeatedly, but it fits: one fresh-process call for its memory,
+                # so memory comparisons rest on measurements as far as the method can go.
+                probe = probe_in_fresh_process(case, method, timeout_s=120 + 40 * args.max_call_seconds)
+                if "error" not in probe:
+                    last[(op, backward, dilation, dtype, method)] = (
+                        seq_len, _expected_seconds(measured, method, seq_len), probe["peak_mib"] * 2**20)
+                    rows.append(dict(row, status="memory only", reason=reason + "; memory measured once",
+                                     peak_mib=probe["peak_mib"], first_call_ms=probe["first_call_ms"]))
+                    progress.write(f"  {op:15s} {case.pass_name:16s} d={_dilation_label(dilation):24s} "
+                                   f"n={seq_len:<6d} {dtype:9s} {method:15s} {'(not timed)':>13s}  "
+                                   f"{probe['peak_mib']:9.1f} MiB")
+                    continue
+            rows.append(dict(row, status="skipped", reason=reason))
+            continue
+        seconds = timings[(case, method)]
+        row.update(status="ok", reason="", time_ms=seconds * 1e3, gflops=flops / seconds / 1e9,
+                   gemm_gflops=gemm, gemm_share=flops / seconds / 1e9 / gemm)
+        peak = None
+        if not args.no_memory:
+            probe = probe_in_fresh_process(case, method, timeout_s=120 + 20 * seconds)
+            if "error" in probe:
+                row.update(reason=probe["error"])
+            else:
+                peak = probe["peak_mib"] * 2**20
+                row.update(peak_mib=probe["peak_mib"], first_call_ms=probe["first_call_ms"])
+        last[(op, backward, dilation, dtype, method)] = (seq_len, seconds, peak)
+        rows.append(row)
+        progress.write(f"  {op:15s} {case.pass_name:16s} d={_dilation_label(dilation):24s} n={seq_len:<6d} "
+                       f"{dtype:9s} {method:15s} {seconds * 1e3:10.1f} ms  "
+                       + (f"{row['peak_mib']:9.1f} MiB" if "peak_mib" in row else ""))
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     command = command_line(sys.argv[1:] if argv is None else argv)  # before loading kernels sets TVM_NUM_THREADS
@@ -151,72 +199,39 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda: torch sees no CUDA device")
     torch.manual_seed(0)
     budget = memory_budget_bytes(args)
-    # dtype innermost: one op's dtypes are timed one right after another, so that comparing them
-    # suffers least from this shared machine's drift (a run spans minutes).
-    groups = [(op, p == "forward+backward", _dilation_tuple(spec, args.heads), dtype)
-              for spec in args.dilation for op in args.ops for p in args.passes for dtype in args.dtype
+    groups = [(op, p == "forward+backward", _dilation_tuple(spec, args.heads))
+              for spec in args.dilation for op in args.ops for p in args.passes
               if (set(_dilation_tuple(spec, args.heads)) == {1} or (op in args.dilated_ops and p in args.dilated_passes))
               and (p == "forward" or op in args.backward_ops)]
-    print(f"device {device_name(args.device)}: {len(groups)} cases x {len(args.seq_lens)} lengths x "
+    print(f"device {device_name(args.device)}: {len(groups) * len(args.dtype)} cases x {len(args.seq_lens)} lengths x "
           f"{len(args.methods)} methods, each case with a float32 GEMM ({GEMM_SIZE}^3) in its rounds", flush=True)
 
     rows = []
     last: dict[tuple, tuple] = {}  # (op, backward, dilation, dtype, method) -> last measured (seq_len, seconds, bytes)
-    progress = tqdm(total=len(groups) * len(args.seq_lens), unit="case", dynamic_ncols=True)
+    progress = tqdm(total=len(groups) * len(args.dtype) * len(args.seq_lens), unit="case", dynamic_ncols=True)
     for seq_len in args.seq_lens:
-        for op, backward, dilation, dtype in groups:
-            case = Case(op, backward, seq_len, args.window, dilation, args.heads, args.head_dim, args.batch,
-                        dtype, args.device)
-            progress.set_description(f"{op} {case.pass_name} d={_dilation_label(dilation)} {dtype} n={seq_len}")
+        for op, backward, dilation in groups:
+            # A case's dtypes are timed in the same rounds (with one GEMM), so that comparing
+            # them holds under the same conditions on this shared machine, as comparing methods does.
+            cases = [Case(op, backward, seq_len, args.window, dilation, args.heads, args.head_dim, args.batch,
+                          dtype, args.device) for dtype in args.dtype]
+            progress.set_description(f"{op} {cases[0].pass_name} d={_dilation_label(dilation)} "
+                                     f"{','.join(args.dtype)} n={seq_len}")
             runnable, skipped = [], {}
-            for method in args.methods:
-                reason = (methods.unsupported_reason(method, op, backward, dilation, args.device)
-                          or _predicted_limit(last.get((op, backward, dilation, dtype, method)), method, seq_len, budget,
-                                              args.max_call_seconds))
-                (skipped.__setitem__(method, reason) if reason else runnable.append(method))
-            expected = {m: _expected_seconds(last.get((op, backward, dilation, dtype, m)), m, seq_len) for m in runnable}
-            timings = time_interleaved(case, runnable, args.repeats, expected) if runnable else {}
+            for case in cases:
+                for method in args.methods:
+                    reason = (methods.unsupported_reason(method, op, backward, dilation, args.device)
+                              or _predicted_limit(last.get((op, backward, dilation, case.dtype, method)), method, seq_len,
+                                                  budget, args.max_call_seconds))
+                    (skipped.__setitem__((case, method), reason) if reason else runnable.append((case, method)))
+            expected = {(case, m): _expected_seconds(last.get((op, backward, dilation, case.dtype, m)), m, seq_len)
+                        for case, m in runnable}
+            timings = time_interleaved(runnable, args.repeats, expected) if runnable else {}
             gemm = GEMM_FLOPS / timings[GEMM] / 1e9 if runnable else None
             flops = methods.useful_flops(op, backward, args.batch, seq_len, args.heads, args.head_dim, args.window)
-            for method in args.methods:
-                row = dict(op=op, method=method, seq_len=seq_len, window=args.window, dilation=_dilation_label(dilation),
-                           heads=args.heads, head_dim=args.head_dim, batch=args.batch, dtype=dtype,
-                           device=args.device, **{"pass": case.pass_name})
-                if method in skipped:
-                    reason = skipped[method]
-                    measured = last.get((op, backward, dilation, dtype, method))
-                    if (not args.no_memory and not backward and reason.startswith("too slow")
-                            and _expected_seconds(measured, method, seq_len) <= 2 * args.max_call_seconds):
-                        # Too slow to time repeatedly, but it fits: one fresh-process call for its memory,
-                        # so memory comparisons rest on measurements as far as the method can go.
-                        probe = probe_in_fresh_process(case, method, timeout_s=120 + 40 * args.max_call_seconds)
-                        if "error" not in probe:
-                            last[(op, backward, dilation, dtype, method)] = (
-                                seq_len, _expected_seconds(measured, method, seq_len), probe["peak_mib"] * 2**20)
-                            rows.append(dict(row, status="memory only", reason=reason + "; memory measured once",
-                                             peak_mib=probe["peak_mib"], first_call_ms=probe["first_call_ms"]))
-                            progress.write(f"  {op:15s} {case.pass_name:16s} d={_dilation_label(dilation):24s} "
-                                           f"n={seq_len:<6d} {method:15s} {'(not timed)':>13s}  {probe['peak_mib']:9.1f} MiB")
-                            continue
-                    rows.append(dict(row, status="skipped", reason=reason))
-                    continue
-                seconds = timings[method]
-                row.update(status="ok", reason="", time_ms=seconds * 1e3, gflops=flops / seconds / 1e9,
-                           gemm_gflops=gemm, gemm_share=flops / seconds / 1e9 / gemm)
-                peak = None
-                if not args.no_memory:
-                    probe = probe_in_fresh_process(case, method, timeout_s=120 + 20 * seconds)
-                    if "error" in probe:
-                        row.update(reason=probe["error"])
-                    else:
-                        peak = probe["peak_mib"] * 2**20
-                        row.update(peak_mib=probe["peak_mib"], first_call_ms=probe["first_call_ms"])
-                last[(op, backward, dilation, dtype, method)] = (seq_len, seconds, peak)
-                rows.append(row)
-                progress.write(f"  {op:15s} {case.pass_name:16s} d={_dilation_label(dilation):24s} n={seq_len:<6d} "
-                               f"{method:15s} {seconds * 1e3:10.1f} ms  "
-                               + (f"{row['peak_mib']:9.1f} MiB" if "peak_mib" in row else ""))
-            progress.update()
+            for case in cases:
+                rows.extend(_case_rows(case, args, skipped, timings, gemm, flops, last, progress))
+                progress.update()
     progress.close()
 
     args.out.mkdir(parents=True, exist_ok=True)

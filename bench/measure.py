@@ -60,41 +60,46 @@ def gemm_runner(device: str):
     return lambda: torch.mm(a, b, out=c)
 
 
-def time_interleaved(case: Case, method_names: list[str], repeats: int,
-                     expected_seconds: dict[str, float] | None = None) -> dict[str, float]:
-    """Median seconds per call of each method and of the reference GEMM (key :data:`GEMM`):
-    warm-up, then ``repeats`` rounds of all of them, each round in its own shuffled order (seeded).
+def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
+                     expected_seconds: dict[tuple[Case, str], float] | None = None) -> dict:
+    """Median seconds per call of each (case, method) entry and of the reference GEMM (key
+    :data:`GEMM`): warm-up, then ``repeats`` rounds of all of them, each round in its own shuffled
+    order (seeded).
 
+    Cases that differ only in dtype are meant to be timed together, in the same rounds: the
+    dtype comparison then holds under the same machine conditions, as the methods' does.
     The GEMM runs in the same rounds so that each case's share of it compares rates measured
     under the same machine conditions (this shared machine's speed drifts by 20% within a run).
     The order changes per round because on this VM memory freed by one call (the dense methods
     free gigabytes) is handed back to the host and faults again for whichever call allocates
     about two seconds later: with a fixed order that was the same method in every round.
-    The warm-up round is skipped for a method expected (from a shorter length) to take over a
-    second per call, unless it compiles per shape (FlexAttention): the median of the timed
+    The warm-up round is skipped for an entry expected (from a shorter length) to take over a
+    second per call, unless its method compiles per shape (FlexAttention): the median of the timed
     rounds already discounts one slow first call, and a sweep's long calls dominate its time.
     """
     expected_seconds = expected_seconds or {}
-    inputs = case.inputs()
-    runs = {GEMM: gemm_runner(case.device)}
-    runs.update({m: methods.runner(case.op, m, inputs, case.window, case.dilation, case.backward) for m in method_names})
-    method_names = list(runs)
-    warm_up = [m for m in method_names if m in methods.COMPILES_PER_SHAPE or expected_seconds.get(m, 0.0) < 1.0]
-    samples = {m: [] for m in method_names}
-    order = random.Random(case.seq_len)
+    inputs = {case: case.inputs() for case in dict.fromkeys(case for case, _ in entries)}
+    first = entries[0][0]
+    runs = {GEMM: (gemm_runner(first.device), ())}
+    runs.update({(case, m): (methods.runner(case.op, m, inputs[case], case.window, case.dilation, case.backward),
+                             inputs[case]) for case, m in entries})
+    names = list(runs)
+    warm_up = [e for e in names if e == GEMM or e[1] in methods.COMPILES_PER_SHAPE or expected_seconds.get(e, 0.0) < 1.0]
+    samples = {e: [] for e in names}
+    order = random.Random(first.seq_len)
     for round_index in range(repeats + 1):
-        for name in order.sample(method_names, len(method_names)):
-            run = runs[name]
+        for name in order.sample(names, len(names)):
+            run, run_inputs = runs[name]
             if round_index == 0 and name not in warm_up:
                 continue
-            _clear_grads(inputs)
-            synchronize(case.device)
+            _clear_grads(run_inputs)
+            synchronize(first.device)
             started = time.perf_counter()
             run()
-            synchronize(case.device)
+            synchronize(first.device)
             if round_index:  # round 0 is the warm-up
                 samples[name].append(time.perf_counter() - started)
-    return {m: statistics.median(s) for m, s in samples.items()}
+    return {e: statistics.median(s) for e, s in samples.items()}
 
 
 # ---------------------------------------------------------------------------

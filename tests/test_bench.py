@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from bench import methods
+from bench import measure, methods
 from bench.__main__ import command_line, main
 from bench.measure import Case, probe_in_fresh_process
 
@@ -113,8 +113,27 @@ def test_cli_times_several_dtypes_in_one_run(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "dtypes.csv")))
     assert sorted((r["dtype"], r["method"]) for r in rows) == [
         ("bfloat16", "full"), ("bfloat16", "tvm"), ("float32", "full"), ("float32", "tvm")]
+    # One GEMM in the rounds of both dtypes: the dtype comparison holds under the same conditions.
+    assert len({r["gemm_gflops"] for r in rows}) == 1
     table = (tmp_path / "dtypes.md").read_text()
     assert "### qk_band, forward, dilation 1, float32" in table and "### qk_band, forward, dilation 1, bfloat16" in table
+
+
+def test_cases_timed_together_share_every_round(monkeypatch):
+    """time_interleaved runs each round over every (case, method) and the GEMM, shuffled per round."""
+    calls = []
+    monkeypatch.setattr(methods, "runner", lambda op, method, inputs, *rest: lambda: calls.append((inputs[0].dtype, method)))
+    monkeypatch.setattr(measure, "gemm_runner", lambda device: lambda: calls.append(measure.GEMM))
+    cases = [Case("qk_band", False, 64, 8, (1, 1), 2, 16, 1, dtype, "cpu") for dtype in ("float32", "bfloat16")]
+    entries = [(case, m) for case in cases for m in ("tvm", "full")]
+    timings = measure.time_interleaved(entries, repeats=4)
+    assert set(timings) == {measure.GEMM, *entries}
+    per_round = len(entries) + 1
+    assert len(calls) == 5 * per_round  # the warm-up round, then 4
+    rounds = [calls[i:i + per_round] for i in range(0, len(calls), per_round)]
+    for order in rounds:
+        assert sorted(map(str, order)) == sorted(map(str, [measure.GEMM, *[(getattr(torch, c.dtype), m) for c, m in entries]]))
+    assert len({tuple(map(str, order)) for order in rounds}) > 1, "the order should change between rounds"
 
 
 def test_cli_runs_the_layer_op(tmp_path):
