@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from bench import methods, report
-from bench.measure import GEMM, GEMM_FLOPS, GEMM_SIZE, Case, probe_in_fresh_process, time_interleaved
+from bench.measure import GEMM, GEMM_FLOPS, GEMM_SIZE, Case, paired_ratio, probe_in_fresh_process, time_interleaved
 
 DILATED = "1,1,2,2,4,4,8,8,1,2,4,8"
 QUADRATIC = {"full", "sdpa"}  # time and memory grow with n^2
@@ -226,11 +227,18 @@ def main(argv=None) -> int:
                     (skipped.__setitem__((case, method), reason) if reason else runnable.append((case, method)))
             expected = {(case, m): _expected_seconds(last.get((op, backward, dilation, case.dtype, m)), m, seq_len)
                         for case, m in runnable}
-            timings = time_interleaved(runnable, args.repeats, expected) if runnable else {}
+            samples = time_interleaved(runnable, args.repeats, expected) if runnable else {}
+            timings = {entry: statistics.median(s) for entry, s in samples.items()}
             gemm = GEMM_FLOPS / timings[GEMM] / 1e9 if runnable else None
             flops = methods.useful_flops(op, backward, args.batch, seq_len, args.heads, args.head_dim, args.window)
             for case in cases:
-                rows.extend(_case_rows(case, args, skipped, timings, gemm, flops, last, progress))
+                case_rows = _case_rows(case, args, skipped, timings, gemm, flops, last, progress)
+                for row in case_rows:
+                    # Against float32 round by round, where it ran in the same rounds.
+                    reference = next(((c, row["method"]) for c in cases if c.dtype == "float32"), None)
+                    if row["status"] == "ok" and case.dtype != "float32" and reference in samples:
+                        row["vs_float32"] = paired_ratio(samples[(case, row["method"])], samples[reference])
+                rows.extend(case_rows)
                 progress.update()
     progress.close()
 

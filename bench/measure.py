@@ -61,13 +61,14 @@ def gemm_runner(device: str):
 
 
 def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
-                     expected_seconds: dict[tuple[Case, str], float] | None = None) -> dict:
-    """Median seconds per call of each (case, method) entry and of the reference GEMM (key
-    :data:`GEMM`): warm-up, then ``repeats`` rounds of all of them, each round in its own shuffled
-    order (seeded).
+                     expected_seconds: dict[tuple[Case, str], float] | None = None) -> dict[object, list[float]]:
+    """Seconds per call of each (case, method) entry and of the reference GEMM (key :data:`GEMM`),
+    one per round (sample i of every entry from round i): warm-up, then ``repeats`` rounds of all
+    of them, each round in its own shuffled order (seeded).
 
     Cases that differ only in dtype are meant to be timed together, in the same rounds: the
-    dtype comparison then holds under the same machine conditions, as the methods' does.
+    dtype comparison then holds under the same machine conditions, as the methods' does, and
+    can be made round by round (:func:`paired_ratio`).
     The GEMM runs in the same rounds so that each case's share of it compares rates measured
     under the same machine conditions (this shared machine's speed drifts by 20% within a run).
     The order changes per round because on this VM memory freed by one call (the dense methods
@@ -99,7 +100,15 @@ def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
             synchronize(first.device)
             if round_index:  # round 0 is the warm-up
                 samples[name].append(time.perf_counter() - started)
-    return {e: statistics.median(s) for e, s in samples.items()}
+    return samples
+
+
+def paired_ratio(samples: list[float], reference: list[float]) -> float:
+    """The median over rounds of ``samples[i] / reference[i]`` (both from :func:`time_interleaved`,
+    so from the same rounds). This VM switches between a fast and a slow state for seconds at a
+    time (the same kernel at 16384: 81-84 ms or 102-111 ms, in runs of rounds); the ratio of two
+    medians then depends on which state each median's rounds fell in, a ratio within a round does not."""
+    return statistics.median(s / r for s, r in zip(samples, reference, strict=True))
 
 
 # ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 
 COLUMNS = ["op", "pass", "method", "seq_len", "window", "dilation", "heads", "head_dim", "batch", "dtype", "device",
-           "time_ms", "gflops", "gemm_gflops", "gemm_share", "peak_mib", "first_call_ms", "status", "reason"]
+           "time_ms", "vs_float32", "gflops", "gemm_gflops", "gemm_share", "peak_mib", "first_call_ms", "status", "reason"]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -63,6 +63,19 @@ def markdown(rows: list[dict], header: str) -> str:
                      if r["method"] == method and r["status"] == "ok"}
             lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {method} | "
                          + " | ".join(share.get(n, "") for n in lengths) + " |")
+    paired = [r for r in rows if r.get("vs_float32") not in (None, "") and r["dtype"] != "float32"]
+    if paired:
+        lines += ["", "### Against float32, round by round", "",
+                  "Time per call over float32's time in the same round (the same method and case), median over the "
+                  "rounds; under 1: faster than float32. Unlike the ratio of two medians, this holds when the machine "
+                  "changes speed between rounds:", "",
+                  "| op | pass | dilation | dtype | method | " + " | ".join(str(n) for n in lengths) + " |",
+                  "|---|---|---|---|---|" + "---:|" * len(lengths)]
+        for (op, pass_name, dilation, dtype), members in groups(paired).items():
+            for method in dict.fromkeys(r["method"] for r in members):
+                ratio = {r["seq_len"]: f"{r['vs_float32']:.2f}" for r in members if r["method"] == method}
+                lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {method} | "
+                             + " | ".join(ratio.get(n, "") for n in lengths) + " |")
     lines += ["", "### Rates and first calls", "",
               "Useful GFLOP/s, the GEMM rate of the same rounds, the share, and the first call in a fresh process "
               "(library load or compilation included), at the largest length every listed method ran:", "",
@@ -84,6 +97,7 @@ def markdown(rows: list[dict], header: str) -> str:
 def read_csv(path: Path) -> list[dict]:
     """Rows of a results CSV with numbers as numbers (the inverse of write_csv)."""
     numeric = {"seq_len": int, "window": int, "heads": int, "head_dim": int, "batch": int, "time_ms": float,
+               "vs_float32": float,
                "gflops": float, "gemm_gflops": float, "gemm_share": float, "peak_mib": float, "first_call_ms": float}
     rows = []
     for raw in csv.DictReader(open(path)):

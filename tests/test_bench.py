@@ -115,7 +115,9 @@ def test_cli_times_several_dtypes_in_one_run(tmp_path):
         ("bfloat16", "full"), ("bfloat16", "tvm"), ("float32", "full"), ("float32", "tvm")]
     # One GEMM in the rounds of both dtypes: the dtype comparison holds under the same conditions.
     assert len({r["gemm_gflops"] for r in rows}) == 1
+    assert all((r["vs_float32"] != "") == (r["dtype"] == "bfloat16") for r in rows)
     table = (tmp_path / "dtypes.md").read_text()
+    assert "### Against float32, round by round" in table
     assert "### qk_band, forward, dilation 1, float32" in table and "### qk_band, forward, dilation 1, bfloat16" in table
 
 
@@ -126,14 +128,19 @@ def test_cases_timed_together_share_every_round(monkeypatch):
     monkeypatch.setattr(measure, "gemm_runner", lambda device: lambda: calls.append(measure.GEMM))
     cases = [Case("qk_band", False, 64, 8, (1, 1), 2, 16, 1, dtype, "cpu") for dtype in ("float32", "bfloat16")]
     entries = [(case, m) for case in cases for m in ("tvm", "full")]
-    timings = measure.time_interleaved(entries, repeats=4)
-    assert set(timings) == {measure.GEMM, *entries}
+    samples = measure.time_interleaved(entries, repeats=4)
+    assert set(samples) == {measure.GEMM, *entries} and all(len(s) == 4 for s in samples.values())
     per_round = len(entries) + 1
     assert len(calls) == 5 * per_round  # the warm-up round, then 4
     rounds = [calls[i:i + per_round] for i in range(0, len(calls), per_round)]
     for order in rounds:
         assert sorted(map(str, order)) == sorted(map(str, [measure.GEMM, *[(getattr(torch, c.dtype), m) for c, m in entries]]))
     assert len({tuple(map(str, order)) for order in rounds}) > 1, "the order should change between rounds"
+
+
+def test_paired_ratio_compares_round_by_round():
+    """A slow round slows both entries of it: the ratio within rounds sees through it, medians do not."""
+    assert measure.paired_ratio([1.0, 10.0, 11.0], [1.0, 10.0, 1.0]) == 1.0
 
 
 def test_cli_runs_the_layer_op(tmp_path):
