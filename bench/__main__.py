@@ -3,10 +3,10 @@
 Writes ``<out>/<device-name>.csv``, ``.md`` (table) and ``.png`` (plot). For each sequence
 length, the methods of one case, in every dtype asked for, are timed interleaved (a warm-up
 round for calls under a second and for FlexAttention, which compiles per shape; then rounds of
-every method and dtype and a reference GEMM, each round in a shuffled order; medians), then each method's memory is probed
-in a fresh process (peak extra RSS,
-or CUDA max_memory_allocated, of one call), which also gives its first-call latency. A
-method predicted to exceed --max-call-seconds or the memory budget at a length (scaled
+every method and dtype and a reference GEMM, each round in a shuffled order; medians of the
+times, and of the per-round shares of the GEMM and ratios to float32), then each method's
+memory is probed in a fresh process (peak extra RSS, or CUDA max_memory_allocated, of one
+call), which also gives its first-call latency. A method predicted to exceed --max-call-seconds or the memory budget at a length (scaled
 from the previous length) is recorded as skipped with the reason, as is one that cannot
 run the case at all.
 """
@@ -145,10 +145,15 @@ def _gemm_range(rows: list[dict]) -> str:
     return f"{min(rates):.0f}-{max(rates):.0f} GFLOP/s across cases" if rates else "no case timed"
 
 
-def _case_rows(case: Case, args, skipped: dict, timings: dict, gemm: float | None, flops: float, last: dict,
+def _case_rows(case: Case, float32_case: Case | None, args, skipped: dict, samples: dict, flops: float, last: dict,
                progress) -> list[dict]:
-    """One result row per method of ``case``: its timing from the case's rounds and, unless --no-memory,
-    its peak memory and first call in a fresh process; or why it was skipped. Updates ``last``."""
+    """One result row per method of ``case``: its timing from the case's rounds (``samples``, from
+    :func:`time_interleaved`) and, unless --no-memory, its peak memory and first call in a fresh
+    process; or why it was skipped. Updates ``last``.
+
+    The share of the GEMM and the ratio to float32 (``float32_case``, timed in the same rounds) are
+    medians of per-round ratios: this VM changes speed for seconds at a time, and a ratio within a
+    round holds through that where a ratio of two medians does not."""
     op, backward, dilation, dtype, seq_len = case.op, case.backward, case.dilation, case.dtype, case.seq_len
     rows = []
     for method in args.methods:
@@ -174,9 +179,12 @@ def _case_rows(case: Case, args, skipped: dict, timings: dict, gemm: float | Non
                     continue
             rows.append(dict(row, status="skipped", reason=reason))
             continue
-        seconds = timings[(case, method)]
+        seconds = statistics.median(samples[(case, method)])
         row.update(status="ok", reason="", time_ms=seconds * 1e3, gflops=flops / seconds / 1e9,
-                   gemm_gflops=gemm, gemm_share=flops / seconds / 1e9 / gemm)
+                   gemm_gflops=GEMM_FLOPS / statistics.median(samples[GEMM]) / 1e9,
+                   gemm_share=flops / GEMM_FLOPS * paired_ratio(samples[GEMM], samples[(case, method)]))
+        if float32_case not in (None, case) and (float32_case, method) in samples:
+            row["vs_float32"] = paired_ratio(samples[(case, method)], samples[(float32_case, method)])
         peak = None
         if not args.no_memory:
             probe = probe_in_fresh_process(case, method, timeout_s=120 + 20 * seconds)
@@ -228,17 +236,10 @@ def main(argv=None) -> int:
             expected = {(case, m): _expected_seconds(last.get((op, backward, dilation, case.dtype, m)), m, seq_len)
                         for case, m in runnable}
             samples = time_interleaved(runnable, args.repeats, expected) if runnable else {}
-            timings = {entry: statistics.median(s) for entry, s in samples.items()}
-            gemm = GEMM_FLOPS / timings[GEMM] / 1e9 if runnable else None
             flops = methods.useful_flops(op, backward, args.batch, seq_len, args.heads, args.head_dim, args.window)
+            float32_case = next((c for c in cases if c.dtype == "float32"), None)
             for case in cases:
-                case_rows = _case_rows(case, args, skipped, timings, gemm, flops, last, progress)
-                for row in case_rows:
-                    # Against float32 round by round, where it ran in the same rounds.
-                    reference = next(((c, row["method"]) for c in cases if c.dtype == "float32"), None)
-                    if row["status"] == "ok" and case.dtype != "float32" and reference in samples:
-                        row["vs_float32"] = paired_ratio(samples[(case, row["method"])], samples[reference])
-                rows.extend(case_rows)
+                rows.extend(_case_rows(case, float32_case, args, skipped, samples, flops, last, progress))
                 progress.update()
     progress.close()
 

@@ -53,7 +53,7 @@ def markdown(rows: list[dict], header: str) -> str:
     lines += ["", "### Share of the GEMM rate", "",
               "Useful GFLOP/s (2 b h n (2w+1) head_dim per band product; x2 for attention, the layer adds its five "
               "2 b n hidden^2 projections; x3 with backward) "
-              "as a share of the float32 GEMM timed in the same rounds, per length:", ""]
+              "as a share of the float32 GEMM timed in the same rounds (median of the per-round shares), per length:", ""]
     lengths = sorted({r["seq_len"] for r in rows if r["status"] == "ok"})
     lines += ["| op | pass | dilation | dtype | method | " + " | ".join(str(n) for n in lengths) + " |",
               "|---|---|---|---|---|" + "---:|" * len(lengths)]
@@ -77,7 +77,7 @@ def markdown(rows: list[dict], header: str) -> str:
                 lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {method} | "
                              + " | ".join(ratio.get(n, "") for n in lengths) + " |")
     lines += ["", "### Rates and first calls", "",
-              "Useful GFLOP/s, the GEMM rate of the same rounds, the share, and the first call in a fresh process "
+              "Useful GFLOP/s and the GEMM rate of the same rounds (medians), the share (median of the per-round shares), and the first call in a fresh process "
               "(library load or compilation included), at the largest length every listed method ran:", "",
               "| op | pass | dilation | dtype | n | method | time ms | GFLOP/s | GEMM GFLOP/s | share of GEMM | first call ms |",
               "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|"]

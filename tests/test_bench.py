@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench import measure, methods
+import bench.__main__ as bench_main
 from bench.__main__ import command_line, main
 from bench.measure import Case, probe_in_fresh_process
 
@@ -141,6 +142,25 @@ def test_cases_timed_together_share_every_round(monkeypatch):
 def test_paired_ratio_compares_round_by_round():
     """A slow round slows both entries of it: the ratio within rounds sees through it, medians do not."""
     assert measure.paired_ratio([1.0, 10.0, 11.0], [1.0, 10.0, 1.0]) == 1.0
+
+
+def test_shares_and_dtype_ratios_are_taken_round_by_round(tmp_path, monkeypatch):
+    """Round 2 is slow for everything timed in it; per-round ratios see through it."""
+    def fake_rounds(entries, repeats, expected=None):
+        samples = {measure.GEMM: [1.0, 10.0, 1.0]}
+        for case, method in entries:
+            samples[(case, method)] = [0.5, 5.0, 5.0] if case.dtype == "bfloat16" else [1.0, 10.0, 10.0]
+        return samples
+    monkeypatch.setattr(bench_main, "time_interleaved", fake_rounds)
+    main(["--seq-lens", "64", "--window", "8", "--heads", "2", "--head-dim", "16", "--ops", "qk_band",
+          "--methods", "tvm", "--dtype", "float32,bfloat16", "--dilation", "1", "--no-memory",
+          "--out", str(tmp_path), "--name", "paired"])
+    rows = {r["dtype"]: r for r in csv.DictReader(open(tmp_path / "paired.csv"))}
+    flops = methods.useful_flops("qk_band", False, 1, 64, 2, 16, 8)
+    assert float(rows["float32"]["time_ms"]) == 10_000.0  # times stay medians
+    assert float(rows["float32"]["gemm_share"]) == pytest.approx(flops / measure.GEMM_FLOPS)  # median of 1, 1, 0.1
+    assert float(rows["bfloat16"]["vs_float32"]) == pytest.approx(0.5)
+    assert rows["float32"]["vs_float32"] == ""
 
 
 def test_cli_runs_the_layer_op(tmp_path):
