@@ -357,6 +357,13 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
                             # loop: all at once they fill the miss queue and the loop stalls (perf).
                             _prefetch_line(t1, b, row_of[T.min(p0 + T.int64(rows) + k % T.int64(rows), n - T.int64(1))], h,
                                            T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
+                        else:
+                            # The next tile reads the next `rows` entries of this band row (its
+                            # last one: column band - 1 - k + 2 * rows - 1): fetch that line now.
+                            # Without it head_dim 32 (one pass per tile) ran 2.5x slower per FLOP
+                            # than 64, and slowest when the band row stride was near a multiple of
+                            # 4 KiB (an even number of heads); bench/NOTES.md.
+                            _prefetch_line(t1, b, row_of[p0 - offset + k], h, T.min(band + T.int64(2 * rows - 2) - k, band - T.int64(1)))
                         for r in T.unroll(rows):
                             _accumulate(acc, r, packed, first + k, column, cols,
                                         _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, False))
