@@ -188,6 +188,7 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
             queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)  # the tile's query rows, converted once
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
+            key_tile = T.alloc_local((cols, lanes), acc_dtype, annotations=_ON_STACK)
             acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
             low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
@@ -195,19 +196,9 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
             direct_end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             valid_span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            for block in range((n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1)):
-                # The block's 16 key rows first, then feature by feature: packing key by key wrote
-                # each key's features a block apart, which LLVM turned into slow scatters. Positions
-                # outside the sequence read a clamped row and select 0.
-                for lane in range(T.int64(cols)):
-                    p: T.let = block * T.int64(cols) + lane - margin  # packed position
-                    block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
-                    _prefetch_row(t2, b, row_of[T.max(T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1)), T.int64(0))], h, head_dim, per_line)
-                for f in range(head_dim):
-                    for lane in T.vectorized(cols):
-                        packed[block, f, lane] = T.Select(
-                            block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
-                            T.Cast(acc_dtype, t2[b, block_keys[lane], h, f]), T.Cast(acc_dtype, 0))
+            _pack_attention_operands(packed, packed, packed, key_tile, t2, t2, t2, row_of, block_keys, b, h, n, head_dim, margin,
+                                     (n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
+                                     cols, lanes, per_line, acc_dtype, False, False)
             for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
                 p0: T.let = tile * T.int64(rows)
                 first: T.let = p0 - w + margin  # packed column of row 0's band column 0
@@ -528,10 +519,11 @@ def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes,
 
 
 @T.macro
-def _pack_attention_operands(keys, values, biases, t_keys, t_values, key_bias, row_of, block_keys, b, h, n, head_dim,
-                             margin, blocks, cols, lanes, per_line, acc_dtype, with_bias, with_values):
+def _pack_attention_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, row_of, block_keys, b, h, n,
+                             head_dim, margin, blocks, cols, lanes, per_line, acc_dtype, with_bias, with_values):
     """keys as in qk (blocks of ``cols``, feature-major), with_values the values as in pv (rows), and
-    with_bias the keys' score biases, at the same packed columns, zero outside the sequence."""
+    with_bias the keys' score biases, at the same packed columns, zero outside the sequence.
+    ``key_tile``: scratch of ``cols x lanes``."""
     for block in range(blocks):
         for lane in range(T.int64(cols)):
             p: T.let = block * T.int64(cols) + lane - margin  # packed position
@@ -540,11 +532,18 @@ def _pack_attention_operands(keys, values, biases, t_keys, t_values, key_bias, r
             _prefetch_row(t_keys, b, ahead, h, head_dim, per_line)
             if with_values:
                 _prefetch_row(t_values, b, ahead, h, head_dim, per_line)
-        for f in range(head_dim):
-            for lane in T.vectorized(cols):
-                keys[block, f, lane] = T.Select(
-                    block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
-                    T.Cast(acc_dtype, t_keys[b, block_keys[lane], h, f]), T.Cast(acc_dtype, 0))
+        # The block's keys transposed a vector of features at a time through a tile of constant
+        # strides: gathering each packed vector straight from the key rows took a vector index
+        # extract per element.
+        for chunk in range(head_dim // T.int64(lanes)):
+            for lane in range(T.int64(cols)):
+                for f in T.vectorized(lanes):
+                    key_tile[lane, f] = T.Select(
+                        block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
+                        T.Cast(acc_dtype, t_keys[b, block_keys[lane], h, chunk * T.int64(lanes) + f]), T.Cast(acc_dtype, 0))
+            for f in range(lanes):
+                for lane in T.vectorized(cols):
+                    keys[block, chunk * T.int64(lanes) + T.int64(f), lane] = key_tile[lane, f]
         for lane in range(T.int64(cols)):
             inside: T.let = block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n
             if with_values:
@@ -799,6 +798,7 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
             queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
+            key_tile = T.alloc_local((cols, lanes), acc_dtype, annotations=_ON_STACK)
             begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
@@ -810,7 +810,7 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
             acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
             out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            _pack_attention_operands(keys, values, biases, k, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+            _pack_attention_operands(keys, values, biases, key_tile, k, v, key_bias, row_of, block_keys, b, h, n, head_dim,
                                      margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
                                      cols, lanes, per_line, acc_dtype, True, True)
             for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
@@ -896,6 +896,7 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
             grad_rows = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
+            key_tile = T.alloc_local((cols, lanes), acc_dtype, annotations=_ON_STACK)
             begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
@@ -907,10 +908,10 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
             out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
             key_acc = T.alloc_local((keys_per_update, features), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            _pack_attention_operands(keys_k, rows_k, biases, k, k, key_bias, row_of, block_keys, b, h, n, head_dim,
+            _pack_attention_operands(keys_k, rows_k, biases, key_tile, k, k, key_bias, row_of, block_keys, b, h, n, head_dim,
                                      margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
                                      cols, lanes, per_line, acc_dtype, True, True)
-            _pack_attention_operands(keys_v, rows_k, biases, v, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+            _pack_attention_operands(keys_v, rows_k, biases, key_tile, v, v, key_bias, row_of, block_keys, b, h, n, head_dim,
                                      margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
                                      cols, lanes, per_line, acc_dtype, False, False)
             for t in range(_packed_length(n, window, causal, rows, cols)):
