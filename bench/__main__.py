@@ -6,9 +6,9 @@ round for calls under a second and for FlexAttention, which compiles per shape; 
 every method and dtype and a reference GEMM, each round in a shuffled order; medians of the
 times, and of the per-round shares of the GEMM and ratios to float32), then each method's
 memory is probed in a fresh process (peak extra RSS, or CUDA max_memory_allocated, of one
-call), which also gives its first-call latency. A method predicted to exceed --max-call-seconds or the memory budget at a length (scaled
-from the previous length) is recorded as skipped with the reason, as is one that cannot
-run the case at all.
+call), which also gives its first-call latency. A method predicted to exceed
+--max-call-seconds or the memory budget at a length (scaled from the previous length) is
+recorded as skipped with the reason, as is one that cannot run the case at all.
 """
 
 from __future__ import annotations
