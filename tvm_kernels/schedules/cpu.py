@@ -146,6 +146,45 @@ def _fill_residue_major(row_of, n, d):
         start[0] = start[0] + (n - residue + d - T.int64(1)) // d
 
 
+@T.macro
+def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, row_of, block_keys, b, h, n,
+                             head_dim, margin, blocks, cols, lanes, per_line, acc_dtype, with_bias, with_values):
+    """One (batch, head)'s operands in packed (residue-major) order, zero outside the sequence:
+    keys in blocks of ``cols``, feature-major (the Q.K^T micro-kernel's layout: Q.K^T and the fused
+    kernels), with_values the values as rows (probs.V's layout), and with_bias the keys' score
+    biases, at the same packed columns. ``key_tile``: scratch of ``cols x lanes``."""
+    for block in range(blocks):
+        for lane in range(T.int64(cols)):
+            p: T.let = block * T.int64(cols) + lane - margin  # packed position
+            block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
+            ahead: T.let = row_of[T.max(T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1)), T.int64(0))]
+            _prefetch_row(t_keys, b, ahead, h, head_dim, per_line)
+            if with_values:
+                _prefetch_row(t_values, b, ahead, h, head_dim, per_line)
+        # The block's keys transposed a vector of features at a time through a tile of constant
+        # strides: gathering each packed vector straight from the key rows took a vector index
+        # extract per element.
+        for chunk in range(head_dim // T.int64(lanes)):
+            for lane in range(T.int64(cols)):
+                for f in T.vectorized(lanes):
+                    key_tile[lane, f] = T.Select(
+                        block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
+                        T.Cast(acc_dtype, t_keys[b, block_keys[lane], h, chunk * T.int64(lanes) + f]), T.Cast(acc_dtype, 0))
+            for f in range(lanes):
+                for lane in T.vectorized(cols):
+                    keys[block, chunk * T.int64(lanes) + T.int64(f), lane] = key_tile[lane, f]
+        for lane in range(T.int64(cols)):
+            inside: T.let = block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n
+            if with_values:
+                for vector in range(head_dim // T.int64(lanes)):
+                    for lane2 in T.vectorized(lanes):
+                        values[block * T.int64(cols) + lane, vector * T.int64(lanes) + lane2] = T.Select(
+                            inside, T.Cast(acc_dtype, t_values[b, block_keys[lane], h, vector * T.int64(lanes) + lane2]),
+                            T.Cast(acc_dtype, 0))
+            if with_bias:
+                biases[block * T.int64(cols) + lane] = T.Select(inside, key_bias[b, block_keys[lane]], T.Cast(acc_dtype, 0))
+
+
 def qk(dtype: str, autoregressive: bool, vector_bits: int):
     """The Q.K^T PrimFunc; same arguments as :func:`tvm_kernels.compute.qk`."""
     acc_dtype = accumulation_dtype(dtype)
@@ -196,7 +235,8 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
             direct_end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             valid_span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            _pack_attention_operands(packed, packed, packed, key_tile, t2, t2, t2, row_of, block_keys, b, h, n, head_dim, margin,
+            # Keys only (the values and biases arguments are not used).
+            _pack_operands(packed, packed, packed, key_tile, t2, t2, t2, row_of, block_keys, b, h, n, head_dim, margin,
                                      (n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
                                      cols, lanes, per_line, acc_dtype, False, False)
             for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
@@ -519,44 +559,6 @@ def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes,
 
 
 @T.macro
-def _pack_attention_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, row_of, block_keys, b, h, n,
-                             head_dim, margin, blocks, cols, lanes, per_line, acc_dtype, with_bias, with_values):
-    """keys as in qk (blocks of ``cols``, feature-major), with_values the values as in pv (rows), and
-    with_bias the keys' score biases, at the same packed columns, zero outside the sequence.
-    ``key_tile``: scratch of ``cols x lanes``."""
-    for block in range(blocks):
-        for lane in range(T.int64(cols)):
-            p: T.let = block * T.int64(cols) + lane - margin  # packed position
-            block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
-            ahead: T.let = row_of[T.max(T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1)), T.int64(0))]
-            _prefetch_row(t_keys, b, ahead, h, head_dim, per_line)
-            if with_values:
-                _prefetch_row(t_values, b, ahead, h, head_dim, per_line)
-        # The block's keys transposed a vector of features at a time through a tile of constant
-        # strides: gathering each packed vector straight from the key rows took a vector index
-        # extract per element.
-        for chunk in range(head_dim // T.int64(lanes)):
-            for lane in range(T.int64(cols)):
-                for f in T.vectorized(lanes):
-                    key_tile[lane, f] = T.Select(
-                        block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
-                        T.Cast(acc_dtype, t_keys[b, block_keys[lane], h, chunk * T.int64(lanes) + f]), T.Cast(acc_dtype, 0))
-            for f in range(lanes):
-                for lane in T.vectorized(cols):
-                    keys[block, chunk * T.int64(lanes) + T.int64(f), lane] = key_tile[lane, f]
-        for lane in range(T.int64(cols)):
-            inside: T.let = block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n
-            if with_values:
-                for vector in range(head_dim // T.int64(lanes)):
-                    for lane2 in T.vectorized(lanes):
-                        values[block * T.int64(cols) + lane, vector * T.int64(lanes) + lane2] = T.Select(
-                            inside, T.Cast(acc_dtype, t_values[b, block_keys[lane], h, vector * T.int64(lanes) + lane2]),
-                            T.Cast(acc_dtype, 0))
-            if with_bias:
-                biases[block * T.int64(cols) + lane] = T.Select(inside, key_bias[b, block_keys[lane]], T.Cast(acc_dtype, 0))
-
-
-@T.macro
 def _attention_tile_rows(query, begin, end, queries, t_rows, row_of, b, h, n, head_dim, p0, w, d, band, base, scale,
                          rows, lanes, acc_dtype):
     """The tile's sequence rows, their valid columns [begin, end) in the scores buffer (row r's band
@@ -810,7 +812,7 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
             acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
             out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            _pack_attention_operands(keys, values, biases, key_tile, k, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+            _pack_operands(keys, values, biases, key_tile, k, v, key_bias, row_of, block_keys, b, h, n, head_dim,
                                      margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
                                      cols, lanes, per_line, acc_dtype, True, True)
             for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
@@ -908,10 +910,10 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
             out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
             key_acc = T.alloc_local((keys_per_update, features), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            _pack_attention_operands(keys_k, rows_k, biases, key_tile, k, k, key_bias, row_of, block_keys, b, h, n, head_dim,
+            _pack_operands(keys_k, rows_k, biases, key_tile, k, k, key_bias, row_of, block_keys, b, h, n, head_dim,
                                      margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
                                      cols, lanes, per_line, acc_dtype, True, True)
-            _pack_attention_operands(keys_v, rows_k, biases, key_tile, v, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+            _pack_operands(keys_v, rows_k, biases, key_tile, v, v, key_bias, row_of, block_keys, b, h, n, head_dim,
                                      margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
                                      cols, lanes, per_line, acc_dtype, False, False)
             for t in range(_packed_length(n, window, causal, rows, cols)):
