@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import longformer_ops.attention as attention_module
-import longformer_ops.diagonaled as diagonaled_module
 from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, TOLERANCE
-from longformer_ops import _loader, sliding_window_attention
+from longformer_ops import _loader, kernels, sliding_window_attention
 from longformer_ops.reference import (band_width, diagonaled_mm_reference, dropout_factor_reference,
                                       sliding_window_attention_reference, sliding_window_lse_reference,
                                       sliding_window_probs_reference)
@@ -108,12 +107,11 @@ def test_cuda_matches_reference(size, dtype, autoregressive, with_grad):
 
 def test_cpu_runs_the_fused_kernels_only(cpu_library, monkeypatch):
     """On CPU no band product runs, with or without gradients, and training saves no band for the
-    backward (q, k, v, the key bias, the output and the rows' log-sum-exp only)."""
+    backward (q, k, v, the dropout seed, the output and the rows' log-sum-exp only)."""
     def no_band(*args, **kwargs):
         raise AssertionError("a band product ran")
 
-    monkeypatch.setattr(attention_module, "diagonaled_mm", no_band)
-    monkeypatch.setattr(diagonaled_module, "_launch", no_band)
+    monkeypatch.setattr(kernels, "_band_kernel", no_band)
     q, k, v = (torch.randn(1, 50, 2, 32, requires_grad=True) for _ in range(3))
     with torch.no_grad():
         sliding_window_attention(q, k, v, 4, [1, 3])
@@ -121,7 +119,7 @@ def test_cpu_runs_the_fused_kernels_only(cpu_library, monkeypatch):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
         out = sliding_window_attention(q, k, v, 4, [1, 3])
-    assert sorted(saved) == sorted([(1, 50)] + [(1, 50, 2)] + [(1, 50, 2, 32)] * 4), saved
+    assert sorted(saved) == sorted([()] + [(1, 50, 2)] + [(1, 50, 2, 32)] * 4), saved  # seed, lse, q, k, v, out
     out.sum().backward()
     assert all(x.grad is not None for x in (q, k, v))
 
@@ -260,7 +258,7 @@ def _dropout_factor(dropout, shape, w, autoregressive):
     p, torch_seed = dropout
     torch.manual_seed(torch_seed)
     b, n, h, _ = shape
-    return dropout_factor_reference(attention_module._dropout_seed(), b, n, h, band_width(w, autoregressive), p)
+    return dropout_factor_reference(int(attention_module._dropout_seed()), b, n, h, band_width(w, autoregressive), p)
 
 
 @pytest.mark.parametrize("with_grad", [False, True], ids=["fused", "autograd"])

@@ -281,7 +281,7 @@ def test_local_attention_is_one_call(monkeypatch, autoregressive, pad_from, glob
     columns merged in by the rows' log-sum-exp; outputs and gradients those of the band path.
     With globals example 1 has fewer than example 0 (an empty slot), and causal early rows see
     no global key."""
-    import longformer_ops.attention
+    import longformer_ops.kernels
     import longformer_ops.layer
 
     if library == "three-steps":  # a library without the fused kernels (the CUDA ones)
@@ -295,7 +295,7 @@ def test_local_attention_is_one_call(monkeypatch, autoregressive, pad_from, glob
     banded.backward(grad)
     monkeypatch.setattr(longformer_ops.layer, "diagonaled_mm", None)  # the layer's own band path would fail
     if library == "fused":
-        monkeypatch.setattr(longformer_ops.attention, "diagonaled_mm", None)  # so would any band product
+        monkeypatch.setattr(longformer_ops.kernels, "_band_kernel", None)  # so would any band product
     with torch.no_grad():
         merged = layer(x, mask)[0]
     assert_close(merged, banded.detach(), 1e-12, "one call vs banded")
@@ -308,14 +308,14 @@ def test_local_attention_is_one_call(monkeypatch, autoregressive, pad_from, glob
 def test_training_with_attention_dropout_is_one_call(monkeypatch, globals_):
     """Training with attention dropout takes the one-call path too (dropout in the fused kernels, the
     global columns' by torch), reproducibly under one torch seed, and dropout changes the result."""
-    import longformer_ops.attention
+    import longformer_ops.kernels
     import longformer_ops.layer
 
     cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 3]], attention_probs_dropout_prob=0.3)
     x, mask = layer_inputs(9, 2, 37, 32, pad_from=[37, 21], globals_=globals_)
     layer = layer_for(cfg).train()
     monkeypatch.setattr(longformer_ops.layer, "diagonaled_mm", None)
-    monkeypatch.setattr(longformer_ops.attention, "diagonaled_mm", None)
+    monkeypatch.setattr(longformer_ops.kernels, "_band_kernel", None)
     runs = []
     for seed in (5, 5):
         torch.manual_seed(seed)
@@ -383,7 +383,7 @@ def test_layer_on_cuda_matches_cpu(mode, dtype):
 @pytest.mark.parametrize("autoregressive", [False, True])
 @pytest.mark.parametrize("n, w, dilation", [(1, 0, (1,)), (9, 3, (1, 2, 5)), (40, 7, (3, 1, 9, 2))])
 def test_fill_band_at_keys_matches_an_explicit_gather(n, w, dilation, autoregressive):
-    from longformer_ops.diagonaled import fill_band_at_keys_
+    from longformer_ops.attention import fill_band_at_keys_
     from longformer_ops.reference import key_positions
 
     flags = torch.rand(2, n, generator=torch.Generator().manual_seed(n)) < 0.3

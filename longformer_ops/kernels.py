@@ -1,0 +1,330 @@
+"""The one file that calls the prebuilt kernels: each kernel entry as a ``torch.library`` custom op.
+
+Every op here is registered under ``torch.ops.longformer_ops`` with a fake (meta) implementation,
+so ``torch.compile`` and ``torch.export`` trace through it as one opaque node (no graph break,
+symbolic sizes), and the differentiable ones have their autograd registered on the op, with
+backward passes made of these same ops (so a compiled backward traces too). What tracing must
+not see stays inside the ops: the loader (file reads, ``dlopen``), the output cache (``mmap``,
+finalisers) and the dropout seed's conversion to an int.
+
+Ops (``[b, n, h, f]`` rows, ``[b, n, h, c]`` bands; ``dilation`` one int per head; arguments
+already checked by the public functions in :mod:`longformer_ops.diagonaled` and
+:mod:`longformer_ops.attention`):
+
+- ``band_qk(q, k, w, dilation, autoregressive, padding) -> band``: Q.K^T on the band;
+- ``band_pv(band, v, w, dilation, autoregressive) -> rows``: probs.V;
+- ``band_transposed(band, x, w, dilation, autoregressive) -> rows``: the backward's P^T.dO;
+- ``attention(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p)
+  -> (out, lse)`` and ``attention_backward(...)``: the fused local attention (CPU libraries);
+- ``*_out`` variants of each forward op write into a given ``out`` (``mutates_args=("out",)``;
+  not differentiable, as custom ops that mutate cannot have autograd).
+
+Each op impl is one Python function for every device: it asks the loader for the library of the
+tensors' (device, dtype), pads head_dim to the library's multiple, and calls the kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from longformer_ops._loader import library_for
+from longformer_ops._manifest import function_name
+from longformer_ops._output_cache import new_output
+from longformer_ops.reference import band_width, invalid_locations
+
+NAMESPACE = "longformer_ops"
+# The fused kernels' op names in the libraries (tvm_kernels.variants.FUSED_ATTENTION).
+FUSED = "attention"
+FUSED_BACKWARD = "attention_backward"
+
+
+# ----------------------------------------------------------------------------- helpers (eager only)
+def _library(x: Tensor):
+    return library_for(x.device, str(x.dtype).removeprefix("torch."))
+
+
+def _pad_features(x: Tensor, multiple: int) -> Tensor:
+    """Zero features up to a multiple of ``multiple``: they change no dot product."""
+    extra = (-x.shape[-1]) % multiple
+    return torch.nn.functional.pad(x, (0, extra)) if extra else x
+
+
+@functools.lru_cache(maxsize=256)
+def _dilation_tensor(dilation: tuple[int, ...], device: torch.device) -> Tensor:
+    # Cached so that a layer called every step does not copy its dilations to the GPU each time.
+    return torch.tensor(dilation, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _invalid_mask(seq_len: int, w: int, dilation: tuple[int, ...], autoregressive: bool, device: torch.device):
+    return invalid_locations(seq_len, w, torch.tensor(dilation, device=device), autoregressive)
+
+
+def _on_device(x: Tensor):
+    """Kernels launch on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernels' accumulation dtype (and the log-sum-exp's): float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def has_fused_attention(device_type: str, dtype: torch.dtype, backward: bool) -> bool:
+    """Whether the library for (device, dtype) has the fused local-attention kernels (with their
+    backward when ``backward``). Raises the loader's error when there is no library at all.
+
+    A Python decision, made while tracing: under ``torch.compile`` it is evaluated once per
+    (device, dtype, backward) and its answer becomes part of the graph (see :func:`_fused_decision`).
+    """
+    library = library_for(torch.device(device_type), str(dtype).removeprefix("torch."))
+    names = (FUSED, FUSED_BACKWARD) if backward else (FUSED,)
+    return all(library.has(function_name(name, autoregressive)) for name in names for autoregressive in (False, True))
+
+
+# Dynamo must not trace the loader (file reads, dlopen): it calls this once, eagerly, and keeps the answer.
+_fused_decision = torch.compiler.assume_constant_result(has_fused_attention)
+
+
+def fused_attention_available(device: torch.device, dtype: torch.dtype, backward: bool) -> bool:
+    if torch.compiler.is_compiling():
+        return _fused_decision(device.type, dtype, backward)
+    return has_fused_attention(device.type, dtype, backward)
+
+
+def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: tuple[int, ...], autoregressive: bool,
+                 padding: float, out: Tensor) -> Tensor:
+    """One banded product into ``out``: 'qk' (t1, t2 rows), 'pv' or 'transposed' (t1 the band)."""
+    b, n, h, f = t2.shape
+    if b * n * h == 0 or (op != "qk" and f == 0):  # the output is empty (or all zero: no features)
+        return out.zero_()
+    if op == "qk" and f == 0:  # empty dot products: 0 where the key is valid
+        return out.zero_().masked_fill_(_invalid_mask(n, w, dilation, autoregressive, t2.device), padding)
+    library = _library(t2)
+    kernel = library.function(function_name(op, autoregressive))
+    dilation_tensor = _dilation_tensor(dilation, t2.device)
+    t1, t2 = t1.contiguous(), _pad_features(t2.contiguous(), library.feature_multiple)
+    with _on_device(t2):
+        if op == "qk":
+            kernel(_pad_features(t1, library.feature_multiple), t2, dilation_tensor, float(padding), out)
+        elif t2.shape[-1] == f:
+            kernel(t1, t2, dilation_tensor, out)
+        else:  # head_dim padded for the kernel: its output has the padded width
+            padded_out = new_output(t2, t2.shape)
+            kernel(t1, t2, dilation_tensor, padded_out)
+            out.copy_(padded_out[..., :f])
+    return out
+
+
+def _band_shape(rows: Tensor, w: int, autoregressive: bool) -> tuple[int, ...]:
+    return (*rows.shape[:3], band_width(w, autoregressive))
+
+
+# ----------------------------------------------------------------------------- band products
+@torch.library.custom_op(f"{NAMESPACE}::band_qk", mutates_args=())
+def band_qk(q: Tensor, k: Tensor, w: int, dilation: list[int], autoregressive: bool, padding: float) -> Tensor:
+    """Scores ``[b, n, h, c]``: ``q . k`` of each query with the keys of its band; ``padding`` where invalid."""
+    out = new_output(k, _band_shape(k, w, autoregressive))
+    return _band_kernel("qk", q, k, w, tuple(dilation), autoregressive, padding, out)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::band_pv", mutates_args=())
+def band_pv(band: Tensor, v: Tensor, w: int, dilation: list[int], autoregressive: bool) -> Tensor:
+    """Rows ``[b, n, h, f]``: each query's band weights times the values of its keys (valid keys only)."""
+    return _band_kernel("pv", band, v, w, tuple(dilation), autoregressive, 0.0, new_output(v, v.shape))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::band_transposed", mutates_args=())
+def band_transposed(band: Tensor, x: Tensor, w: int, dilation: list[int], autoregressive: bool) -> Tensor:
+    """Rows ``[b, n, h, f]``: ``out[p] = sum of band[i, j] * x[i]`` over the (i, j) whose key is p."""
+    return _band_kernel("transposed", band, x, w, tuple(dilation), autoregressive, 0.0, new_output(x, x.shape))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::band_qk_out", mutates_args=("out",))
+def band_qk_out(q: Tensor, k: Tensor, w: int, dilation: list[int], autoregressive: bool, padding: float,
+                out: Tensor) -> None:
+    _band_kernel("qk", q, k, w, tuple(dilation), autoregressive, padding, out)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::band_pv_out", mutates_args=("out",))
+def band_pv_out(band: Tensor, v: Tensor, w: int, dilation: list[int], autoregressive: bool, out: Tensor) -> None:
+    _band_kernel("pv", band, v, w, tuple(dilation), autoregressive, 0.0, out)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::band_transposed_out", mutates_args=("out",))
+def band_transposed_out(band: Tensor, x: Tensor, w: int, dilation: list[int], autoregressive: bool,
+                        out: Tensor) -> None:
+    _band_kernel("transposed", band, x, w, tuple(dilation), autoregressive, 0.0, out)
+
+
+@band_qk.register_fake
+def _(q, k, w, dilation, autoregressive, padding):
+    return k.new_empty(_band_shape(k, w, autoregressive))
+
+
+@band_pv.register_fake
+def _(band, v, w, dilation, autoregressive):
+    return v.new_empty(v.shape)
+
+
+@band_transposed.register_fake
+def _(band, x, w, dilation, autoregressive):
+    return x.new_empty(x.shape)
+
+
+for _out_op in (band_qk_out, band_pv_out, band_transposed_out):
+    _out_op.register_fake(lambda *args: None)
+
+
+# Autograd. S = qk(Q, K): dQ = pv(dS, K), dK = transposed(dS, Q).
+#           O = pv(P, V): dP = qk(dO, V) (0 at invalid positions), dV = transposed(P, dO).
+# Made of the ops themselves, so they are differentiable again (double backward) and traceable.
+def _save_band_inputs(ctx, inputs, output):
+    t1, t2, w, dilation, autoregressive = inputs[:5]
+    ctx.save_for_backward(t1, t2)
+    ctx.band_config = (w, dilation, autoregressive)
+
+
+def _band_qk_backward(ctx, grad):
+    q, k = ctx.saved_tensors
+    w, dilation, autoregressive = ctx.band_config
+    grad = grad.contiguous()
+    grad_q = band_pv(grad, k, w, dilation, autoregressive) if ctx.needs_input_grad[0] else None
+    grad_k = band_transposed(grad, q, w, dilation, autoregressive) if ctx.needs_input_grad[1] else None
+    return grad_q, grad_k, None, None, None, None
+
+
+def _band_pv_backward(ctx, grad):
+    band, v = ctx.saved_tensors
+    w, dilation, autoregressive = ctx.band_config
+    grad = grad.contiguous()
+    grad_band = band_qk(grad, v, w, dilation, autoregressive, 0.0) if ctx.needs_input_grad[0] else None
+    grad_v = band_transposed(band, grad, w, dilation, autoregressive) if ctx.needs_input_grad[1] else None
+    return grad_band, grad_v, None, None, None
+
+
+band_qk.register_autograd(_band_qk_backward, setup_context=_save_band_inputs)
+band_pv.register_autograd(_band_pv_backward, setup_context=_save_band_inputs)
+
+
+# ----------------------------------------------------------------------------- fused local attention
+def _key_bias(key_padding_mask: Optional[Tensor], q: Tensor) -> Tensor:
+    """The fused kernels' additive score bias per key, ``[b, n]`` in the accumulation dtype: -inf at masked keys."""
+    bias = torch.zeros(q.shape[:2], dtype=accumulation_dtype(q.dtype), device=q.device)
+    return bias if key_padding_mask is None else bias.masked_fill_(key_padding_mask, float("-inf"))
+
+
+def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out):
+    """The forward kernel into ``out`` (``[b, n, h, f]``); returns the rows' log-sum-exp."""
+    lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+    if lse.numel() == 0:
+        return lse
+    library = _library(q)
+    f = q.shape[-1]
+    # Zero features change no score and give zero output columns, dropped below.
+    q, k, v = (_pad_features(x, library.feature_multiple).contiguous() for x in (q, k, v))
+    kernel_out = out if q.shape[-1] == f else new_output(q, q.shape)
+    library.function(function_name(FUSED, autoregressive))(
+        q, k, v, _key_bias(key_padding_mask, q), _dilation_tensor(tuple(dilation), q.device), w, scale,
+        dropout_p, int(seed), kernel_out, lse)
+    if kernel_out is not out:
+        out.copy_(kernel_out[..., :f])
+    return lse
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], seed: Tensor, w: int,
+              dilation: list[int], autoregressive: bool, scale: float, dropout_p: float) -> tuple[Tensor, Tensor]:
+    """Fused local attention: ``(out [b, n, h, f], lse [b, n, h])``. ``seed`` (an int64 scalar tensor)
+    seeds the dropout mask, which the backward regenerates from it."""
+    out = new_output(q, q.shape)
+    return out, _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_out", mutates_args=("out",))
+def attention_out(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], seed: Tensor, w: int,
+                  dilation: list[int], autoregressive: bool, scale: float, dropout_p: float, out: Tensor) -> Tensor:
+    """:func:`attention` into ``out``; returns the log-sum-exp."""
+    return _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_backward", mutates_args=())
+def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                       key_padding_mask: Optional[Tensor], seed: Tensor, out: Tensor, lse: Tensor, w: int,
+                       dilation: list[int], autoregressive: bool, scale: float,
+                       dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dQ, dK, dV)`` in one kernel, FlashAttention-style: per tile it recomputes the scores and
+    P = exp(score - lse), then dP = dO . V^T, dS = P * (dP - delta), dQ = scale * dS . K, and
+    accumulates dV += P^T dO and dK += scale * dS^T Q; no band is kept between the passes or made
+    in either. delta is rowsum(dO * O) less the log-sum-exp's own gradient (d lse / d score = P, so
+    it joins dS there), computed per tile in the kernel. With dropout (mask Z regenerated from the
+    seed) dP = (dO . V^T) * Z and dV += (P * Z)^T dO."""
+    grads = tuple(new_output(q, q.shape) for _ in range(3))
+    if lse.numel() == 0:
+        return grads
+    library = _library(q)
+    f = q.shape[-1]
+    padded = [_pad_features(x, library.feature_multiple).contiguous() for x in (grad, q, k, v, out)]
+    if padded[1].shape[-1] != f:
+        grads = tuple(new_output(padded[1], padded[1].shape) for _ in range(3))
+    grad, q, k, v, out = padded
+    library.function(function_name(FUSED_BACKWARD, autoregressive))(
+        grad, q, k, v, _key_bias(key_padding_mask, q), out, lse, grad_lse.contiguous(),
+        _dilation_tensor(tuple(dilation), q.device), w, scale, dropout_p, int(seed), *grads)
+    return tuple(g[..., :f].contiguous() for g in grads) if grads[0].shape[-1] != f else grads
+
+
+@attention.register_fake
+def _(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+
+
+@attention_out.register_fake
+def _(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out):
+    return q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+
+
+@attention_backward.register_fake
+def _(grad, grad_lse, q, k, v, key_padding_mask, seed, out, lse, w, dilation, autoregressive, scale, dropout_p):
+    return tuple(q.new_empty(q.shape) for _ in range(3))
+
+
+def _save_attention(ctx, inputs, output):
+    q, k, v, key_padding_mask, seed, *config = inputs
+    ctx.save_for_backward(q, k, v, key_padding_mask, seed, *output)
+    ctx.attention_config = config
+
+
+def _attention_backward(ctx, grad, grad_lse):
+    q, k, v, key_padding_mask, seed, out, lse = ctx.saved_tensors
+    grad_q, grad_k, grad_v = attention_backward(grad, grad_lse, q, k, v, key_padding_mask, seed, out, lse,
+                                                *ctx.attention_config)
+    needs = ctx.needs_input_grad
+    return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
+            None, None, None, None, None, None, None)
+
+
+attention.register_autograd(_attention_backward, setup_context=_save_attention)
+
+
+# ----------------------------------------------------------------------------- autocast
+def autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Under ``torch.autocast`` for the tensors' device, its dtype for every floating input but
+    float64 (autocast's own rule for matmul-like ops), so the half-precision kernels run.
+
+    Done here, in the public functions, rather than with ``torch.library.register_autocast``,
+    which casts to one dtype fixed at registration; autocast's dtype is the user's choice
+    (bfloat16 or float16).
+    """
+    if not all(isinstance(x, Tensor) for x in tensors):
+        return tensors  # the checks that follow name the bad argument
+    device_type = tensors[0].device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(x.to(dtype) if x.is_floating_point() and x.dtype != torch.float64 else x for x in tensors)
