@@ -106,6 +106,7 @@ def _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask,
         probs = probs.masked_fill(no_key, 0) if needs_grad else probs.masked_fill_(no_key, 0)
     if dropout_p > 0:
         probs = torch.nn.functional.dropout(probs, dropout_p, training=True, inplace=not needs_grad)
+    probs = probs.to(v.dtype)  # (CUDA autocast runs softmax in float32)
     if out is None:
         return _ops.band_pv(probs, v, w, dilations, autoregressive), lse
     _ops.band_pv_out(probs, v, w, dilations, autoregressive, out)

@@ -117,17 +117,23 @@ class LongformerSelfAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 output_attentions: bool = False):
         b, n, hidden = hidden_states.shape
-        if attention_mask is None:
+        no_mask = attention_mask is None
+        if no_mask:
             attention_mask = torch.zeros(b, n, device=hidden_states.device)
-        if attention_mask.shape != (b, n):
+        elif attention_mask.shape != (b, n):
             raise ValueError(f"attention_mask must be [batch, seq_len] = {(b, n)} (negative = padding, 0 = local, "
                              f"positive = global), got shape {tuple(attention_mask.shape)}")
         is_padding = attention_mask < 0                         # [b, n]
         is_global = (attention_mask > 0) & ~is_padding          # [b, n]
-        globals_ = GlobalTokens.from_mask(is_global)  # one host sync (the number of global slots)
-        # Right after that sync (nothing queued yet on a GPU): lets the banded path skip two full
-        # passes over the band when nothing is padding.
-        any_padding = bool(is_padding.any())
+        if no_mask:
+            # No padding, no global token, and no host sync: nothing data-dependent, so
+            # torch.compile and torch.export see the whole layer as one graph.
+            globals_, any_padding = None, False
+        else:
+            globals_ = GlobalTokens.from_mask(is_global)  # one host sync (the number of global slots)
+            # Right after that sync (nothing queued yet on a GPU): lets the banded path skip two full
+            # passes over the band when nothing is padding.
+            any_padding = bool(is_padding.any())
 
         q = self._heads(self.query(hidden_states)) / math.sqrt(self.head_dim)  # [b, n, h, d]
         k = self._heads(self.key(hidden_states))                                # [b, n, h, d]

@@ -85,7 +85,10 @@ class LongformerEmbeddings(nn.Module):
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if position_ids is None:
             position_ids = self.position_ids(input_ids, shape, device)
-        if position_ids.numel() and int(position_ids.max()) >= self.position_embeddings.num_embeddings:
+        # A host sync: skipped under torch.compile, where it would split the graph (the embedding
+        # lookup itself still fails on an out-of-range id there, with torch's message).
+        if (not torch.compiler.is_compiling() and position_ids.numel()
+                and int(position_ids.max()) >= self.position_embeddings.num_embeddings):
             raise ValueError(
                 f"position id {int(position_ids.max())} is out of range: max_position_embeddings="
                 f"{self.position_embeddings.num_embeddings} (with pad_token_id={self.pad_token_id}, at most "
@@ -157,12 +160,12 @@ class LongformerEncoder(nn.Module):
             hidden_states.append(x)
             attentions.append(a)
             global_attentions.append(ga)
-        has_global = bool((attention_mask > 0).any())
         return LongformerModelOutput(
             last_hidden_state=x,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
-            global_attentions=tuple(global_attentions) if output_attentions and has_global else None,
+            # (a host sync, so only when asked for)
+            global_attentions=tuple(global_attentions) if output_attentions and bool((attention_mask > 0).any()) else None,
         )
 
 
