@@ -183,6 +183,7 @@ for _out_op in (band_qk_out, band_pv_out, band_transposed_out):
 
 # Autograd. S = qk(Q, K): dQ = pv(dS, K), dK = transposed(dS, Q).
 #           O = pv(P, V): dP = qk(dO, V) (0 at invalid positions), dV = transposed(P, dO).
+#           R = transposed(P, X): dP = qk(X, dR) (0 at invalid positions), dX = pv(P, dR).
 # Made of the ops themselves, so they are differentiable again (double backward) and traceable.
 def _save_band_inputs(ctx, inputs, output):
     t1, t2, w, dilation, autoregressive = inputs[:5]
@@ -208,7 +209,17 @@ def _band_pv_backward(ctx, grad):
     return grad_band, grad_v, None, None, None
 
 
+def _band_transposed_backward(ctx, grad):
+    band, x = ctx.saved_tensors
+    w, dilation, autoregressive = ctx.band_config
+    grad = grad.contiguous()
+    grad_band = band_qk(x, grad, w, dilation, autoregressive, 0.0) if ctx.needs_input_grad[0] else None
+    grad_x = band_pv(band, grad, w, dilation, autoregressive) if ctx.needs_input_grad[1] else None
+    return grad_band, grad_x, None, None, None
+
+
 band_qk.register_autograd(_band_qk_backward, setup_context=_save_band_inputs)
+band_transposed.register_autograd(_band_transposed_backward, setup_context=_save_band_inputs)
 band_pv.register_autograd(_band_pv_backward, setup_context=_save_band_inputs)
 
 

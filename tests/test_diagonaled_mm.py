@@ -126,6 +126,23 @@ def test_gradcheck_float64(is_t1_diagonaled, autoregressive):
         lambda a, bb: diagonaled_mm(a, bb, w, d, is_t1_diagonaled, 0, autoregressive), (t1, t2))
 
 
+@pytest.mark.parametrize("op", ["qk", "pv", "transposed"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_gradgradcheck_float64(op, autoregressive):
+    """Second derivatives: each op's backward is made of the band ops, whose own autograd then runs."""
+    torch.manual_seed(3)
+    b, n, h, f, w, d = 1, 9, 2, 5, 2, [1, 3]
+    c = w + (0 if autoregressive else w) + 1
+    t1 = torch.randn(b, n, h, f if op == "qk" else c, dtype=torch.float64, requires_grad=True)
+    t2 = torch.randn(b, n, h, f, dtype=torch.float64, requires_grad=True)
+    ops = torch.ops.longformer_ops
+    fn = {"qk": lambda a, bb: ops.band_qk(a, bb, w, d, autoregressive, 0.0),
+          "pv": lambda a, bb: ops.band_pv(a, bb, w, d, autoregressive),
+          "transposed": lambda a, bb: ops.band_transposed(a, bb, w, d, autoregressive)}[op]
+    assert torch.autograd.gradcheck(fn, (t1, t2))
+    assert torch.autograd.gradgradcheck(fn, (t1, t2))
+
+
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 def test_band_entries_at_invalid_keys_are_ignored(cpu_library, autoregressive):
     """NaN in the band where the key lies outside the sequence never reaches a result.
