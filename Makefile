@@ -12,7 +12,7 @@ DTYPES ?=
 # Extra arguments for the benchmark, e.g. BENCH_ARGS="--seq-lens 512,1024 --out /tmp/quick".
 BENCH_ARGS ?=
 
-.PHONY: setup kernels test bench info gpu-check clean
+.PHONY: setup kernels test bench info wheel gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,12 @@ bench: kernels
 info: setup
 	$(PY) -m longformer_ops.info
 
+# A platform wheel of longformer_ops carrying prebuilt/ (refused if prebuilt/ is stale: run `make kernels`).
+# build/lib* goes first: setuptools would package whatever an earlier build left there.
+wheel: setup
+	rm -rf build/lib* build/bdist.*
+	$(PY) -m pip wheel --no-deps -w dist .
+
 # On a machine with a CUDA GPU (and a CUDA build of torch: TORCH_SPEC=torch): the CUDA tests,
 # then every kernel under compute-sanitizer's memcheck and racecheck.
 gpu-check: setup
@@ -45,4 +51,4 @@ gpu-check: setup
 	compute-sanitizer --tool racecheck --error-exitcode 1 $(PY) tools/sanitize_cuda_kernels.py
 
 clean:
-	rm -rf build $(VENV) .pytest_cache
+	rm -rf build dist $(VENV) .pytest_cache

@@ -8,6 +8,19 @@ ones). The CPU kernels' parallel loops run on torch's OpenMP threads through
 torch does not use OpenMP, or with ``LONGFORMER_OPS_THREAD_POOL=tvm``). It never
 imports the TVM compiler (``import tvm``) and never compiles anything. Libraries
 are loaded lazily, on the first call for a (device, dtype), and cached.
+
+Where the libraries are (:func:`prebuilt_dir`), first match wins:
+
+1. ``$LONGFORMER_OPS_PREBUILT``, a directory holding ``manifest.json``;
+2. the repository's ``<repo>/prebuilt/`` when the package sits in a checkout, i.e.
+   ``<package>/../prebuilt/manifest.json`` and ``<package>/../tvm_kernels/`` exist
+   (in the repository and with the editable install);
+3. else the copy a wheel carries, ``<package>/prebuilt/`` (``site-packages/longformer_ops/prebuilt``).
+
+Every library's sha256 is checked against the manifest before it is loaded. In a
+checkout the libraries are also checked against the ``tvm_kernels/`` sources
+(:class:`StaleKernelError`); an installed wheel has no sources, so the wheel build
+refuses to package stale libraries instead (``setup.py``, :func:`_manifest.problems`).
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ from pathlib import Path
 
 from longformer_ops import _manifest
 
-PREBUILT_ENV = "LONGFORMER_OPS_PREBUILT"      # directory holding manifest.json (default: repo's prebuilt/)
+PREBUILT_ENV = "LONGFORMER_OPS_PREBUILT"      # directory holding manifest.json (default: see above)
 CPU_TARGET_ENV = "LONGFORMER_OPS_CPU_TARGET"  # force a CPU library, e.g. cpu-avx2 (default: best that runs)
 THREAD_POOL_ENV = "LONGFORMER_OPS_THREAD_POOL"  # "openmp" (default, when torch uses OpenMP) or "tvm"
 _FIX = "Run `make kernels` in the repository root to (re)build them."
@@ -54,7 +67,14 @@ class KernelLibrary:
 
 
 def prebuilt_dir() -> Path:
-    return Path(os.environ.get(PREBUILT_ENV, _manifest.DEFAULT_PREBUILT))
+    """The directory the kernel libraries are loaded from (the rule is in the module docstring)."""
+    override = os.environ.get(PREBUILT_ENV)
+    return Path(override) if override else _default_prebuilt()
+
+
+@functools.lru_cache(maxsize=None)
+def _default_prebuilt() -> Path:
+    return _manifest.default_prebuilt()  # (file checks: once, not on every kernel call)
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,7 +110,7 @@ def _check_fresh(name: str, entry: dict) -> None:
     inputs = entry.get("inputs", {})
     files = inputs.get("sources", [])
     if not files or not all((_manifest.KERNEL_SOURCES / f).exists() for f in files):
-        return  # installed without sources: nothing to compare against
+        return  # installed without sources: nothing to compare against (the wheel build checked)
     current = _manifest.sources_digest(_manifest.KERNEL_SOURCES, files)
     if current != inputs.get("sources_sha256"):
         raise StaleKernelError(
