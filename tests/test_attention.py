@@ -305,14 +305,46 @@ def test_dropout_on_the_three_steps_is_torch_dropout(monkeypatch):
     torch.testing.assert_close(out, diagonaled_mm_reference(probs, v, 5, [1, 2, 3], True, 0), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("variant", ["plain", "key-padding-mask", "dropout", "return-lse"])
+@pytest.mark.parametrize("path", ["fused", "three-steps"])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
-def test_gradcheck_float64(autoregressive):
-    q, k, v = (torch.randn(2, 9, 3, 5, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    assert torch.autograd.gradcheck(
-        lambda a, b, c: sliding_window_attention(a, b, c, 2, torch.tensor([1, 2, 4]), autoregressive), (q, k, v))
-    assert torch.autograd.gradcheck(  # the result and the rows' log-sum-exp together
-        lambda a, b, c: sliding_window_attention(a, b, c, 2, torch.tensor([1, 2, 4]), autoregressive, return_lse=True),
-        (q, k, v))
+def test_gradcheck_float64(cpu_library, autoregressive, path, variant, monkeypatch):
+    """float64 gradcheck of every variant, on each CPU library this machine runs and on both paths
+    (the fused kernels, and the three steps a library without them runs). Dropout: the same mask at
+    every evaluation (torch's generator re-seeded inside the function)."""
+    if path == "three-steps":
+        monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
+    g = torch.Generator().manual_seed(stable_seed("gradcheck", autoregressive, path, variant))
+    q, k, v = (torch.randn(2, 9, 3, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.rand(2, 9, generator=g) < 0.3 if variant == "key-padding-mask" else None
+
+    def attention(a, b, c):
+        torch.manual_seed(5)
+        result = sliding_window_attention(a, b, c, 2, [1, 2, 4], autoregressive, key_padding_mask=mask,
+                                          dropout_p=0.3 if variant == "dropout" else 0.0,
+                                          return_lse=variant == "return-lse")
+        if variant != "return-lse":
+            return result
+        out, lse = result
+        return out, lse.masked_fill(torch.isinf(lse), 0)  # (no row lacks a key here; kept for safety)
+
+    assert torch.autograd.gradcheck(attention, (q, k, v))
+
+
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_gradcheck_float64_two_step_path(cpu_library, autoregressive):
+    """The original API's attention: diagonaled_mm, mask_invalid_locations, softmax, diagonaled_mm."""
+    from longformer_ops import diagonaled_mm, mask_invalid_locations
+
+    g = torch.Generator().manual_seed(stable_seed("gradcheck two-step", autoregressive))
+    q, k, v = (torch.randn(2, 11, 3, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def two_step(a, b, c):
+        scores = diagonaled_mm(a, b, 3, [1, 2, 4], False, 0, autoregressive)
+        mask_invalid_locations(scores, 3, [1, 2, 4], autoregressive)
+        return diagonaled_mm(scores.softmax(-1), c, 3, [1, 2, 4], True, 0, autoregressive)
+
+    assert torch.autograd.gradcheck(two_step, (q, k, v))
 
 
 @pytest.mark.parametrize("size", [(1, 50, 2, 32, 4), (2, 33, 3, 20, 40), (0, 5, 2, 4, 1), (2, 5, 2, 0, 1)], ids=str)
