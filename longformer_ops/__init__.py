@@ -3,8 +3,10 @@
     from longformer_ops import diagonaled_mm, mask_invalid_locations, sliding_window_attention
 
 Importing this package loads nothing compiled; kernels are loaded on first use
-from ``prebuilt/`` (see :mod:`longformer_ops._loader`). Plain-PyTorch
-references live in :mod:`longformer_ops.reference`.
+from ``prebuilt/`` (see :mod:`longformer_ops._loader`) and called through the
+``torch.library`` custom ops ``torch.ops.longformer_ops.*`` (:mod:`longformer_ops.kernels`),
+which ``torch.compile`` and ``torch.export`` trace. Plain-PyTorch references live in
+:mod:`longformer_ops.reference`.
 """
 
 from longformer_ops._loader import KernelNotAvailableError, StaleKernelError
