@@ -32,7 +32,7 @@ from torch import nn
 from longformer_ops.attention import fill_band_at_keys_, sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.diagonaled import diagonaled_mm
-from longformer_ops.reference import band_width, key_positions, sliding_chunks_pv, sliding_chunks_qk
+from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
 
 
 @dataclass

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import longformer_ops.attention as attention_module
-from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, TOLERANCE, assert_normwise_close, stable_seed
+from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, assert_normwise_close, stable_seed
 from longformer_ops import _loader, kernels, sliding_window_attention
 from longformer_ops.reference import (band_width, diagonaled_mm_reference, dropout_factor_reference,
                                       sliding_window_attention_reference, sliding_window_lse_reference,
@@ -188,17 +188,15 @@ def _masked_case(size, dtype, autoregressive, tag: str):
 
 def _assert_lse_close(lse, q, k, w, d, autoregressive, scale, dtype, key_padding_mask):
     """The rows' log-sum-exp against the float64 reference's: equal -inf at rows with no key, else
-    within the dtype's tolerance of the row's score scale (sum of |q_i| |k_j| * scale)."""
+    norm-wise within the input dtype's bound for results (measured worst: float64 0, float32 2.4 u,
+    float16 and bfloat16 0.6 u: the scores are rounded to the input type)."""
     q64, k64 = (x.detach().double().cpu() for x in (q, k))
     ref = sliding_window_lse_reference(q64, k64, w, d, autoregressive, scale, key_padding_mask)
-    score_scale = diagonaled_mm_reference(q64.abs() * scale, k64.abs(), w, d, False, 0, autoregressive).amax(-1)
     accumulation = torch.float64 if dtype == torch.float64 else torch.float32
     assert lse.shape == q.shape[:3] and lse.dtype == accumulation
     empty = ref == float("-inf")
     assert torch.equal(lse.cpu() == float("-inf"), empty), "-inf exactly at the rows with no key"
-    error = (lse.double().cpu() - ref)[~empty].abs()
-    bound = (TOLERANCE[dtype] * (1 + score_scale))[~empty]
-    assert (error <= bound).all(), f"{dtype}: lse max error {error.max():.3e}"
+    assert_normwise_close(lse.cpu()[~empty], ref[~empty], dtype, "lse", zero_scale=1.0)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "three-steps"])
@@ -227,7 +225,6 @@ def test_return_lse_gradients_match_reference(cpu_library, monkeypatch, size, dt
     if not fused:
         monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
     q, k, v, w, d, mask, g = _masked_case(size, dtype, autoregressive, "lse-grad")
-    f = q.shape[-1]
     grad_out, grad_lse = torch.randn(q.shape, generator=g, dtype=torch.float64), torch.randn(q.shape[:3], generator=g, dtype=torch.float64)
 
     def loss(result, lse):
