@@ -49,8 +49,12 @@ def copy_to(config: LongformerConfig, layer: LongformerSelfAttention) -> Longfor
     return other
 
 
-def explicit_attention(layer: LongformerSelfAttention, x, mask, w, dilation, autoregressive):
-    """The definition, one (example, head, query) at a time: the allowed keys as an explicit set."""
+def explicit_attention(layer: LongformerSelfAttention, x, mask, w, dilation, autoregressive, dropout=None):
+    """The definition, one (example, head, query) at a time: the allowed keys as an explicit set.
+
+    ``dropout``: None, or the factors that multiply the probabilities, ``(band [b, n, h, c]`` by
+    band column, ``global_keys [b, n, h, g]`` by global slot, ``global_rows [b, h, g, n]`` by key).
+    """
     b, n, hidden = x.shape
     h, d = layer.num_heads, layer.head_dim
     split = lambda t: t.view(b, -1, h, d)  # noqa: E731
@@ -63,9 +67,11 @@ def explicit_attention(layer: LongformerSelfAttention, x, mask, w, dilation, aut
             for i in range(n):
                 if pad[i]:
                     continue
+                slot = {int(p): s for s, p in enumerate(torch.nonzero(glob).flatten())}  # global position -> slot
                 if glob[i]:  # global row: every non-padding key, with the global projections
                     keys = [kk for kk in range(n) if not pad[kk] and (not autoregressive or kk <= i)]
                     qq, kk_, vv = qg[bi, i, hi], kg[bi, keys, hi], vg[bi, keys, hi]
+                    factor = lambda kk: dropout[2][bi, hi, slot[i], kk]  # noqa: E731
                 else:
                     band = [i + dilation[hi] * (j - w) for j in range(2 * w + 1)]
                     band = [kk for kk in band if 0 <= kk < n and not pad[kk] and not glob[kk]
@@ -73,7 +79,12 @@ def explicit_attention(layer: LongformerSelfAttention, x, mask, w, dilation, aut
                     glob_keys = [kk for kk in range(n) if glob[kk] and (not autoregressive or kk <= i)]
                     keys = sorted(set(band) | set(glob_keys))
                     qq, kk_, vv = q[bi, i, hi], k[bi, keys, hi], v[bi, keys, hi]
-                out[bi, i, hi] = torch.softmax(kk_ @ qq, 0) @ vv
+                    factor = lambda kk: (dropout[1][bi, i, hi, slot[kk]] if glob[kk]  # noqa: E731
+                                         else dropout[0][bi, i, hi, w + (kk - i) // dilation[hi]])
+                weights = torch.softmax(kk_ @ qq, 0)
+                if dropout is not None:
+                    weights = weights * torch.stack([factor(kk) for kk in keys]).to(weights.dtype)
+                out[bi, i, hi] = weights @ vv
     return out.reshape(b, n, hidden)
 
 
@@ -333,6 +344,36 @@ def test_training_with_attention_dropout_is_one_call(monkeypatch, globals_):
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     with torch.no_grad():
         assert not torch.allclose(runs[0][0], layer.eval()(x, mask)[0])
+
+
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_attention_dropout_matches_the_definition(autoregressive):
+    """Training-mode dropout, values and gradients, against the definition with the same masks: the
+    band's from the fused kernels' generator (its seed the call's first draw from torch's generator),
+    then torch's dropout of the global keys' columns [b, n, h, g], then of the global rows [b, h, g, n]."""
+    from longformer_ops.reference import dropout_factor_reference
+
+    p, w, dilation = 0.3, 3, (1, 2, 1, 3)
+    cfg = tiny_config(attention_window=w, attention_dilation=[list(dilation)], attention_probs_dropout_prob=p,
+                      autoregressive=autoregressive)
+    x, mask = layer_inputs(12, 2, 23, 32, pad_from=[23, 17], globals_=[(0, 4), (0, 9), (1, 2)])
+    layer = layer_for(cfg).train()
+    b, n, h, g = 2, 23, 4, 2
+    torch.manual_seed(31)
+    kernel_seed = int(torch.randint(0, 2**31 - 1, ()))
+    global_keys = torch.nn.functional.dropout(torch.ones(b, n, h, g, dtype=torch.float64), p)
+    global_rows = torch.nn.functional.dropout(torch.ones(b, h, g, n, dtype=torch.float64), p)
+    band = dropout_factor_reference(kernel_seed, b, n, h, w + 1 if autoregressive else 2 * w + 1, p)
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = explicit_attention(layer, xr, mask, w, dilation, autoregressive, (band, global_keys, global_rows))
+    torch.manual_seed(31)
+    out = layer(xo, mask)[0]
+    assert_close(out, expected, 1e-12, "dropout output")
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    out.backward(grad)
+    expected.backward(grad)
+    assert_close(xo.grad, xr.grad, 1e-12, "dropout input gradient")
+    assert not torch.allclose(out, layer.eval()(x, mask)[0])  # the dropout did something
 
 
 def test_band_gradient_is_not_copied_per_head():

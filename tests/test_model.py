@@ -209,10 +209,13 @@ def test_autoregressive_model_is_causal():
     model = randomize_(LongformerModel(cfg), 7).eval()
     ids, _, global_mask = random_batch(7, [20], 50, [3])
     changed = ids.clone()
-    changed[0, 12:] = torch.randint(3, 50, (8,))
+    changed[0, 12:] = 3 + (ids[0, 12:] - 3 + torch.randint(1, 47, (8,))) % 47  # another token at each position
     with torch.no_grad():
         a, b = model(ids, global_attention_mask=global_mask), model(changed, global_attention_mask=global_mask)
     assert_close(a.last_hidden_state[:, :12], b.last_hidden_state[:, :12], 1e-6, "causal prefix")
+    # ... and the model does read the suffix: every changed position's output changed.
+    moved = (a.last_hidden_state[0, 12:] - b.last_hidden_state[0, 12:]).abs().amax(-1)
+    assert (moved > 1e-3).all(), moved
 
 
 def tiny_mlm_config(mode) -> LongformerConfig:
