@@ -53,7 +53,8 @@ def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64, 
     gradient), norm-wise; ``dropout`` = (p, torch seed): the fused kernels' dropout, its mask from the
     reference generator; ``seed`` seeds the output gradient (and is printed on failure)."""
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype=dtype,
+                                                                                                         device=q.device)
     factor = None
     if dropout is not None:
         factor = _dropout_factor(dropout, q.shape, w, autoregressive)
@@ -175,14 +176,14 @@ def test_key_padding_mask_matches_reference(cpu_library, size, dtype, autoregres
         _check_gradients(q, k, v, w, d, autoregressive, scale, dtype, mask)
 
 
-def _masked_case(size, dtype, autoregressive, tag: str):
-    """Random q, k, v on CPU, per-head dilations and a key padding mask (:func:`_padding_mask`) for one
-    grid size; returns ``(q, k, v, w, d, mask, generator)``, seeded by the case and ``tag``."""
+def _masked_case(size, dtype, autoregressive, tag: str, device="cpu"):
+    """Random q, k, v, per-head dilations and a key padding mask (:func:`_padding_mask`) for one grid
+    size on ``device``; returns ``(q, k, v, w, d, mask, generator)``, seeded by the case and ``tag``."""
     b, n, h, f, w = size
     g = torch.Generator().manual_seed(stable_seed(size, autoregressive, str(dtype), tag))
     d = _dilation("per-head", h, g)
-    mask = _padding_mask(b, n, g)
-    q, k, v = (_random((b, n, h, f), dtype, "cpu", g) for _ in range(3))
+    mask = _padding_mask(b, n, g).to(device)
+    q, k, v = (_random((b, n, h, f), dtype, device, g) for _ in range(3))
     return q, k, v, w, d, mask, g
 
 
@@ -267,6 +268,58 @@ def test_dropout_matches_reference(cpu_library, size, dtype, autoregressive, wit
     _assert_close(out, q, k, v, w, d, autoregressive, 1 / math.sqrt(q.shape[-1]), dtype, mask, factor)
     if with_grad:
         _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(q.shape[-1]), dtype, mask, dropout)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dilation_kind", DILATIONS)
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("size", [s for s in SIZES + LARGER if s[3] > 1 and s[1] > 1], ids=str)
+def test_cuda_gradients_match_reference(size, dtype, autoregressive, dilation_kind):
+    b, n, h, f, w = size
+    seed = stable_seed(size, autoregressive, dilation_kind, str(dtype), "cuda gradients")
+    g = torch.Generator().manual_seed(seed)
+    d = _dilation(dilation_kind, h, g)
+    q, k, v = (_random((b, n, h, f), dtype, "cuda", g) for _ in range(3))
+    _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype, seed=seed)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("size", MASKED_SIZES, ids=str)
+def test_cuda_key_padding_mask_matches_reference(size, dtype, autoregressive):
+    q, k, v, w, d, mask, _ = _masked_case(size, dtype, autoregressive, "cuda", device="cuda")
+    scale = 1 / math.sqrt(q.shape[-1])
+    out = sliding_window_attention(q, k, v, w, d, autoregressive, key_padding_mask=mask)
+    _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype, mask.cpu())
+    _check_gradients(q, k, v, w, d, autoregressive, scale, dtype, mask)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("size", MASKED_SIZES[:3], ids=str)
+def test_three_step_dropout_matches_reference(monkeypatch, device, size, autoregressive):
+    """The three steps (CUDA's path; forced on CPU) drop with torch's dropout on the [b, n, h, c]
+    probabilities: the same mask drawn again from the same seed gives the reference, values and
+    gradients (float64: the dtypes' bounds are the tests above)."""
+    monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
+    q, k, v, w, d, mask, _ = _masked_case(size, torch.float64, autoregressive, "three-step dropout", device=device)
+    b, n, h, _ = q.shape
+    torch.manual_seed(77)
+    factor = torch.nn.functional.dropout(torch.ones(b, n, h, band_width(w, autoregressive), dtype=torch.float64,
+                                                    device=device), 0.3)
+    inputs = [x.requires_grad_() for x in (q, k, v)]
+    torch.manual_seed(77)
+    out = sliding_window_attention(*inputs, w, d, autoregressive, key_padding_mask=mask, dropout_p=0.3)
+    exact = [x.detach().cpu().requires_grad_() for x in (q, k, v)]
+    ref = sliding_window_attention_reference(*exact, w, d, autoregressive, None, mask.cpu(), factor.cpu())
+    assert_normwise_close(out, ref, torch.float64, "result", zero_scale=1.0)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got = torch.autograd.grad(out, inputs, grad.to(device))
+    want = torch.autograd.grad(ref, exact, grad)
+    for name, x, y in zip("qkv", got, want, strict=True):
+        assert_normwise_close(x, y, torch.float64, f"d{name}", zero_scale=1.0, gradients=True)
 
 
 def test_dropout_mask_statistics_and_reproducibility(cpu_library):
