@@ -1,4 +1,10 @@
-"""Shared test helpers: devices, dtypes, the per-dtype tolerance table, and the comparison rule."""
+"""Shared test helpers: devices, dtypes, the comparison rules and their per-dtype bounds, seeds.
+
+Two rules, both tested against injected faults in test_tolerances.py: band products elementwise
+against the products on |inputs| (TOLERANCE) and norm-wise; attention results and gradients
+norm-wise (NORMWISE_UNITS, in units of the dtype's unit roundoff). Every test's torch generator is
+seeded from its id (printed on failure); generators made in tests take stable_seed of their case.
+"""
 
 from __future__ import annotations
 
