@@ -116,24 +116,30 @@ def _band(seed, b, n, h, c, dtype):
     return torch.randn(b, n, h, c, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
-def _opcheck_cases(dtype):
+def _opcheck_cases(dtype, device="cpu"):
     """(op, args) for every op on awkward sizes: odd length, head_dim 40 (padded to 32's multiple),
-    per-head dilation, window beyond the sequence, both modes."""
+    per-head dilation, window beyond the sequence, both modes. On CUDA the band ops only (its
+    libraries have no fused attention)."""
     cases = []
     for n, w, autoregressive in ((37, W, False), (9, 12, True)):
-        q, k, v = _inputs(n, n, dtype=dtype, requires_grad=True)
+        q, k, v = (x.detach().to(device).requires_grad_() for x in _inputs(n, n, dtype=dtype))
         c = w + 1 if autoregressive else 2 * w + 1
-        band = _band(n, 2, n, 4, c, dtype).requires_grad_()
-        mask = torch.zeros(2, n, dtype=torch.bool)
+        band = _band(n, 2, n, 4, c, dtype).to(device).requires_grad_()
+        mask = torch.zeros(2, n, dtype=torch.bool, device=device)
         mask[1, n // 2:] = True
         seed = torch.tensor(1234)
-        cases += [
+        band_cases = [
             (ops.band_qk, (q, k, w, DILATION, autoregressive, -1.5)),
             (ops.band_pv, (band, v, w, DILATION, autoregressive)),
             (ops.band_transposed, (band.detach(), v.detach(), w, DILATION, autoregressive)),
             (ops.band_qk_out, (q.detach(), k.detach(), w, DILATION, autoregressive, 0.0, torch.empty_like(band))),
             (ops.band_pv_out, (band.detach(), v.detach(), w, DILATION, autoregressive, torch.empty_like(v))),
             (ops.band_transposed_out, (band.detach(), v.detach(), w, DILATION, autoregressive, torch.empty_like(v))),
+        ]
+        cases += band_cases
+        if device != "cpu":
+            continue
+        cases += [
             (ops.attention, (q, k, v, mask, seed, w, DILATION, autoregressive, 0.125, 0.0)),
             (ops.attention, (q, k, v, None, seed, w, DILATION, autoregressive, 0.125, 0.2)),
             (ops.attention_out, (q.detach(), k.detach(), v.detach(), mask, seed, w, DILATION, autoregressive, 0.125,
@@ -143,6 +149,13 @@ def _opcheck_cases(dtype):
         cases.append((ops.attention_backward, (torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(),
                                                v.detach(), mask, seed, out, lse, w, DILATION, autoregressive, 0.125, 0.2)))
     return cases
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_opcheck_band_ops_cuda(dtype):
+    for op, args in _opcheck_cases(dtype, "cuda"):
+        torch.library.opcheck(op, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
