@@ -128,7 +128,7 @@ def _opcheck_cases(dtype, device="cpu"):
         mask = torch.zeros(2, n, dtype=torch.bool, device=device)
         mask[1, n // 2:] = True
         seed = torch.tensor(1234)
-        band_cases = [
+        cases += [
             (ops.band_qk, (q, k, w, DILATION, autoregressive, -1.5)),
             (ops.band_pv, (band, v, w, DILATION, autoregressive)),
             (ops.band_transposed, (band.detach(), v.detach(), w, DILATION, autoregressive)),
@@ -136,7 +136,6 @@ def _opcheck_cases(dtype, device="cpu"):
             (ops.band_pv_out, (band.detach(), v.detach(), w, DILATION, autoregressive, torch.empty_like(v))),
             (ops.band_transposed_out, (band.detach(), v.detach(), w, DILATION, autoregressive, torch.empty_like(v))),
         ]
-        cases += band_cases
         if device != "cpu":
             continue
         cases += [
