@@ -1,0 +1,121 @@
+"""Run transformers' own Longformer and LED models on our kernels, in place.
+
+    import longformer_ops.hf
+    model = LongformerForSequenceClassification.from_pretrained(path)
+    longformer_ops.hf.patch(model)      # its self-attention now runs on our kernels
+    longformer_ops.hf.patch()           # or: every model built from now on (from_pretrained too)
+    longformer_ops.hf.unpatch(model)    # / unpatch(): back to transformers' own code
+
+Each ``LongformerSelfAttention`` (and LED's copy of it, ``LEDEncoderSelfAttention``) is switched to
+a subclass that keeps the module's own parameters and state-dict names (checkpoints, optimizers,
+``save_pretrained`` and PEFT adapters on its projections are untouched) and computes its output
+with :class:`longformer_ops.LongformerSelfAttention`'s forward: the fused local-attention kernels,
+global tokens merged by the rows' log-sum-exp, no padding to a window multiple needed. The mask
+convention is transformers' own (negative: padding, 0: local, positive: global), and its window is
+two-sided (``attention_window // 2`` each side here).
+
+Where a call asks for what that path does not return (``output_attentions``, or an argument this
+module does not know), the module runs transformers' own forward for that call and says so once
+in a warning: never a silently different result. transformers is imported here only, when called;
+``import longformer_ops`` never imports it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from longformer_ops.config import AttentionMode
+from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
+
+_patched_classes: dict[type, type] = {}   # transformers' class -> its patched subclass
+_class_patches: list[tuple[object, str, type]] = []  # (module, name, original class) replaced by patch()
+_warned: set[str] = set()
+
+
+def _target_classes() -> list[tuple[object, str]]:
+    """(transformers module, class name) of every self-attention this module can patch."""
+    from transformers.models.led import modeling_led
+    from transformers.models.longformer import modeling_longformer
+
+    return [(modeling_longformer, "LongformerSelfAttention"), (modeling_led, "LEDEncoderSelfAttention")]
+
+
+def _adopt(module) -> None:
+    """The attributes our layer's forward reads, from the transformers module's own configuration."""
+    module.window = module.one_sided_attn_window_size
+    module.dilation = (1,) * module.num_heads
+    module.autoregressive = False
+    module.attention_mode = AttentionMode.TVM
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"longformer_ops.hf: {reason}: this call runs transformers' own attention code", stacklevel=3)
+
+
+def _patched_class(original: type) -> type:
+    """``original``'s subclass whose forward runs on our kernels (one per transformers class)."""
+    if original not in _patched_classes:
+        def __init__(self, *args, **kwargs):  # for models built while the classes are patched
+            original.__init__(self, *args, **kwargs)
+            _adopt(self)
+
+        def forward(self, hidden_states, attention_mask=None, is_index_masked=None, is_index_global_attn=None,
+                    is_global_attn=None, output_attentions=False, **unknown):
+            if output_attentions or unknown:
+                _warn_once("output_attentions=True" if output_attentions else f"unsupported arguments {sorted(unknown)}")
+                return original.forward(self, hidden_states, attention_mask, is_index_masked, is_index_global_attn,
+                                        is_global_attn, output_attentions, **unknown)
+            return (_OurSelfAttention.forward(self, hidden_states, attention_mask)[0],)
+
+        # Our layer's helpers (_heads, _local_banded, _global_rows, ...), copied in rather than inherited:
+        # transformers' __init__ calls super().__init__(), which must stay nn.Module's.
+        helpers = {name: value for name, value in vars(_OurSelfAttention).items()
+                   if name.startswith("_") and not name.startswith("__") and callable(value)}
+        clashes = sorted(name for name in helpers if hasattr(original, name))
+        if clashes:
+            raise RuntimeError(f"longformer_ops.hf cannot patch {original.__qualname__}: it defines {clashes} too")
+        _patched_classes[original] = type(original.__name__, (original,),
+                                          {**helpers, "__init__": __init__, "forward": forward,
+                                           "_original_class": original, "__module__": __name__})
+    return _patched_classes[original]
+
+
+def patch(model=None):
+    """Run the self-attention of ``model`` (any transformers model holding Longformer or LED encoder
+    self-attention modules, PEFT-wrapped ones included) on our kernels, in place; returns ``model``.
+    Without a model, patch transformers' classes, so that every model built afterwards runs on them."""
+    targets = _target_classes()
+    if model is None:
+        for namespace, name in targets:
+            original = getattr(namespace, name)
+            if getattr(original, "_original_class", None) is None:
+                _class_patches.append((namespace, name, original))
+                setattr(namespace, name, _patched_class(original))
+        return None
+    originals = tuple(getattr(namespace, name) for namespace, name in targets)
+    originals = tuple(getattr(cls, "_original_class", cls) for cls in originals)
+    for module in model.modules():
+        cls = type(module)
+        if cls in originals:
+            module.__class__ = _patched_class(cls)
+            _adopt(module)
+    return model
+
+
+def unpatch(model=None):
+    """Undo :func:`patch`: for ``model``, its modules run transformers' code again (returns ``model``);
+    without a model, transformers' classes are restored."""
+    if model is None:
+        while _class_patches:
+            namespace, name, original = _class_patches.pop()
+            setattr(namespace, name, original)
+        return None
+    for module in model.modules():
+        original = getattr(type(module), "_original_class", None)
+        if original is not None:
+            module.__class__ = original
+            for name in ("window", "dilation", "autoregressive", "attention_mode"):
+                module.__dict__.pop(name, None)
+    return model
