@@ -285,7 +285,9 @@ class LongformerForMaskedLM(_PreTrained):
         logits = self.lm_head(out.last_hidden_state)  # [b, n, vocab]
         loss = None
         if labels is not None:
-            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+            # Half types in float32 (a softmax over the vocabulary); float32 and float64 as they are.
+            scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+            loss = nn.functional.cross_entropy(scores.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
                               attentions=out.attentions, global_attentions=out.global_attentions)
 

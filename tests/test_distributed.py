@@ -74,8 +74,8 @@ def _batch() -> dict[str, torch.Tensor]:
 def _loss_sum(model, batch) -> torch.Tensor:
     """Sum of the per-token cross-entropies over the batch's labelled tokens.
 
-    Computed here rather than with the model's ``labels=``: that loss casts the logits to float32,
-    which would cap the agreement at float32 precision, far above ATOL.
+    Computed here rather than with the model's ``labels=``, which gives the mean over each rank's own
+    labelled tokens: the shards hold unequal counts, so only a sum over one global count averages exactly.
     """
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    global_attention_mask=batch["global_attention_mask"]).logits

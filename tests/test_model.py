@@ -289,3 +289,16 @@ def test_import_is_cheap():
     code = ("import sys, longformer_ops; heavy = [m for m in sys.modules if m.split('.')[0] in "
             "('transformers', 'tvm', 'tvm_ffi', 'safetensors')]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_masked_lm_loss_dtype(dtype):
+    """The loss keeps float64 (no float32 round trip); half types are computed in float32."""
+    model = LongformerForMaskedLM(tiny_mlm_config("tvm")).to(dtype).eval()
+    batch = synthetic_mlm_batch(3)
+    with torch.no_grad():
+        out = model(**batch)
+    scores = out.logits.float() if dtype == torch.bfloat16 else out.logits
+    expected = torch.nn.functional.cross_entropy(scores.reshape(-1, scores.shape[-1]), batch["labels"].reshape(-1))
+    assert out.loss.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
+    assert torch.equal(out.loss, expected)
