@@ -93,6 +93,22 @@ def device_name(device: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def cpu_results_name() -> str:
+    """:func:`device_name` of the CPU with its vector ISA (the project's AMD machines come with AVX-512
+    or AVX2 only, under the same model name), for the results' file names of the smaller benches."""
+    from longformer_ops._loader import cpu_flags
+
+    isa = "avx512" if "avx512f" in cpu_flags() else "avx2"
+    name = device_name("cpu")
+    return name.replace("-2cpu", f"-{isa}-2cpu") if name.endswith("-2cpu") else f"{name}-{isa}"
+
+
+def source_commit() -> str:
+    """This checkout's commit, ``-dirty`` when tracked files differ from it: for results' headers."""
+    return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
+                          capture_output=True, text=True).stdout.strip()
+
+
 def memory_budget_bytes(args) -> float:
     if args.memory_budget_gib is not None:
         return args.memory_budget_gib * 2**30

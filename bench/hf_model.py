@@ -16,7 +16,6 @@ import argparse
 import multiprocessing
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -115,13 +114,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
-    from bench.__main__ import device_name
-    from longformer_ops._loader import cpu_flags
-
-    isa = "avx512" if "avx512f" in cpu_flags() else "avx2"
-    name = device_name("cpu").replace("-2cpu", f"-{isa}-2cpu")
-    commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip()
+    from bench.__main__ import cpu_results_name, source_commit
+    name = cpu_results_name()
+    commit = source_commit()
     lines = [f"# transformers' LongformerModel (base), patched against unpatched ({name}, at {commit})", "",
              f"`python -m bench.hf_model --seq-lens {args.seq_lens} --rounds {args.rounds}`: batch 1, token 0 global, "
              "float32; time per call (median of the rounds) / peak extra RSS of one call in a fresh process.", "",

@@ -160,13 +160,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    from bench.__main__ import device_name
-    from longformer_ops._loader import cpu_flags
-
-    isa = "avx512" if "avx512f" in cpu_flags() else "avx2"
-    name = device_name("cpu").replace("-2cpu", f"-{isa}-2cpu") if "-2cpu" in device_name("cpu") else device_name("cpu")
-    commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip()
+    from bench.__main__ import cpu_results_name, source_commit
+    name = cpu_results_name()
+    commit = source_commit()
     lines = [f"# Per-call cost of the custom-op layer ({name}, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads, at {commit})", "",
              f"`python -m bench.overhead{' --compare-with ' + args.compare_with if args.compare_with else ''}`; "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from longformer_ops import checks, kernels
-from longformer_ops.reference import band_width
+from longformer_ops.reference import fill_invalid_locations_
 
 _ops = torch.ops.longformer_ops
 
@@ -84,21 +84,4 @@ def mask_invalid_locations(scores: torch.Tensor, w: int, d, autoregressive: bool
     ``torch.compile``).
     """
     w, dilations = checks.check_mask_invalid_locations(scores, w, d, autoregressive)
-    n = scores.shape[1]
-    reach = min(n, w * max(dilations, default=1))  # rows farther from both ends see only valid keys
-    if reach == 0:
-        return scores
-    edges = [(0, n)] if 2 * reach >= n else [(0, reach)] + ([] if autoregressive else [(n - reach, n)])
-    for start, stop in edges:
-        invalid = _invalid_rows(start, stop, n, w, dilations, autoregressive, scores.device)  # [rows, h, c]
-        scores[:, start:stop].masked_fill_(invalid, float("-inf"))
-    return scores
-
-
-def _invalid_rows(start: int, stop: int, n: int, w: int, dilations: tuple[int, ...], autoregressive: bool,
-                  device: torch.device) -> torch.Tensor:
-    """Bool ``[stop - start, h, c]``: True where the key of (row, head, column) is outside ``[0, n)``."""
-    rows = torch.arange(start, stop, device=device).view(-1, 1, 1)
-    columns = torch.arange(band_width(w, autoregressive), device=device).view(1, 1, -1)
-    keys = rows + torch.tensor(dilations, device=device).view(1, -1, 1) * (columns - w)
-    return (keys < 0) | (keys >= n)
+    return fill_invalid_locations_(scores, w, dilations, autoregressive, float("-inf"))

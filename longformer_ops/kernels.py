@@ -35,7 +35,7 @@ from torch import Tensor
 from longformer_ops._loader import library_for
 from longformer_ops._manifest import function_name
 from longformer_ops._output_cache import new_output
-from longformer_ops.reference import band_width, invalid_locations
+from longformer_ops.reference import band_width, fill_invalid_locations_
 
 NAMESPACE = "longformer_ops"
 # The fused kernels' op names in the libraries (tvm_kernels.variants.FUSED_ATTENTION).
@@ -58,11 +58,6 @@ def _pad_features(x: Tensor, multiple: int) -> Tensor:
 def _dilation_tensor(dilation: tuple[int, ...], device: torch.device) -> Tensor:
     # Cached so that a layer called every step does not copy its dilations to the GPU each time.
     return torch.tensor(dilation, dtype=torch.int32, device=device)
-
-
-@functools.lru_cache(maxsize=64)
-def _invalid_mask(seq_len: int, w: int, dilation: tuple[int, ...], autoregressive: bool, device: torch.device):
-    return invalid_locations(seq_len, w, torch.tensor(dilation, device=device), autoregressive)
 
 
 def _on_device(x: Tensor):
@@ -104,7 +99,7 @@ def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: tuple[int, .
     if b * n * h == 0 or (op != "qk" and f == 0):  # the output is empty (or all zero: no features)
         return out.zero_()
     if op == "qk" and f == 0:  # empty dot products: 0 where the key is valid
-        return out.zero_().masked_fill_(_invalid_mask(n, w, dilation, autoregressive, t2.device), padding)
+        return fill_invalid_locations_(out.zero_(), w, dilation, autoregressive, padding)
     library = _library(t2)
     kernel = library.function(function_name(op, autoregressive))
     dilation_tensor = _dilation_tensor(dilation, t2.device)

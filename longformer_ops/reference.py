@@ -38,6 +38,26 @@ def invalid_locations(seq_len: int, w: int, dilation: torch.Tensor, autoregressi
     return (keys < 0) | (keys >= seq_len)
 
 
+def fill_invalid_locations_(band: torch.Tensor, w: int, dilation: tuple[int, ...], autoregressive: bool,
+                            value: float) -> torch.Tensor:
+    """In place, ``band [b, n, h, c]`` = ``value`` where the key falls outside ``[0, n)``; returns ``band``.
+
+    Only the first and last ``w * max(d)`` rows can hold such positions, and only those are touched:
+    the mask is of their size, not the band's (plain torch ops: differentiable, traced by torch.compile).
+    """
+    n = band.shape[1]
+    reach = min(n, w * max(dilation, default=1))  # rows farther from both ends see only valid keys
+    if reach == 0:
+        return band
+    edges = [(0, n)] if 2 * reach >= n else [(0, reach)] + ([] if autoregressive else [(n - reach, n)])
+    columns = torch.arange(band_width(w, autoregressive), device=band.device).view(1, 1, -1)
+    offsets = torch.tensor(dilation, device=band.device).view(1, -1, 1) * (columns - w)  # [1, h, c]
+    for start, stop in edges:
+        keys = torch.arange(start, stop, device=band.device).view(-1, 1, 1) + offsets  # [rows, h, c]
+        band[:, start:stop].masked_fill_((keys < 0) | (keys >= n), value)
+    return band
+
+
 def _per_head(d, heads: int, device) -> torch.Tensor:
     """An int, list or tensor of dilations -> int64 tensor [heads]."""
     if isinstance(d, int):

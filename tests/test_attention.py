@@ -85,11 +85,16 @@ def test_cpu_matches_reference(cpu_library, size, dtype, autoregressive, dilatio
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize("size", [s for s in SIZES + LARGER if s[3] > 1 and s[1] > 1], ids=str)
 def test_cpu_gradients_match_reference(cpu_library, size, dtype, autoregressive, dilation_kind):
+    _check_gradients_of_case("cpu", size, dtype, autoregressive, dilation_kind)
+
+
+def _check_gradients_of_case(device, size, dtype, autoregressive, dilation_kind):
+    """:func:`_check_gradients` on random inputs of one grid case, seeded by the case."""
     b, n, h, f, w = size
     seed = stable_seed(size, autoregressive, dilation_kind, str(dtype), "gradients")
     g = torch.Generator().manual_seed(seed)
     d = _dilation(dilation_kind, h, g)
-    q, k, v = (_random((b, n, h, f), dtype, "cpu", g) for _ in range(3))
+    q, k, v = (_random((b, n, h, f), dtype, device, g) for _ in range(3))
     _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype, seed=seed)
 
 
@@ -276,12 +281,7 @@ def test_dropout_matches_reference(cpu_library, size, dtype, autoregressive, wit
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
 @pytest.mark.parametrize("size", [s for s in SIZES + LARGER if s[3] > 1 and s[1] > 1], ids=str)
 def test_cuda_gradients_match_reference(size, dtype, autoregressive, dilation_kind):
-    b, n, h, f, w = size
-    seed = stable_seed(size, autoregressive, dilation_kind, str(dtype), "cuda gradients")
-    g = torch.Generator().manual_seed(seed)
-    d = _dilation(dilation_kind, h, g)
-    q, k, v = (_random((b, n, h, f), dtype, "cuda", g) for _ in range(3))
-    _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype, seed=seed)
+    _check_gradients_of_case("cuda", size, dtype, autoregressive, dilation_kind)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
