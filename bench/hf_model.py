@@ -1,19 +1,24 @@
 """transformers' LongformerModel, patched (``longformer_ops.hf.patch``) against unpatched:
-``python -m bench.hf_model [--seq-lens 1024,2048,4096] [--rounds 3]``.
+``python -m bench.hf_model [--seq-lens 1024,2048,4096,8192,16384] [--rounds 3]``.
 
 One base-size model (12 layers, hidden 768, 12 heads, transformers' default two-sided window 512,
-float32, random weights), batch 1, token 0 global (a classifier's ``<s>``). Per length: a forward
-in eval mode under ``no_grad`` and a training step (forward and backward in training mode, with
-transformers' default dropout 0.1), for the same model patched and unpatched (``patch`` /
-``unpatch`` between calls: the same weights), timed interleaved (medians of ``--rounds`` rounds,
-each in a shuffled order, after one warm-up round), and the peak extra RSS of one call of each in a
-fresh process (as ``python -m bench`` measures it). Writes ``bench/results/<device>-hf-model.md``.
+float32, random weights), batch 1, token 0 global (a classifier's ``<s>``). Per length:
+
+- memory first: the peak extra RSS of one call of each (method, pass) in a fresh process (after a
+  short warm-up call there, so that loading libraries does not count), as ``python -m bench``
+  measures it. A call predicted (linearly from the previous length) to need more than the memory
+  budget is not run and is recorded as skipped, with the prediction;
+- then time: the same model patched and unpatched (``patch`` / ``unpatch`` between calls: the same
+  weights), interleaved, medians of ``--rounds`` rounds, each in a shuffled order. A warm-up round
+  runs only where calls were under a second at the previous length (as ``python -m bench`` does).
+
+The passes: a forward in eval mode under ``no_grad``, and a training step (forward and backward in
+training mode, with transformers' default dropout 0.1). Writes ``<out>/<cpu>-hf-model.{md,csv,png}``.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import random
 import statistics
 import sys
@@ -21,18 +26,20 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("transformers", "patched")
 PASSES = ("forward", "training step")
+WARM_UP_TOKENS = 512
 
 
-def build(seq_len: int):
-    """The model (base size, default window) and its inputs for one length."""
+def build(seq_len: int, layers: int = 12):
+    """The model (base size, default window; ``layers`` of them) and its inputs for one length."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LongformerConfig(max_position_embeddings=seq_len + 2)
+    config = transformers.LongformerConfig(max_position_embeddings=seq_len + 2, num_hidden_layers=layers)
     model = transformers.LongformerModel(config)
     generator = torch.Generator().manual_seed(seq_len)
     ids = torch.randint(3, config.vocab_size, (1, seq_len), generator=generator)
@@ -64,13 +71,16 @@ def runner(model, inputs, step: str):
     return run
 
 
-def time_rounds(seq_len: int, rounds: int) -> dict:
-    model, inputs = build(seq_len)
-    runs = {(m, s): runner(model, inputs, s) for m in METHODS for s in PASSES}
+def time_rounds(seq_len: int, layers: int, entries: list[tuple[str, str]], rounds: int, warm_up: set) -> dict:
+    """Median seconds per call of each (method, pass) entry."""
+    model, inputs = build(seq_len, layers)
+    runs = {key: runner(model, inputs, key[1]) for key in entries}
     samples = {key: [] for key in runs}
     order = random.Random(seq_len)
-    for round_index in range(rounds + 1):
+    for round_index in tqdm(range(rounds + 1), desc=f"n = {seq_len}: timing", unit="round", leave=False):
         for key in order.sample(list(runs), len(runs)):
+            if round_index == 0 and key not in warm_up:
+                continue
             use(model, key[0])
             started = time.perf_counter()
             runs[key]()
@@ -79,61 +89,134 @@ def time_rounds(seq_len: int, rounds: int) -> dict:
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
-def _peak_child(seq_len: int, method: str, step: str, connection) -> None:
+def _peak_child(seq_len: int, layers: int, method: str, step: str, connection) -> None:
     from bench.measure import _rss_kib
 
-    model, inputs = build(seq_len)
-    use(model, method)
-    run = runner(model, inputs, step)
-    run()  # first call: library loads, allocator warm-up
-    import longformer_ops
+    try:
+        model, inputs = build(seq_len, layers)
+        use(model, method)
+        # Warm-up on a short prefix: libraries load, the allocator warms up, at little memory.
+        runner(model, {key: value[:, :WARM_UP_TOKENS] for key, value in inputs.items()}, step)()
+        import longformer_ops
 
-    longformer_ops.empty_cache()
-    with open("/proc/self/clear_refs", "w") as handle:  # reset VmHWM to the current RSS
-        handle.write("5")
-    before = _rss_kib("VmRSS")
-    run()
-    connection.send((_rss_kib("VmHWM") - before) / 1024)
+        longformer_ops.empty_cache()
+        with open("/proc/self/clear_refs", "w") as handle:  # reset VmHWM to the current RSS
+            handle.write("5")
+        before = _rss_kib("VmRSS")
+        runner(model, inputs, step)()
+        connection.send((_rss_kib("VmHWM") - before) / 1024)
+    except BaseException as error:  # reported to the parent, which records the reason
+        connection.send(f"{type(error).__name__}: {str(error)[:200]}")
 
 
-def peak_mib(seq_len: int, method: str, step: str) -> float:
-    context = multiprocessing.get_context("spawn")
+def peak_mib(seq_len: int, layers: int, method: str, step: str) -> float | str:
+    """Peak extra RSS (MiB) of one call in a fresh process, or why it could not be measured."""
+    from bench.measure import _fresh_process_context
+
+    context = _fresh_process_context()
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_peak_child, args=(seq_len, method, step, sender))
+    process = context.Process(target=_peak_child, args=(seq_len, layers, method, step, sender))
     process.start()
     sender.close()
     try:
         return receiver.recv()
+    except EOFError:  # killed (for memory) or crashed without answering
+        process.join()
+        return f"the process died (exit code {process.exitcode})"
     finally:
         process.join()
 
 
+def memory_budget_mib() -> float:
+    """60% of the memory available now, as ``python -m bench``'s default budget."""
+    available = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+    return 0.6 * available / 1024
+
+
+def measure(seq_lens: list[int], layers: int, rounds: int, budget_mib: float) -> list[dict]:
+    """One row per (length, method, pass), in the layout of ``python -m bench``'s results."""
+    rows, last = [], {}  # last: (method, pass) -> (seq_len, peak MiB, seconds) at the previous length
+    for seq_len in seq_lens:
+        entries, warm_up, by_key = [], set(), {}
+        for key in ((m, s) for s in PASSES for m in METHODS):
+            row = dict(op="hf LongformerModel base", method=key[0], seq_len=seq_len, window=256, dilation="1", heads=12,
+                       head_dim=64, batch=1, dtype="float32", device="cpu", status="ok",
+                       **{"pass": "forward" if key[1] == "forward" else "forward+backward"})
+            rows.append(row)
+            by_key[key] = row
+            previous = last.get(key)
+            predicted = previous[1] * seq_len / previous[0] if previous else 0.0
+            if predicted > budget_mib:
+                row.update(status="skipped", reason=f"predicted {predicted / 1024:.1f} GiB > budget "
+                                                    f"{budget_mib / 1024:.1f} GiB")
+                continue
+            print(f"n = {seq_len}: peak memory of {key[0]}, {key[1]} ...", file=sys.stderr)
+            peak = peak_mib(seq_len, layers, *key)
+            if isinstance(peak, str):
+                row.update(status="skipped", reason=peak)
+                continue
+            row["peak_mib"] = peak
+            entries.append(key)
+            if previous is None or previous[2] < 1.0:
+                warm_up.add(key)
+        medians = time_rounds(seq_len, layers, entries, rounds, warm_up) if entries else {}
+        for key, seconds in medians.items():
+            by_key[key]["time_ms"] = seconds * 1e3
+            last[key] = (seq_len, by_key[key]["peak_mib"], seconds)
+        for step in PASSES:
+            print(table_row(by_key[("transformers", step)], by_key[("patched", step)], step), file=sys.stderr)
+    return rows
+
+
+def _cell(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"skipped: {row['reason']}"
+    return f"{row['time_ms']:.0f} ms / {row['peak_mib']:.0f} MiB"
+
+
+def table_row(theirs: dict, ours: dict, step: str) -> str:
+    both = theirs["status"] == ours["status"] == "ok"
+    speed_up = f"{theirs['time_ms'] / ours['time_ms']:.2f}x" if both else ""
+    memory = f"{theirs['peak_mib'] / ours['peak_mib']:.1f}x" if both else ""
+    return f"| {ours['seq_len']} | {step} | {_cell(theirs)} | {_cell(ours)} | {speed_up} | {memory} |"
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.hf_model", description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", default="1024,2048,4096")
+    parser = argparse.ArgumentParser(prog="python -m bench.hf_model", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--seq-lens", default="1024,2048,4096,8192,16384")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=12, help="fewer for a quick run (the committed results: 12)")
+    parser.add_argument("--memory-budget-gib", type=float, default=None,
+                        help="skip a call predicted to need more (default: 60%% of the memory available at the start)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
+    from bench import report
     from bench.__main__ import cpu_results_name, source_commit
-    name = cpu_results_name()
-    commit = source_commit()
+
+    name, commit = cpu_results_name(), source_commit()
+    budget = args.memory_budget_gib * 1024 if args.memory_budget_gib is not None else memory_budget_mib()
+    rows = measure([int(s) for s in args.seq_lens.split(",")], args.layers, args.rounds, budget)
     lines = [f"# transformers' LongformerModel (base), patched against unpatched ({name}, at {commit})", "",
-             f"`python -m bench.hf_model --seq-lens {args.seq_lens} --rounds {args.rounds}`: batch 1, token 0 global, "
-             "float32; time per call (median of the rounds) / peak extra RSS of one call in a fresh process.", "",
-             "| n | pass | transformers | patched | speed-up |", "|---:|---|---:|---:|---:|"]
-    for seq_len in (int(s) for s in args.seq_lens.split(",")):
-        print(f"n = {seq_len}: timing ...", file=sys.stderr)
-        medians = time_rounds(seq_len, args.rounds)
-        for step in PASSES:
-            peaks = {m: peak_mib(seq_len, m, step) for m in METHODS}
-            theirs, ours = medians[("transformers", step)], medians[("patched", step)]
-            lines.append(f"| {seq_len} | {step} | {theirs * 1e3:.0f} ms / {peaks['transformers']:.0f} MiB | "
-                         f"{ours * 1e3:.0f} ms / {peaks['patched']:.0f} MiB | {theirs / ours:.2f}x |")
-            print(lines[-1], file=sys.stderr)
+             f"`python -m bench.hf_model --seq-lens {args.seq_lens} --rounds {args.rounds} --layers {args.layers}`: "
+             f"{args.layers} layers, batch 1, token 0 global, "
+             f"float32, {torch.get_num_threads()} threads; time per call (median of the rounds) / peak extra RSS of "
+             f"one call in a fresh process; memory budget {budget / 1024:.1f} GiB.", "",
+             "| n | pass | transformers | patched | speed-up | memory saved |", "|---:|---|---:|---:|---:|---:|"]
+    by_key = {(r["seq_len"], r["method"], r["pass"]): r for r in rows}
+    for seq_len in dict.fromkeys(r["seq_len"] for r in rows):
+        for step, pass_name in zip(PASSES, ("forward", "forward+backward"), strict=True):
+            lines.append(table_row(by_key[(seq_len, "transformers", pass_name)],
+                                   by_key[(seq_len, "patched", pass_name)], step))
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}-hf-model.md").write_text(text)
+    stem = args.out / f"{name}-hf-model"
+    stem.with_suffix(".md").write_text(text)
+    report.write_csv(rows, stem.with_suffix(".csv"))
+    report.plot(rows, stem.with_suffix(".png"), f"{name}: transformers' LongformerModel (base, window 512), "
+                                                f"patched vs unpatched, batch 1, float32")
+    print(f"wrote {stem}.md, .csv and .png", file=sys.stderr)
     return 0
 
 

@@ -107,7 +107,9 @@ def read_csv(path: Path) -> list[dict]:
 
 # One colour per method in every panel.
 METHOD_COLOURS = {"tvm": "tab:blue", "tvm_out": "tab:cyan", "full": "tab:orange", "sdpa": "tab:green",
-                  "sliding_chunks": "tab:red", "flex": "tab:purple"}
+                  "sliding_chunks": "tab:red", "flex": "tab:purple",
+                  # bench.hf_model: transformers' model as it is (sliding chunks), and patched onto our kernels
+                  "transformers": "tab:red", "patched": "tab:blue"}
 
 
 def plot_title(device_name: str, rows: list[dict]) -> str:

@@ -197,3 +197,25 @@ def test_command_line_records_the_environment_that_changes_results(monkeypatch):
     monkeypatch.setenv("UNRELATED", "x")
     assert command_line(["--seq-lens", "512", "--name", "a b"]) == (
         "GLIBC_TUNABLES=glibc.malloc.mmap_max=0 LONGFORMER_OPS_THREAD_POOL=tvm python -m bench --seq-lens 512 --name 'a b'")
+
+
+def test_hf_model_bench_writes_results_and_skips_what_would_not_fit(tmp_path):
+    """``python -m bench.hf_model`` at a tiny size: both methods timed and probed at the first length;
+    at the second, every call predicted (from the first) to exceed the budget is skipped, not run."""
+    pytest.importorskip("transformers")
+    from bench import hf_model, report
+
+    budget_gib = 0.001  # far below any call: the second length must be skipped entirely
+    assert hf_model.main(["--seq-lens", "256,512", "--rounds", "1", "--layers", "1", "--memory-budget-gib",
+                          str(budget_gib), "--out", str(tmp_path)]) == 0
+    stem = next(tmp_path.glob("*-hf-model.csv")).with_suffix("")
+    rows = report.read_csv(stem.with_suffix(".csv"))
+    assert len(rows) == 8 and stem.with_suffix(".png").stat().st_size > 0
+    first = [r for r in rows if r["seq_len"] == 256]
+    assert {(r["method"], r["pass"]) for r in first} == {(m, p) for m in ("transformers", "patched")
+                                                           for p in ("forward", "forward+backward")}
+    assert all(r["status"] == "ok" and r["time_ms"] > 0 and r["peak_mib"] > 0 for r in first), first
+    second = [r for r in rows if r["seq_len"] == 512]
+    assert all(r["status"] == "skipped" and "budget" in r["reason"] for r in second), second
+    table = stem.with_suffix(".md").read_text()
+    assert table.count("| 256 |") == 2 and "x |" in table and table.count("skipped: predicted") == 4
