@@ -14,16 +14,27 @@ global tokens merged by the rows' log-sum-exp, no padding to a window multiple n
 convention is transformers' own (negative: padding, 0: local, positive: global), and its window is
 two-sided (``attention_window // 2`` each side here).
 
-Where a call asks for what that path does not return (``output_attentions``, or an argument this
-module does not know), the module runs transformers' own forward for that call and says so once
-in a warning: never a silently different result. transformers is imported here only, when called;
-``import longformer_ops`` never imports it.
+With ``output_attentions=True`` the module returns transformers' own attention tensors: the local
+probabilities ``[batch, seq, heads, max_globals + attention_window + 1]`` (global keys' columns first,
+rows of global tokens zeroed) and the global tokens' ``[batch, heads, max_globals, seq]`` (slots an
+example does not use hold transformers' filler, a uniform row), from the band path of our layer
+(banded products and a band softmax: never a seq x seq matrix).
+
+Where a call cannot go through our kernels (hidden states on a device or in a dtype they do not
+support, no prebuilt kernel for this machine, or an argument this module does not know), the module
+runs transformers' own forward for that call and says so once in a warning: never a silently
+different result. transformers is imported here only, when called; ``import longformer_ops`` never
+imports it.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import torch
+
+from longformer_ops._loader import KernelNotAvailableError
+from longformer_ops.checks import KERNEL_DTYPES
 from longformer_ops.config import AttentionMode
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
 
@@ -54,6 +65,30 @@ def _warn_once(reason: str) -> None:
         warnings.warn(f"longformer_ops.hf: {reason}: this call runs transformers' own attention code", stacklevel=3)
 
 
+def _unsupported_reason(hidden_states, unknown: dict) -> str | None:
+    """Why this call cannot run on our kernels (checked before any work), or None."""
+    if unknown:
+        return f"unsupported arguments {sorted(unknown)}"
+    if hidden_states.device.type not in ("cpu", "cuda"):
+        return f"hidden_states on {hidden_states.device} (our kernels run on cpu and cuda)"
+    if hidden_states.dtype not in KERNEL_DTYPES:
+        return f"hidden_states in {hidden_states.dtype} (our kernels: {', '.join(map(str, KERNEL_DTYPES))})"
+    return None
+
+
+def _transformers_attentions(output, attentions, global_attentions, attention_mask):
+    """Our layer's attention tensors in the layout transformers' self-attention returns them."""
+    local = attentions.transpose(1, 2)                  # [b, h, n, g + c] -> [b, n, h, g + c]
+    if global_attentions is None:                       # no global token in the batch
+        return output, local
+    per_slot = global_attentions.transpose(2, 3)        # [b, h, n, g] -> [b, h, g, n]
+    g, n = per_slot.shape[2], per_slot.shape[3]
+    # Slots beyond an example's own global tokens: transformers masks every key of them alike,
+    # which makes a uniform row; ours are zeros.
+    unused = torch.arange(g, device=per_slot.device) >= (attention_mask > 0).sum(dim=1, keepdim=True)  # [b, g]
+    return output, local, per_slot.masked_fill(unused[:, None, :, None], 1.0 / n)
+
+
 def _patched_class(original: type) -> type:
     """``original``'s subclass whose forward runs on our kernels (one per transformers class)."""
     if original not in _patched_classes:
@@ -63,11 +98,22 @@ def _patched_class(original: type) -> type:
 
         def forward(self, hidden_states, attention_mask=None, is_index_masked=None, is_index_global_attn=None,
                     is_global_attn=None, output_attentions=False, **unknown):
-            if output_attentions or unknown:
-                _warn_once("output_attentions=True" if output_attentions else f"unsupported arguments {sorted(unknown)}")
+            def theirs(reason: str):
+                _warn_once(reason)
                 return original.forward(self, hidden_states, attention_mask, is_index_masked, is_index_global_attn,
                                         is_global_attn, output_attentions, **unknown)
-            return (_OurSelfAttention.forward(self, hidden_states, attention_mask)[0],)
+
+            reason = _unsupported_reason(hidden_states, unknown)
+            if reason:
+                return theirs(reason)
+            try:
+                output, attentions, global_attentions = _OurSelfAttention.forward(self, hidden_states, attention_mask,
+                                                                                 output_attentions)
+            except KernelNotAvailableError as error:
+                return theirs(f"no kernel for this call ({error})")
+            if not output_attentions:
+                return (output,)
+            return _transformers_attentions(output, attentions, global_attentions, attention_mask)
 
         # Our layer's helpers (_heads, _local_banded, _global_rows, ...), copied in rather than inherited:
         # transformers' __init__ calls super().__init__(), which must stay nn.Module's.

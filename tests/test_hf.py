@@ -13,6 +13,7 @@ import torch
 from hf_helpers import PAD, assert_close, hf_config, random_batch, random_hf_windows, randomize_, single_thread
 
 transformers = pytest.importorskip("transformers")
+import longformer_ops  # noqa: E402
 import longformer_ops.hf as hf  # noqa: E402
 from longformer_ops import kernels  # noqa: E402
 
@@ -31,14 +32,16 @@ def no_class_patch_left():
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """How many times our fused kernels ran."""
+    """Which of our kernels ran: "attention" (the fused local attention) or a band product's name."""
     calls = []
-    real = kernels._attention_kernel
-    monkeypatch.setattr(kernels, "_attention_kernel", lambda *args: calls.append(1) or real(*args))
+    fused, band = kernels._attention_kernel, kernels._band_kernel
+    monkeypatch.setattr(kernels, "_attention_kernel", lambda *args: calls.append("attention") or fused(*args))
+    monkeypatch.setattr(kernels, "_band_kernel", lambda op, *args: calls.append(op) or band(op, *args))
     return calls
 
 
 def _model(name, seed=0, layers=3):
+    """A tiny transformers ``name`` with per-layer windows and weights far from the init, in eval mode."""
     torch.manual_seed(seed)
     config = hf_config(random_hf_windows(seed, layers), num_labels=2 if name.endswith("QuestionAnswering") else 3)
     return randomize_(getattr(transformers, name)(config), seed).eval()
@@ -113,19 +116,129 @@ def test_patch_the_classes_for_models_built_later(kernel_calls):
     assert not kernel_calls
 
 
-def test_output_attentions_falls_back_with_a_warning(kernel_calls):
+def _attentions(model, inputs):
+    """``(last hidden state, local attentions, global attentions)`` of one ``output_attentions`` call."""
+    out = model(**inputs, output_attentions=True)
+    encoder = "encoder_" if hasattr(out, "encoder_attentions") else ""
+    return out[0], getattr(out, f"{encoder}attentions"), getattr(out, f"{encoder}global_attentions")
+
+
+@pytest.mark.parametrize("globals_per_example", [[2, 1, 0], [0, 0, 0]], ids=["globals", "no-globals"])
+def test_output_attentions_are_transformers_own(globals_per_example, kernel_calls):
+    """output_attentions=True runs on our band kernels (no fallback, no warning) and returns
+    transformers' local and global attention tensors, its filler rows included."""
     model = _model("LongformerModel")
-    inputs = _inputs("LongformerModel")
+    ids, attention_mask, global_mask = random_batch(1, [19, 11, 16], 97, globals_per_example)
+    inputs = dict(input_ids=ids, attention_mask=attention_mask, global_attention_mask=global_mask)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        expected = model(**inputs, output_attentions=True)
+        expected = _attentions(model, inputs)
     hf.patch(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="longformer_ops")
+        got = _attentions(model, inputs)
+    assert "qk" in kernel_calls and "pv" in kernel_calls, kernel_calls
+    real = attention_mask.bool()
+    assert_close(got[0][real], expected[0][real], ATOL, "hidden states")
+    if not any(globals_per_example):
+        assert got[2] is None and expected[2] is None
+    for kind, got_layers, expected_layers in (("local", got[1], expected[1]), ("global", got[2] or (), expected[2] or ())):
+        assert len(got_layers) == len(expected_layers)
+        for layer, (a, e) in enumerate(zip(got_layers, expected_layers, strict=True)):
+            assert_close(a, e, 1e-5, f"{kind} attentions of layer {layer}")
+
+
+def test_led_output_attentions(kernel_calls):
+    model = _led()
+    ids, attention_mask, global_mask = random_batch(3, [19, 12], 97, [2, 1])
+    inputs = dict(input_ids=ids, attention_mask=attention_mask, global_attention_mask=global_mask,
+                  decoder_input_ids=torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(4)))
+    expected = _attentions(model, inputs)
+    hf.patch(model)
+    got = _attentions(model, inputs)
+    assert "qk" in kernel_calls
+    assert_close(got[0], expected[0], ATOL, "LED logits")
+    for kind in (1, 2):
+        for layer, (a, e) in enumerate(zip(got[kind], expected[kind], strict=True)):
+            assert_close(a, e, 1e-5, f"LED encoder attentions {kind} of layer {layer}")
+
+
+def test_no_kernel_for_the_call_falls_back_with_one_warning(kernel_calls, monkeypatch):
+    """Without a usable kernel (here: the loader says none is built for this machine) the call runs
+    transformers' own code, warns once naming why, and gives its result."""
+    model = _model("LongformerForSequenceClassification")
+    inputs = _inputs("LongformerForSequenceClassification")
+    expected = _outputs(model, inputs)[0]
+    hf.patch(model)
+
+    def no_kernel(*args, **kwargs):
+        raise longformer_ops.KernelNotAvailableError("no prebuilt kernels for this test")
+
+    monkeypatch.setattr(kernels, "_library", no_kernel)
     hf._warned.clear()
-    with pytest.warns(UserWarning, match="output_attentions=True: this call runs transformers' own attention code"):
-        got = model(**inputs, output_attentions=True)
-    assert not kernel_calls
-    for a, e in zip(got.attentions, expected.attentions, strict=True):
-        assert torch.equal(a, e)
+    with pytest.warns(UserWarning, match="no kernel for this call .no prebuilt kernels for this test.: this call "
+                                         "runs transformers' own attention code") as caught:
+        with torch.no_grad():
+            got = model(**inputs)[0]
+            model(**inputs)
+    assert len([w for w in caught if "longformer_ops.hf" in str(w.message)]) == 1, "warned more than once"
+    assert torch.equal(got, expected)
+
+
+def test_unsupported_calls_are_named():
+    hidden = torch.zeros(1, 4, 8)
+    assert hf._unsupported_reason(hidden, {}) is None
+    assert hf._unsupported_reason(hidden, {"head_mask": None}) == "unsupported arguments ['head_mask']"
+    assert "hidden_states on meta" in hf._unsupported_reason(hidden.to("meta"), {})
+    assert "hidden_states in torch.complex64" in hf._unsupported_reason(hidden.to(torch.complex64), {})
+
+
+def test_attention_dropout_is_transformers(kernel_calls):
+    """In training the patched layers drop attention probabilities as transformers does: with
+    p = 1 nothing passes (the same outputs as transformers' own, exactly reachable); with p = 0.3
+    the kept ones are scaled by 1 / (1 - p), so the mean over draws is the undropped output."""
+    model = _model("LongformerModel", layers=2)
+    inputs = _inputs("LongformerModel")
+    for module in model.modules():
+        if hasattr(module, "one_sided_attn_window_size"):
+            module.dropout = 1.0
+    expected = _outputs(model, inputs, training=True)
+    hf.patch(model)
+    got = _outputs(model, inputs, training=True)
+    assert "attention" in kernel_calls
+    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(a, e, ATOL, f"p = 1: output/gradient {i}")
+
+    attention = model.encoder.layer[0].attention.self
+    hidden = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(3, 16)
+    mask[0, 3] = mask[2, 0] = 10000.0  # global tokens
+    mask[1, 12:] = -10000.0              # padding
+    attention.eval()
+    with torch.no_grad():
+        undropped = attention(hidden, mask)[0]
+        attention.train()
+        attention.dropout = 0.3
+        draws = torch.stack([attention(hidden, mask)[0] for _ in range(400)])
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], undropped)
+    sigma = draws.std(0) / 400**0.5
+    assert ((draws.mean(0) - undropped).abs() <= 5 * sigma + 1e-6).float().mean() > 0.999
+
+
+def test_autocast(kernel_calls):
+    """Under torch.autocast(bfloat16) the patched model errs against float32 at most twice as much
+    as transformers' own code under the same autocast (plus a few units roundoff)."""
+    model = _model("LongformerForSequenceClassification")
+    inputs = _inputs("LongformerForSequenceClassification")
+    exact = _outputs(model, inputs)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = _outputs(model, inputs)[0].float()
+        hf.patch(model)
+        ours = _outputs(model, inputs)[0].float()
+    assert "attention" in kernel_calls
+    error, their_error = ((x - exact).abs().max().item() for x in (ours, theirs))
+    unit = torch.finfo(torch.bfloat16).eps / 2
+    assert error <= 2 * their_error + 4 * unit * exact.abs().max().item(), (error, their_error)
 
 
 def _led():
@@ -139,30 +252,36 @@ def _led():
     return randomize_(transformers.LEDForConditionalGeneration(config), 0).eval()
 
 
-def test_led_encoder_is_patched(kernel_calls):
-    """LED (Longformer-Encoder-Decoder): its encoder's self-attention runs on our kernels, same outputs."""
+def _led_inputs(seed=3):
+    ids, attention_mask, global_mask = random_batch(seed, [19, 12], 97, [1, 1])
+    decoder_ids = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(seed + 1))
+    return dict(input_ids=ids, attention_mask=attention_mask, global_attention_mask=global_mask,
+                decoder_input_ids=decoder_ids)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_led_encoder_is_patched(training, kernel_calls):
+    """LED (Longformer-Encoder-Decoder): its encoder's self-attention runs on our kernels; the same
+    logits and, in training, the same gradient of every parameter."""
     model = _led()
-    ids, attention_mask, global_mask = random_batch(3, [19, 12], 97, [1, 1])
-    decoder_ids = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(4))
-    inputs = dict(input_ids=ids, attention_mask=attention_mask, global_attention_mask=global_mask,
-                  decoder_input_ids=decoder_ids)
-    with torch.no_grad():
-        expected = model(**inputs).logits
-        hf.patch(model)
-        got = model(**inputs).logits
-    assert kernel_calls
-    assert_close(got, expected, ATOL, "LED logits")
+    inputs = _led_inputs()
+    expected = _outputs(model, inputs, training)
+    hf.patch(model)
+    got = _outputs(model, inputs, training)
+    assert "attention" in kernel_calls
+    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(a, e, ATOL, f"LED logits/gradient {i}")
 
 
-def test_gradient_checkpointing(kernel_calls):
+@pytest.mark.parametrize("name", ["LongformerForSequenceClassification", "LEDForConditionalGeneration"])
+def test_gradient_checkpointing(name, kernel_calls):
     """gradient_checkpointing_enable(): the patched model's gradients are the unpatched model's."""
-    model = _model("LongformerForSequenceClassification")
+    model, inputs = (_led(), _led_inputs()) if name.startswith("LED") else (_model(name), _inputs(name))
     model.gradient_checkpointing_enable()
-    inputs = _inputs("LongformerForSequenceClassification")
     expected = _outputs(model, inputs, training=True)
     hf.patch(model)
     got = _outputs(model, inputs, training=True)
-    assert kernel_calls
+    assert "attention" in kernel_calls
     for i, (a, e) in enumerate(zip(got, expected, strict=True)):
         assert_close(a, e, ATOL, f"checkpointed output/gradient {i}")
 
