@@ -314,3 +314,87 @@ def test_led_generate_gives_the_same_tokens(kernel_calls):
     got = model.generate(ids, **options)
     assert kernel_calls
     assert torch.equal(got, expected), (got, expected)
+
+
+def test_save_pretrained_and_from_pretrained_with_the_classes_patched(tmp_path, kernel_calls):
+    """A patched model saves the checkpoint transformers saves (same keys and tensors; an unpatched
+    model loads it back), and with the classes patched, from_pretrained builds patched models."""
+    model = _model("LongformerForTokenClassification")
+    inputs = _inputs("LongformerForTokenClassification")
+    expected = _outputs(model, inputs)[0]
+    hf.patch(model).save_pretrained(tmp_path)
+    hf.unpatch(model)
+    plain = transformers.LongformerForTokenClassification.from_pretrained(tmp_path).eval()
+    assert not kernel_calls
+    assert {k: v for k, v in plain.state_dict().items()}.keys() == model.state_dict().keys()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in plain.state_dict().items())
+    hf.patch()
+    loaded = transformers.LongformerForTokenClassification.from_pretrained(tmp_path).eval()
+    got = _outputs(loaded, inputs)[0]
+    assert "attention" in kernel_calls
+    real = inputs["attention_mask"].bool()
+    assert_close(got[real], expected[real], ATOL, "from_pretrained with the classes patched")
+
+
+def test_peft_lora_model(kernel_calls):
+    """A PEFT (LoRA) model on query/value, patched through its wrapper: the same outputs and the same
+    gradients of the adapters (the only trainable parameters) as without the patch."""
+    peft = pytest.importorskip("peft")
+    model = _model("LongformerForSequenceClassification")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"],
+                                                      lora_dropout=0.0, init_lora_weights=False))
+    trainable = [name for name, p in lora.named_parameters() if p.requires_grad]
+    assert any("self.query.lora_A" in name for name in trainable), trainable
+    inputs = _inputs("LongformerForSequenceClassification")
+    expected = _outputs(lora, inputs, training=True)
+    keys = list(lora.state_dict())
+    assert hf.patch(lora) is lora
+    got = _outputs(lora, inputs, training=True)
+    assert "attention" in kernel_calls
+    assert list(lora.state_dict()) == keys
+    assert len(got) == len(expected) > 1
+    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(a, e, ATOL, f"LoRA logits/adapter gradient {i}")
+
+
+class _Documents(torch.utils.data.Dataset):
+    """A tiny in-memory classification set: padded token ids, attention and global masks, labels."""
+
+    def __init__(self, size=8):
+        ids, attention_mask, global_mask = random_batch(7, [19, 11, 16, 19, 8, 13, 19, 17][:size], 97, [1] * size)
+        labels = torch.arange(size) % 3
+        self.rows = [dict(input_ids=i, attention_mask=a, global_attention_mask=g, labels=y)
+                     for i, a, g, y in zip(ids, attention_mask, global_mask, labels, strict=True)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+
+def _train_with_trainer(model, output_dir):
+    """Six SGD steps of transformers.Trainer (on the CPU, batch 2, shuffled by its seed): the logged losses."""
+    arguments = transformers.TrainingArguments(
+        output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=2, learning_rate=0.05, optim="sgd",
+        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        disable_tqdm=True, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=_Documents())
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_trains_the_patched_model_as_the_unpatched_one(tmp_path, kernel_calls):
+    """transformers.Trainer runs a patched classifier like the unpatched one: the same loss at every
+    step and the same weights after six steps (dropout off, the same seed)."""
+    pytest.importorskip("accelerate")
+    model = _model("LongformerForSequenceClassification")
+    twin = _model("LongformerForSequenceClassification")
+    expected = _train_with_trainer(model, tmp_path / "transformers")
+    assert not kernel_calls
+    got = _train_with_trainer(hf.patch(twin), tmp_path / "patched")
+    assert "attention" in kernel_calls
+    assert len(got) == len(expected) == 6 and got[-1] != got[0], (got, expected)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-4)
+    for (name, p), q in zip(twin.named_parameters(), model.parameters(), strict=True):
+        assert_close(p.detach(), q.detach(), 1e-4, f"after training: {name}")
