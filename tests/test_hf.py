@@ -99,6 +99,22 @@ def test_patched_model_matches_transformers(name, training, kernel_calls):
     assert not kernel_calls, "unpatch left our kernels in place"
 
 
+def test_attention_mask_with_2_for_global(kernel_calls):
+    """transformers' older convention: one attention_mask with 0 padding, 1 local, 2 global (no
+    global_attention_mask); the patched model reads it as the unpatched one does."""
+    model = _model("LongformerForTokenClassification")
+    inputs = _inputs("LongformerForTokenClassification")
+    merged = inputs["attention_mask"] * (inputs.pop("global_attention_mask") + 1)
+    assert (merged == 2).sum() == 3
+    inputs["attention_mask"] = merged
+    expected = _outputs(model, inputs)[0]
+    hf.patch(model)
+    got = _outputs(model, inputs)[0]
+    assert "attention" in kernel_calls
+    real = merged.bool()
+    assert_close(got[real], expected[real], ATOL, "0/1/2 attention_mask")
+
+
 def test_patch_the_classes_for_models_built_later(kernel_calls):
     model = _model("LongformerModel")
     inputs = _inputs("LongformerModel")
