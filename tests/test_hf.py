@@ -68,6 +68,24 @@ def _outputs(model, inputs, training=False):
     return [first.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+def _assert_patch_keeps_outputs(model, inputs, training, kernel_calls, what, atol=ATOL):
+    """Patch ``model`` in place and check that it ran our fused kernels and kept its state-dict keys,
+    its outputs (per-token outputs: at real tokens) and, in training, every parameter's gradient."""
+    expected = _outputs(model, inputs, training)
+    keys = list(model.state_dict())
+    assert not kernel_calls
+    assert hf.patch(model) is model
+    got = _outputs(model, inputs, training)
+    assert "attention" in kernel_calls, f"{what}: the patched model did not run our fused kernels"
+    assert list(model.state_dict()) == keys
+    real = inputs["attention_mask"].bool()
+    if got[0].shape[:real.dim()] == real.shape:
+        got[0], expected[0] = got[0][real], expected[0][real]
+    assert len(got) == len(expected) > training
+    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(a, e, atol, f"{what}: output/gradient {i}")
+
+
 def test_import_does_not_import_transformers():
     code = "import sys, longformer_ops; assert 'transformers' not in sys.modules, 'transformers was imported'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -79,20 +97,8 @@ def test_import_does_not_import_transformers():
 def test_patched_model_matches_transformers(name, training, kernel_calls):
     """Padding, global tokens (and an example without any), per-layer windows: the outputs (and in
     training every parameter's gradient) of the patched model are the unpatched model's."""
-    model = _model(name)
-    inputs = _inputs(name)
-    expected = _outputs(model, inputs, training)
-    keys = list(model.state_dict())
-    assert hf.patch(model) is model
-    assert not kernel_calls
-    got = _outputs(model, inputs, training)
-    assert kernel_calls, "the patched model did not run our kernels"
-    assert list(model.state_dict()) == keys
-    real = inputs["attention_mask"].bool()
-    if got[0].shape[:real.dim()] == real.shape:
-        got[0], expected[0] = got[0][real], expected[0][real]  # per-token outputs: the real tokens only
-    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(a, e, ATOL, f"{name} output/gradient {i}")
+    model, inputs = _model(name), _inputs(name)
+    _assert_patch_keeps_outputs(model, inputs, training, kernel_calls, name)
     hf.unpatch(model)
     kernel_calls.clear()
     _outputs(model, inputs, training)
@@ -107,12 +113,7 @@ def test_attention_mask_with_2_for_global(kernel_calls):
     merged = inputs["attention_mask"] * (inputs.pop("global_attention_mask") + 1)
     assert (merged == 2).sum() == 3
     inputs["attention_mask"] = merged
-    expected = _outputs(model, inputs)[0]
-    hf.patch(model)
-    got = _outputs(model, inputs)[0]
-    assert "attention" in kernel_calls
-    real = merged.bool()
-    assert_close(got[real], expected[real], ATOL, "0/1/2 attention_mask")
+    _assert_patch_keeps_outputs(model, inputs, False, kernel_calls, "0/1/2 attention_mask")
 
 
 def test_patch_the_classes_for_models_built_later(kernel_calls):
@@ -218,12 +219,7 @@ def test_attention_dropout_is_transformers(kernel_calls):
     for module in model.modules():
         if hasattr(module, "one_sided_attn_window_size"):
             module.dropout = 1.0
-    expected = _outputs(model, inputs, training=True)
-    hf.patch(model)
-    got = _outputs(model, inputs, training=True)
-    assert "attention" in kernel_calls
-    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(a, e, ATOL, f"p = 1: output/gradient {i}")
+    _assert_patch_keeps_outputs(model, inputs, True, kernel_calls, "attention dropout p = 1")
 
     attention = model.encoder.layer[0].attention.self
     hidden = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(2))
@@ -279,14 +275,7 @@ def _led_inputs(seed=3):
 def test_led_encoder_is_patched(training, kernel_calls):
     """LED (Longformer-Encoder-Decoder): its encoder's self-attention runs on our kernels; the same
     logits and, in training, the same gradient of every parameter."""
-    model = _led()
-    inputs = _led_inputs()
-    expected = _outputs(model, inputs, training)
-    hf.patch(model)
-    got = _outputs(model, inputs, training)
-    assert "attention" in kernel_calls
-    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(a, e, ATOL, f"LED logits/gradient {i}")
+    _assert_patch_keeps_outputs(_led(), _led_inputs(), training, kernel_calls, "LED")
 
 
 @pytest.mark.parametrize("name", ["LongformerForSequenceClassification", "LEDForConditionalGeneration"])
@@ -294,12 +283,7 @@ def test_gradient_checkpointing(name, kernel_calls):
     """gradient_checkpointing_enable(): the patched model's gradients are the unpatched model's."""
     model, inputs = (_led(), _led_inputs()) if name.startswith("LED") else (_model(name), _inputs(name))
     model.gradient_checkpointing_enable()
-    expected = _outputs(model, inputs, training=True)
-    hf.patch(model)
-    got = _outputs(model, inputs, training=True)
-    assert "attention" in kernel_calls
-    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(a, e, ATOL, f"checkpointed output/gradient {i}")
+    _assert_patch_keeps_outputs(model, inputs, True, kernel_calls, f"{name}, checkpointed")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -355,22 +339,14 @@ def test_save_pretrained_and_from_pretrained_with_the_classes_patched(tmp_path, 
 def test_peft_lora_model(kernel_calls):
     """A PEFT (LoRA) model on query/value, patched through its wrapper: the same outputs and the same
     gradients of the adapters (the only trainable parameters) as without the patch."""
-    peft = pytest.importorskip("peft")
+    import peft  # a test dependency (pyproject.toml)
+
     model = _model("LongformerForSequenceClassification")
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"],
                                                       lora_dropout=0.0, init_lora_weights=False))
     trainable = [name for name, p in lora.named_parameters() if p.requires_grad]
     assert any("self.query.lora_A" in name for name in trainable), trainable
-    inputs = _inputs("LongformerForSequenceClassification")
-    expected = _outputs(lora, inputs, training=True)
-    keys = list(lora.state_dict())
-    assert hf.patch(lora) is lora
-    got = _outputs(lora, inputs, training=True)
-    assert "attention" in kernel_calls
-    assert list(lora.state_dict()) == keys
-    assert len(got) == len(expected) > 1
-    for i, (a, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(a, e, ATOL, f"LoRA logits/adapter gradient {i}")
+    _assert_patch_keeps_outputs(lora, _inputs("LongformerForSequenceClassification"), True, kernel_calls, "LoRA")
 
 
 class _Documents(torch.utils.data.Dataset):
@@ -403,7 +379,6 @@ def _train_with_trainer(model, output_dir):
 def test_trainer_trains_the_patched_model_as_the_unpatched_one(tmp_path, kernel_calls):
     """transformers.Trainer runs a patched classifier like the unpatched one: the same loss at every
     step and the same weights after six steps (dropout off, the same seed)."""
-    pytest.importorskip("accelerate")
     model = _model("LongformerForSequenceClassification")
     twin = _model("LongformerForSequenceClassification")
     expected = _train_with_trainer(model, tmp_path / "transformers")
