@@ -19,6 +19,8 @@ training mode, with transformers' default dropout 0.1). Writes ``<out>/<cpu>-hf-
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import random
 import statistics
 import sys
@@ -95,11 +97,15 @@ def _peak_child(seq_len: int, layers: int, method: str, step: str, connection) -
     try:
         model, inputs = build(seq_len, layers)
         use(model, method)
-        # Warm-up on a short prefix: libraries load, the allocator warms up, at little memory.
+        # Warm-up on a short prefix: libraries load. What it freed goes back to the system (our output
+        # cache, then glibc's free lists), so that the measured call's memory counts as in a fresh process.
         runner(model, {key: value[:, :WARM_UP_TOKENS] for key, value in inputs.items()}, step)()
         import longformer_ops
 
+        model.zero_grad(set_to_none=True)
         longformer_ops.empty_cache()
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as handle:  # reset VmHWM to the current RSS
             handle.write("5")
         before = _rss_kib("VmRSS")
