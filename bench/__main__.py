@@ -64,10 +64,13 @@ def parse_args(argv):
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--ops", type=_names(methods.ALL_OPS), default=list(methods.OPS))
     parser.add_argument("--passes", type=_names(("forward", "forward+backward")), default=["forward", "forward+backward"])
-    parser.add_argument("--methods", type=_names(methods.METHODS), default=list(methods.METHODS))
+    parser.add_argument("--methods", type=_names(methods.ALL_METHODS), default=None,
+                        help=f"default: {','.join(methods.METHODS)}; with --ops poolingformer, "
+                             f"{','.join(methods.POOLINGFORMER_METHODS)}")
     parser.add_argument("--dilated-ops", type=_names(methods.ALL_OPS), default=list(methods.OPS),
                         help="ops that also run the dilated configurations (others run dilation 1 only)")
-    parser.add_argument("--backward-ops", type=_names(methods.ALL_OPS), default=["local_attention", "layer"],
+    parser.add_argument("--backward-ops", type=_names(methods.ALL_OPS),
+                        default=["local_attention", "layer", "poolingformer"],
                         help="ops that also run forward+backward when --passes has it (others: forward only)")
     parser.add_argument("--dilated-passes", type=_names(("forward", "forward+backward")), default=["forward"],
                         help="passes that also run the dilated configurations")
@@ -81,6 +84,7 @@ def parse_args(argv):
     parser.add_argument("--name", default=None, help="results file stem (default: the device name)")
     args = parser.parse_args(argv)
     args.dilation = args.dilation or ["1", DILATED]
+    args.methods = args.methods or methods.default_methods(args.ops)
     return args
 
 

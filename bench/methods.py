@@ -10,6 +10,10 @@ Levels (``op``):
   global token (position 0, as a classifier's ``<s>``): its five projections, local and global
   attention; forward in eval mode, forward+backward in training mode with Hugging Face's default
   attention dropout 0.1. Not in the default ``--ops`` (``--ops layer``).
+- ``poolingformer``: one :class:`longformer_ops.PoolingformerSelfAttention` set up as the layer, plus
+  its level 2 (LDConv pooling, kernel = stride = 4, one-sided window ``POOLING_WINDOW_FACTOR x w``)
+  against the Longformer layer with that wider window (``longformer_w2``: the same receptive field)
+  and against its dense reference (``full``: both levels dense). Not in the default ``--ops``.
 
 Methods: ``tvm`` (ours; local attention is :func:`longformer_ops.sliding_window_attention`: the
 fused kernels on CPU, for inference and for training; the layer in its ``tvm`` mode), ``tvm_out`` (ours, forward only,
@@ -30,7 +34,8 @@ import math
 
 import torch
 
-from longformer_ops import AttentionMode, LongformerConfig, LongformerSelfAttention, diagonaled_mm, sliding_window_attention
+from longformer_ops import (AttentionMode, LongformerConfig, LongformerSelfAttention, PoolingConfig,
+                            PoolingformerSelfAttention, diagonaled_mm, sliding_window_attention)
 from longformer_ops.diagonaled import transposed_product
 from longformer_ops.layer import band_key_mask
 from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
@@ -39,13 +44,26 @@ METHODS = ("tvm", "tvm_out", "full", "sdpa", "sliding_chunks", "flex")
 OURS = ("tvm", "tvm_out")
 COMPILES_PER_SHAPE = {"flex"}  # its first call at a new length compiles
 OPS = ("qk_band", "pv_band", "transposed_band", "local_attention")  # the default --ops
-ALL_OPS = OPS + ("layer",)
+ALL_OPS = OPS + ("layer", "poolingformer")
+ALL_METHODS = METHODS + ("longformer_w2",)
 LAYER_METHODS = {"tvm": AttentionMode.TVM, "sliding_chunks": AttentionMode.SLIDING_CHUNKS, "full": AttentionMode.FULL}
+POOLINGFORMER_METHODS = ("tvm", "full", "longformer_w2")
+POOLING_WINDOW_FACTOR, POOLING_STRIDE = 4, 4  # level 2's window (x the layer's w), its pooling kernel and stride
+
+
+def default_methods(ops) -> list[str]:
+    """The methods ``--ops`` compare when ``--methods`` is not given."""
+    chosen = [m for op in ops for m in (POOLINGFORMER_METHODS if op == "poolingformer" else METHODS)]
+    return list(dict.fromkeys(chosen))
 
 
 def unsupported_reason(method: str, op: str, backward: bool, dilation: tuple[int, ...], device: str) -> str | None:
     if op == "layer" and method not in LAYER_METHODS:
         return f"the layer's attention modes are {', '.join(LAYER_METHODS)}"
+    if op == "poolingformer" and method not in POOLINGFORMER_METHODS:
+        return f"the Poolingformer layer is compared as {', '.join(POOLINGFORMER_METHODS)}"
+    if method == "longformer_w2" and op != "poolingformer":
+        return "the wide-window Longformer layer is the Poolingformer's yardstick only"
     if method == "tvm_out" and backward:
         return "out= is forward only (not differentiable)"
     if method in ("sdpa", "flex") and op != "local_attention":
@@ -70,10 +88,13 @@ def band_flops(batch: int, seq_len: int, heads: int, head_dim: int, w: int) -> f
 def useful_flops(op: str, backward: bool, batch, seq_len, heads, head_dim, w) -> float:
     """Band products the op needs (2 for attention; the layer adds its five n x hidden x hidden
     projections), x3 with backward (each product has two adjoints)."""
-    products = 2 if op in ("local_attention", "layer") else 1
+    products = 2 if op in ("local_attention", "layer", "poolingformer") else 1
     flops = band_flops(batch, seq_len, heads, head_dim, w) * products
-    if op == "layer":
+    if op in ("layer", "poolingformer"):
         flops += 5 * 2.0 * batch * seq_len * (heads * head_dim) ** 2
+    if op == "poolingformer":  # level 2: three more projections and two products over its band of pools
+        flops += 3 * 2.0 * batch * seq_len * (heads * head_dim) ** 2
+        flops += 2 * band_flops(batch, seq_len, heads, head_dim, POOLING_WINDOW_FACTOR * w // POOLING_STRIDE)
     return flops * (3 if backward else 1)
 
 
@@ -234,6 +255,34 @@ def layer(method: str, x, w: int, dilation, buffers=None):
     return module(x, mask)[0]
 
 
+@functools.lru_cache(maxsize=4)
+def _poolingformer_module(method: str, heads: int, head_dim: int, w: int, dilation: tuple[int, ...], dtype,
+                          device: str, training: bool) -> LongformerSelfAttention:
+    torch.manual_seed(0)
+    wide = method == "longformer_w2"
+    config = LongformerConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_hidden_layers=1,
+                              attention_window=POOLING_WINDOW_FACTOR * w if wide else w,
+                              attention_dilation=[list(dilation)], attention_probs_dropout_prob=0.1,
+                              attention_mode=AttentionMode.FULL if method == "full" else AttentionMode.TVM,
+                              pooling=None if wide else PoolingConfig(window=POOLING_WINDOW_FACTOR * w,
+                                                                      kernel_size=POOLING_STRIDE,
+                                                                      stride=POOLING_STRIDE, kind="ldconv"))
+    module = LongformerSelfAttention(config, 0) if wide else PoolingformerSelfAttention(config, 0)
+    return module.to(dtype=dtype, device=device).train(training)
+
+
+def poolingformer(method: str, x, w: int, dilation, buffers=None):
+    """One Poolingformer layer (or, ``longformer_w2``, the Longformer layer with its level-2 window)
+    on hidden states ``[b, n, hidden]``, token 0 global, as :func:`layer`."""
+    b, n, hidden = x.shape
+    heads = len(dilation)
+    module = _poolingformer_module(method, heads, hidden // heads, w, tuple(dilation), x.dtype, x.device.type,
+                                   x.requires_grad)
+    mask = torch.zeros(b, n, device=x.device)
+    mask[:, 0] = 1
+    return module(x, mask)[0]
+
+
 def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requires_grad: bool, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
 
@@ -243,7 +292,7 @@ def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requ
 
     if op == "qk_band":
         return tensor(batch, seq_len, heads, head_dim), tensor(batch, seq_len, heads, head_dim)
-    if op == "layer":
+    if op in ("layer", "poolingformer"):
         return (tensor(batch, seq_len, heads * head_dim),)
     if op in ("pv_band", "transposed_band"):
         probs = torch.softmax(torch.randn(batch, seq_len, heads, 2 * w + 1, generator=generator), -1)
@@ -254,7 +303,7 @@ def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requ
 def runner(op: str, method: str, inputs, w: int, dilation, backward: bool):
     """A no-argument callable doing one forward (and backward) of ``op`` with ``method``."""
     function = {"qk_band": qk_band, "pv_band": pv_band, "transposed_band": transposed_band,
-                "local_attention": local_attention, "layer": layer}[op]
+                "local_attention": local_attention, "layer": layer, "poolingformer": poolingformer}[op]
 
     buffers = {} if method == "tvm_out" else None
 

@@ -109,7 +109,9 @@ def read_csv(path: Path) -> list[dict]:
 METHOD_COLOURS = {"tvm": "tab:blue", "tvm_out": "tab:cyan", "full": "tab:orange", "sdpa": "tab:green",
                   "sliding_chunks": "tab:red", "flex": "tab:purple",
                   # bench.hf_model: transformers' model as it is (sliding chunks), and patched onto our kernels
-                  "transformers": "tab:red", "patched": "tab:blue"}
+                  "transformers": "tab:red", "patched": "tab:blue",
+                  # --ops poolingformer: the Longformer layer with the Poolingformer's level-2 window
+                  "longformer_w2": "tab:brown"}
 
 
 def plot_title(device_name: str, rows: list[dict]) -> str:

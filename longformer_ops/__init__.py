@@ -12,11 +12,12 @@ which ``torch.compile`` and ``torch.export`` trace. Plain-PyTorch references liv
 from longformer_ops._loader import KernelNotAvailableError, StaleKernelError
 from longformer_ops._output_cache import empty_cache
 from longformer_ops.attention import sliding_window_attention
-from longformer_ops.config import AttentionMode, LongformerConfig
+from longformer_ops.config import AttentionMode, LongformerConfig, PoolingConfig
 from longformer_ops.diagonaled import diagonaled_mm, mask_invalid_locations
-from longformer_ops.layer import LongformerSelfAttention
+from longformer_ops.layer import LongformerSelfAttention, PoolingformerSelfAttention
 from longformer_ops.model import LongformerForMaskedLM, LongformerModel, from_hf_pretrained
 
 __all__ = ["diagonaled_mm", "mask_invalid_locations", "sliding_window_attention", "empty_cache", "KernelNotAvailableError",
-           "StaleKernelError", "LongformerConfig", "AttentionMode", "LongformerSelfAttention", "LongformerModel",
+           "StaleKernelError", "LongformerConfig", "PoolingConfig", "AttentionMode", "LongformerSelfAttention",
+           "PoolingformerSelfAttention", "LongformerModel",
            "LongformerForMaskedLM", "from_hf_pretrained"]

@@ -3,7 +3,7 @@
 RoBERTa-style fields (the names of Hugging Face's ``LongformerConfig``) plus
 Longformer's own: a ONE-SIDED ``attention_window`` per layer (Hugging Face's is
 two-sided: HF 512 == 256 here), ``attention_dilation`` per layer (and per head),
-``autoregressive`` and ``attention_mode``. Every invalid value or combination is
+``autoregressive``, ``attention_mode`` and (Poolingformer) ``pooling``. Every invalid value or combination is
 rejected when the config is built, with a message naming the field.
 
     cfg = LongformerConfig(hidden_size=768, num_attention_heads=12, attention_window=256)
@@ -21,6 +21,8 @@ from typing import Any
 
 # Activations the feed-forward block accepts (Hugging Face's names; "gelu" is the exact erf form).
 HIDDEN_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh")
+# How Poolingformer's second level compresses keys and values (longformer_ops.pooling.pool_sequence).
+POOLING_KINDS = ("mean", "max", "ldconv")
 
 
 class AttentionMode(str, enum.Enum):
@@ -53,6 +55,37 @@ def _per_layer(name: str, value, layers: int) -> list:
 
 
 @dataclass
+class PoolingConfig:
+    """Poolingformer's second level (:class:`longformer_ops.PoolingformerSelfAttention`) and where it runs.
+
+    ``window``: ONE-SIDED, in tokens: query ``i`` attends to the pools whose centres lie within
+    ``window`` of ``i`` (the paper's two-sided w2 = 512 is 256 here). Pool ``j`` covers the
+    ``kernel_size`` positions from ``j * stride``; ``kind`` is ``"mean"``, ``"max"`` or
+    ``"ldconv"`` (lightweight dynamic convolution), the three the paper compares. ``layers``: the
+    layers that are Poolingformer layers; None means the top quarter of the encoder (at least one),
+    the paper's best setting. The others stay Longformer layers.
+    """
+
+    window: int = 256
+    kernel_size: int = 4
+    stride: int = 4
+    kind: str = "mean"
+    layers: list[int] | None = None
+
+    def __post_init__(self):
+        for name, low in (("window", 0), ("kernel_size", 1), ("stride", 1)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ValueError(f"pooling {name} must be an int >= {low}, got {value!r}")
+        if self.kind not in POOLING_KINDS:
+            raise ValueError(f"pooling kind must be one of {POOLING_KINDS}, got {self.kind!r}")
+        if self.layers is not None:
+            if not isinstance(self.layers, (list, tuple)) or not all(_is_int(i) for i in self.layers):
+                raise TypeError(f"pooling layers must be a list of layer indices or None, got {self.layers!r}")
+            self.layers = sorted(set(int(i) for i in self.layers))
+
+
+@dataclass
 class LongformerConfig:
     """Configuration of :class:`LongformerModel` / :class:`LongformerForMaskedLM`.
 
@@ -82,6 +115,8 @@ class LongformerConfig:
     attention_dilation: int | list[int | list[int]] = 1
     autoregressive: bool = False                     # keys only at or before the query (global ones too)
     attention_mode: AttentionMode = AttentionMode.TVM
+    # Poolingformer: a PoolingConfig (or its dict) makes some layers (default: the top quarter) two-level
+    pooling: PoolingConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -135,6 +170,17 @@ class LongformerConfig:
                                  f"{heads} (num_attention_heads) ints >= 1, got {d!r}")
             self.attention_dilation[i] = list(map(int, d)) if isinstance(d, (list, tuple)) else int(d)
 
+        if isinstance(self.pooling, dict):
+            self.pooling = PoolingConfig(**self.pooling)
+        if self.pooling is not None:
+            if not isinstance(self.pooling, PoolingConfig):
+                raise TypeError(f"pooling must be a PoolingConfig, its dict, or None, got {self.pooling!r}")
+            if self.pooling.layers is None:  # the top quarter, as the paper found best
+                self.pooling = dataclasses.replace(self.pooling, layers=list(range(layers - max(1, layers // 4), layers)))
+            outside = [i for i in self.pooling.layers if not 0 <= i < layers]
+            if outside:
+                raise ValueError(f"pooling layers must be in [0, num_hidden_layers={layers}), got {outside}")
+
         if self.attention_mode is AttentionMode.SLIDING_CHUNKS:
             where = "attention_mode='sliding_chunks' (use 'tvm' or 'full')"
             if self.autoregressive:
@@ -155,6 +201,10 @@ class LongformerConfig:
         """Per-head dilations of ``layer``: a tuple of ``num_attention_heads`` ints."""
         d = self.attention_dilation[layer]
         return tuple(d) if isinstance(d, list) else (d,) * self.num_attention_heads
+
+    def is_pooling_layer(self, layer: int) -> bool:
+        """Whether ``layer`` is a Poolingformer layer (two-level attention)."""
+        return self.pooling is not None and layer in self.pooling.layers
 
     def replace(self, **changes) -> LongformerConfig:
         """A validated copy with some fields changed (e.g. ``attention_mode``)."""
@@ -197,6 +247,8 @@ class LongformerConfig:
             raise ValueError("to_hf: transformers' Longformer has no autoregressive attention, got autoregressive=True")
         if 0 in self.attention_window:
             raise ValueError(f"to_hf: transformers needs windows >= 1, got attention_window={self.attention_window!r}")
+        if self.pooling is not None:
+            raise ValueError("to_hf: transformers has no Poolingformer layers, got pooling=" + repr(self.pooling))
         import transformers  # lazily: only this conversion needs it
 
         kwargs = {name: getattr(self, name) for name in self._HF_FIELDS}

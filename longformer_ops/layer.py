@@ -1,4 +1,5 @@
-"""``LongformerSelfAttention``: sliding-window attention with global tokens, on the banded kernels.
+"""``LongformerSelfAttention``: sliding-window attention with global tokens, on the banded kernels;
+``PoolingformerSelfAttention`` (at the end): the same plus Poolingformer's pooling attention.
 
 What it computes (the original authors' and Hugging Face's definition):
 
@@ -32,7 +33,8 @@ from torch import nn
 from longformer_ops.attention import fill_band_at_keys_, sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.diagonaled import diagonaled_mm
-from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
+from longformer_ops.pooling import pool_centres, pool_sequence, pooling_attention
+from longformer_ops.reference import key_positions, pooling_attention_reference, sliding_chunks_pv, sliding_chunks_qk
 
 
 @dataclass
@@ -303,3 +305,75 @@ class LongformerSelfAttention(nn.Module):
         probs = nn.functional.dropout(probs, p=self.dropout, training=self.training)
         context = torch.einsum("bhgn,bnhd->bghd", probs, v)                                           # [b, g, h, d]
         return context.reshape(b, -1, hidden), probs
+
+
+class PoolingformerSelfAttention(LongformerSelfAttention):
+    """Poolingformer's two-level attention (Zhang et al., 2021): this layer's Longformer attention
+    (level 1, everything of :class:`LongformerSelfAttention`: global tokens, dilation, causal),
+    then pooling attention over a wider window on level 1's output (level 2); returns their sum.
+
+    Level 2 (``config.pooling``, a :class:`longformer_ops.config.PoolingConfig`): from level 1's
+    output ``y``, queries ``query2(y)``, and keys and values ``key2(y)``, ``value2(y)`` pooled along
+    the sequence (:func:`longformer_ops.pooling.pool_sequence`: kernel ``kernel_size``, stride
+    ``stride``, padding left out of every pool); each query attends to the pools whose centres lie
+    within ``window`` tokens of it (:func:`longformer_ops.pooling.pooling_attention`, on the
+    local-attention kernels). Choices where the paper leaves details open:
+
+    - level 2 has no global tokens of its own (global tokens are level 1's) and runs for every
+      query, global ones included; rows of padding queries stay 0;
+    - causal (``autoregressive``): a query sees only pools that end at or before it;
+    - LDConv: one map ``ldconv`` (hidden -> heads x kernel_size) reads the input ``y`` at each
+      pool's centre token; a softmax over the pool's positions gives one weight per position and
+      head, shared by the head's channels and by the keys' and the values' pools;
+    - level 2's attention dropout is the layer's (``attention_probs_dropout_prob``);
+    - level 2 runs on the kernels in the ``tvm`` and ``sliding_chunks`` modes; the ``full`` mode
+      (the reference) computes it densely (:func:`longformer_ops.reference.pooling_attention_reference`);
+    - ``output_attentions`` returns level 1's attentions only.
+
+    Parameters beyond :class:`LongformerSelfAttention`'s: ``query2``, ``key2``, ``value2`` (and
+    ``ldconv`` for that kind), named so that a Longformer checkpoint loads into the rest.
+    """
+
+    def __init__(self, config: LongformerConfig, layer_id: int):
+        super().__init__(config, layer_id)
+        if config.pooling is None:
+            raise ValueError("PoolingformerSelfAttention needs config.pooling (a PoolingConfig), got None")
+        pooling = config.pooling
+        self.pooling_window, self.pooling_kind = pooling.window, pooling.kind
+        self.pooling_kernel_size, self.pooling_stride = pooling.kernel_size, pooling.stride
+        hidden = config.hidden_size
+        self.query2 = nn.Linear(hidden, hidden)
+        self.key2 = nn.Linear(hidden, hidden)
+        self.value2 = nn.Linear(hidden, hidden)
+        self.ldconv = nn.Linear(hidden, self.num_heads * pooling.kernel_size) if pooling.kind == "ldconv" else None
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, pooling={self.pooling_kind}(kernel_size={self.pooling_kernel_size}, "
+                f"stride={self.pooling_stride}), pooling_window={self.pooling_window}")
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                output_attentions: bool = False):
+        y, attentions, global_attentions = super().forward(hidden_states, attention_mask, output_attentions)
+        return y + self.pooling_level(y, None if attention_mask is None else attention_mask < 0), \
+            attentions, global_attentions
+
+    def pooling_level(self, y: torch.Tensor, is_padding: torch.Tensor | None) -> torch.Tensor:
+        """Level 2 on ``y [b, n, hidden]`` (``is_padding [b, n]`` bool or None): ``[b, n, hidden]``."""
+        b, n, hidden = y.shape
+        k, s = self.pooling_kernel_size, self.pooling_stride
+        logits = None
+        if self.ldconv is not None:
+            centres = pool_centres(n, k, s).to(y.device)
+            logits = self.ldconv(y[:, centres]).view(b, -1, self.num_heads, k)  # [b, m, h, k]
+        pooled_k, valid = pool_sequence(self._heads(self.key2(y)), k, s, self.pooling_kind, is_padding, logits)
+        pooled_v, _ = pool_sequence(self._heads(self.value2(y)), k, s, self.pooling_kind, is_padding, logits)
+        q = self._heads(self.query2(y))
+        dropout_p = self.dropout if self.training else 0.0
+        if self.attention_mode is AttentionMode.FULL:  # the dense reference, as level 1 in this mode
+            z = pooling_attention_reference(q, pooled_k, pooled_v, self.pooling_window, k, s, valid, self.autoregressive,
+                                            dropout_p=dropout_p)
+        else:
+            z = pooling_attention(q, pooled_k, pooled_v, self.pooling_window, k, s, pool_valid=valid,
+                                  autoregressive=self.autoregressive, dropout_p=dropout_p)
+        z = z.reshape(b, n, hidden)
+        return z if is_padding is None else z.masked_fill(is_padding[..., None], 0)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from longformer_ops.config import AttentionMode, LongformerConfig
-from longformer_ops.layer import LongformerSelfAttention
+from longformer_ops.layer import LongformerSelfAttention, PoolingformerSelfAttention
 
 _ACTIVATIONS = {  # Hugging Face's names (ACT2FN) -> a fresh module
     "gelu": nn.GELU,
@@ -118,7 +118,8 @@ class _DenseResidualNorm(nn.Module):
 class LongformerAttention(nn.Module):
     def __init__(self, config: LongformerConfig, layer_id: int):
         super().__init__()
-        self.self = LongformerSelfAttention(config, layer_id)
+        attention = PoolingformerSelfAttention if config.is_pooling_layer(layer_id) else LongformerSelfAttention
+        self.self = attention(config, layer_id)
         self.output = _DenseResidualNorm(config, config.hidden_size)
 
     def forward(self, x, attention_mask, output_attentions=False):
@@ -296,6 +297,7 @@ class LongformerForMaskedLM(_PreTrained):
 _TIED = (("lm_head.decoder.weight", "longformer.embeddings.word_embeddings.weight"),
          ("lm_head.decoder.bias", "lm_head.bias"))
 _IGNORED_SUFFIXES = ("embeddings.position_ids",)  # a buffer some older checkpoints saved
+_LEVEL2_PARAMETERS = ("query2", "key2", "value2", "ldconv")  # PoolingformerSelfAttention's own modules
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -332,7 +334,10 @@ def from_hf_pretrained(path, model_class: type | None = None, *, dtype: torch.dt
     the MaskedLM when the checkpoint has an ``lm_head``. A base model can be loaded from a MaskedLM
     checkpoint (its pooler, absent there, keeps a fresh initialisation, with a warning).
     ``config_overrides`` change config fields, e.g. ``attention_mode="sliding_chunks"``;
-    the default mode is the TVM kernels. Returns the model in eval mode.
+    the default mode is the TVM kernels. With ``pooling=PoolingConfig(...)`` (or its dict) a
+    Longformer checkpoint loads into a Poolingformer: its layers keep their Longformer weights and
+    the second level's (``query2``, ``key2``, ``value2``, ``ldconv``) start fresh, named in a
+    warning. Returns the model in eval mode.
     """
     directory = Path(path)
     config_file = directory / "config.json"
@@ -358,14 +363,19 @@ def from_hf_pretrained(path, model_class: type | None = None, *, dtype: torch.dt
             state[alias] = state[source]
 
     missing, unexpected = model.load_state_dict(state, strict=False)
-    fresh = [k for k in missing if k.startswith("pooler.")]
-    missing = [k for k in missing if k not in fresh]
+    fresh_pooler = [k for k in missing if k.startswith("pooler.")]
+    # Poolingformer layers on a Longformer checkpoint: level 2 starts fresh, as in the paper.
+    fresh_level2 = [k for k in missing if ".attention.self." in k and k.split(".")[-2] in _LEVEL2_PARAMETERS]
+    missing = [k for k in missing if k not in fresh_pooler and k not in fresh_level2]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {directory} does not match {model_class.__name__}: "
                            f"missing {missing}, unexpected {unexpected}")
-    if fresh:
+    if fresh_pooler:
         warnings.warn(f"{directory} has no pooler weights (a MaskedLM checkpoint?): pooler left at its "
                       f"initialisation", stacklevel=2)
+    if fresh_level2:
+        warnings.warn(f"Some weights of {model_class.__name__} were not in the checkpoint {directory} and are newly "
+                      f"initialized (Poolingformer's level 2; train them before use): {fresh_level2}", stacklevel=2)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()

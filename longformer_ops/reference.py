@@ -8,6 +8,8 @@
   algorithm (Hugging Face's), dense einsums over overlapping chunks of 2w.
   No dilation, no autoregressive mode; the layer's pure-PyTorch fallback and a
   benchmark baseline.
+- :func:`pool_sequence_reference` / :func:`pooling_attention_reference`: Poolingformer's second
+  level, pools built one by one and dense attention with an explicit mask.
 
 Layout ``[batch, seq, heads, features]``; band tensors ``[batch, seq, heads, c]``
 with ``c = 2w + 1`` (``w + 1`` when autoregressive).
@@ -236,3 +238,52 @@ def sliding_chunks_pv(probs: torch.Tensor, v: torch.Tensor, w: int) -> torch.Ten
     vc = vp.as_strided((bh, blocks, 3 * w, f), (vp.stride(0), w * vp.stride(1), vp.stride(1), vp.stride(2)))
     context = torch.einsum("bcxy,bcyf->bcxf", skewed, vc)  # [bh, blocks, w, f]
     return context.reshape(b, h, np_, f)[:, :, :n].transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------- Poolingformer's level 2
+def pool_sequence_reference(x, kernel_size: int, stride: int, kind: str, is_padding=None, ldconv_logits=None):
+    """Pools built one at a time: ``([b, m, h, d], valid [b, m])`` as :func:`longformer_ops.pooling.pool_sequence`
+    defines them (positions ``j * stride + i``, ``i < kernel_size``, inside the sequence and not padding)."""
+    b, n, h, d = x.shape
+    m = -(-n // stride)
+    rows, valid = [], torch.zeros(b, m, dtype=torch.bool)
+    for example in range(b):
+        pools = []
+        for j in range(m):
+            offsets = [i for i in range(kernel_size) if j * stride + i < n
+                       and (is_padding is None or not bool(is_padding[example, j * stride + i]))]
+            if not offsets:
+                pools.append(x.new_zeros(h, d))
+                continue
+            valid[example, j] = True
+            window = x[example, [j * stride + i for i in offsets]]                  # [len, h, d]
+            if kind == "mean":
+                pools.append(window.mean(0))
+            elif kind == "max":
+                pools.append(window.amax(0))
+            else:  # ldconv: a softmax over the pool's positions, one weight per head
+                weights = torch.softmax(ldconv_logits[example, j][:, offsets], dim=-1)  # [h, len]
+                pools.append(torch.einsum("hl,lhd->hd", weights, window))
+        rows.append(torch.stack(pools))
+    return torch.stack(rows), valid.to(x.device)
+
+
+def pooling_attention_reference(q, pooled_k, pooled_v, window: int, kernel_size: int, stride: int, pool_valid=None,
+                                autoregressive: bool = False, scale: float | None = None, dropout_p: float = 0.0):
+    """Dense level-2 attention: query ``i`` sees pool ``j`` iff ``|j * stride + (kernel_size - 1) / 2 - i| <= window``
+    (and, autoregressive, ``j * stride + kernel_size - 1 <= i``) and the pool is valid; an explicit
+    ``[n, m]`` mask, one softmax per row (then torch's dropout); a row that sees nothing gets 0."""
+    b, n, h, d = q.shape
+    m = pooled_k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    i = torch.arange(n, device=q.device)[:, None]
+    j = torch.arange(m, device=q.device)[None, :]
+    allowed = (2 * j * stride + kernel_size - 1 - 2 * i).abs() <= 2 * window              # [n, m]
+    if autoregressive:
+        allowed = allowed & (j * stride + kernel_size - 1 <= i)
+    allowed = allowed[None, None] if pool_valid is None else allowed[None, None] & pool_valid[:, None, None, :]
+    scores = torch.einsum("bnhd,bmhd->bhnm", q, pooled_k) * scale
+    # The lowest finite value, not -inf: a row that sees nothing stays finite (and gets 0 below).
+    probs = torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1) * allowed
+    probs = torch.nn.functional.dropout(probs, dropout_p, training=dropout_p > 0)
+    return torch.einsum("bhnm,bmhd->bnhd", probs, pooled_v)
