@@ -11,9 +11,10 @@ Levels (``op``):
   attention; forward in eval mode, forward+backward in training mode with Hugging Face's default
   attention dropout 0.1. Not in the default ``--ops`` (``--ops layer``).
 - ``poolingformer``: one :class:`longformer_ops.PoolingformerSelfAttention` set up as the layer, plus
-  its level 2 (LDConv pooling, kernel = stride = 4, one-sided window ``POOLING_WINDOW_FACTOR x w``)
-  against the Longformer layer with that wider window (``longformer_w2``: the same receptive field)
-  and against its dense reference (``full``: both levels dense). Not in the default ``--ops``.
+  its level 2 (LDConv pooling, kernel = stride = 4, one-sided window ``POOLING_WINDOW_FACTOR x w``),
+  against the Longformer layer at its level-1 window (``longformer_w1``: the cost it adds to) and at
+  its level-2 window (``longformer_w2``: the same receptive field), and against its dense reference
+  (``full``: both levels dense). Not in the default ``--ops``.
 
 Methods: ``tvm`` (ours; local attention is :func:`longformer_ops.sliding_window_attention`: the
 fused kernels on CPU, for inference and for training; the layer in its ``tvm`` mode), ``tvm_out`` (ours, forward only,
@@ -45,9 +46,9 @@ OURS = ("tvm", "tvm_out")
 COMPILES_PER_SHAPE = {"flex"}  # its first call at a new length compiles
 OPS = ("qk_band", "pv_band", "transposed_band", "local_attention")  # the default --ops
 ALL_OPS = OPS + ("layer", "poolingformer")
-ALL_METHODS = METHODS + ("longformer_w2",)
+ALL_METHODS = METHODS + ("longformer_w1", "longformer_w2")
 LAYER_METHODS = {"tvm": AttentionMode.TVM, "sliding_chunks": AttentionMode.SLIDING_CHUNKS, "full": AttentionMode.FULL}
-POOLINGFORMER_METHODS = ("tvm", "full", "longformer_w2")
+POOLINGFORMER_METHODS = ("tvm", "full", "longformer_w1", "longformer_w2")
 POOLING_WINDOW_FACTOR, POOLING_STRIDE = 4, 4  # level 2's window (x the layer's w), its pooling kernel and stride
 
 
@@ -62,8 +63,8 @@ def unsupported_reason(method: str, op: str, backward: bool, dilation: tuple[int
         return f"the layer's attention modes are {', '.join(LAYER_METHODS)}"
     if op == "poolingformer" and method not in POOLINGFORMER_METHODS:
         return f"the Poolingformer layer is compared as {', '.join(POOLINGFORMER_METHODS)}"
-    if method == "longformer_w2" and op != "poolingformer":
-        return "the wide-window Longformer layer is the Poolingformer's yardstick only"
+    if method.startswith("longformer_w") and op != "poolingformer":
+        return "the Longformer layers at the two windows are the Poolingformer's yardsticks only"
     if method == "tvm_out" and backward:
         return "out= is forward only (not differentiable)"
     if method in ("sdpa", "flex") and op != "local_attention":
@@ -259,21 +260,21 @@ def layer(method: str, x, w: int, dilation, buffers=None):
 def _poolingformer_module(method: str, heads: int, head_dim: int, w: int, dilation: tuple[int, ...], dtype,
                           device: str, training: bool) -> LongformerSelfAttention:
     torch.manual_seed(0)
-    wide = method == "longformer_w2"
+    plain = method.startswith("longformer_w")
     config = LongformerConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_hidden_layers=1,
-                              attention_window=POOLING_WINDOW_FACTOR * w if wide else w,
+                              attention_window=POOLING_WINDOW_FACTOR * w if method == "longformer_w2" else w,
                               attention_dilation=[list(dilation)], attention_probs_dropout_prob=0.1,
                               attention_mode=AttentionMode.FULL if method == "full" else AttentionMode.TVM,
-                              pooling=None if wide else PoolingConfig(window=POOLING_WINDOW_FACTOR * w,
-                                                                      kernel_size=POOLING_STRIDE,
-                                                                      stride=POOLING_STRIDE, kind="ldconv"))
-    module = LongformerSelfAttention(config, 0) if wide else PoolingformerSelfAttention(config, 0)
+                              pooling=None if plain else PoolingConfig(window=POOLING_WINDOW_FACTOR * w,
+                                                                       kernel_size=POOLING_STRIDE,
+                                                                       stride=POOLING_STRIDE, kind="ldconv"))
+    module = LongformerSelfAttention(config, 0) if plain else PoolingformerSelfAttention(config, 0)
     return module.to(dtype=dtype, device=device).train(training)
 
 
 def poolingformer(method: str, x, w: int, dilation, buffers=None):
-    """One Poolingformer layer (or, ``longformer_w2``, the Longformer layer with its level-2 window)
-    on hidden states ``[b, n, hidden]``, token 0 global, as :func:`layer`."""
+    """One Poolingformer layer (or the Longformer layer at its level-1 or level-2 window) on hidden
+    states ``[b, n, hidden]``, token 0 global, as :func:`layer`."""
     b, n, hidden = x.shape
     heads = len(dilation)
     module = _poolingformer_module(method, heads, hidden // heads, w, tuple(dilation), x.dtype, x.device.type,

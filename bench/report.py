@@ -110,8 +110,8 @@ METHOD_COLOURS = {"tvm": "tab:blue", "tvm_out": "tab:cyan", "full": "tab:orange"
                   "sliding_chunks": "tab:red", "flex": "tab:purple",
                   # bench.hf_model: transformers' model as it is (sliding chunks), and patched onto our kernels
                   "transformers": "tab:red", "patched": "tab:blue",
-                  # --ops poolingformer: the Longformer layer with the Poolingformer's level-2 window
-                  "longformer_w2": "tab:brown"}
+                  # --ops poolingformer: the Longformer layer at the Poolingformer's level-1 and level-2 windows
+                  "longformer_w1": "tab:gray", "longformer_w2": "tab:brown"}
 
 
 def plot_title(device_name: str, rows: list[dict]) -> str:

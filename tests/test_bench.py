@@ -173,14 +173,15 @@ def test_cli_runs_the_layer_op(tmp_path):
 
 
 def test_poolingformer_op_compares_its_three_methods(tmp_path):
-    """--ops poolingformer: ours and the dense reference give one output (eval); the wide-window
-    Longformer layer, its yardstick, another; the CLI runs the three by default, both passes."""
+    """--ops poolingformer: ours and the dense reference give one output (eval); the Longformer layers
+    at its two windows, its yardsticks, others; the CLI runs the four by default, both passes."""
     dilation = (1, 1)
     (x,) = methods.make_inputs("poolingformer", 1, 45, 2, 16, 3, torch.float64, "cpu", False)
-    ours, dense, wide = (methods.runner("poolingformer", m, (x,), 3, dilation, False)() for m in ("tvm", "full",
-                                                                                               "longformer_w2"))
+    ours, dense, narrow, wide = (methods.runner("poolingformer", m, (x,), 3, dilation, False)()
+                                 for m in ("tvm", "full", "longformer_w1", "longformer_w2"))
     torch.testing.assert_close(ours, dense, rtol=1e-9, atol=1e-9)
-    assert wide.shape == ours.shape and not torch.allclose(wide, ours)
+    for other in (narrow, wide):
+        assert other.shape == ours.shape and not torch.allclose(other, ours)
     main(["--seq-lens", "45", "--window", "3", "--heads", "2", "--head-dim", "16", "--repeats", "1",
           "--ops", "poolingformer", "--dilation", "1", "--no-memory", "--out", str(tmp_path), "--name", "pf"])
     rows = list(csv.DictReader(open(tmp_path / "pf.csv")))
