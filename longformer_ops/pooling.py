@@ -68,7 +68,8 @@ def pool_sequence(x: torch.Tensor, kernel_size: int, stride: int, kind: str = "m
         # An empty pool softmaxes zeros (not all -inf, whose NaN would reach every gradient), then gets weight 0.
         logits = ldconv_logits.masked_fill(~counted, float("-inf")).masked_fill(~valid[:, :, None, None], 0)
         weights = torch.softmax(logits, dim=-1) * counted
-        pooled = torch.einsum("bmhdk,bmhk->bmhd", windows, weights.to(x.dtype))
+        # Elementwise, not einsum: that would be a batched matmul of b * m * h tiny [d, k] x [k] products.
+        pooled = (windows * weights.to(x.dtype)[:, :, :, None, :]).sum(-1)
     else:
         raise ValueError(f"kind (pooling) must be one of {POOLING_KINDS}, got {kind!r}")
     return pooled, valid
