@@ -12,8 +12,10 @@ float32, random weights), batch 1, token 0 global (a classifier's ``<s>``). Per 
   weights), interleaved, medians of ``--rounds`` rounds, each in a shuffled order. A warm-up round
   runs only where calls were under a second at the previous length (as ``python -m bench`` does).
 
-The passes: a forward in eval mode under ``no_grad``, and a training step (forward and backward in
-training mode, with transformers' default dropout 0.1). Writes ``<out>/<cpu>-hf-model.{md,csv,png}``.
+The passes (``--passes``): a forward in eval mode under ``no_grad``; a training step (forward and
+backward in training mode, with transformers' default dropout 0.1); the same with activation
+checkpointing (transformers' ``gradient_checkpointing_enable``), which long documents need.
+Writes ``<out>/<name>.{md,csv,png}``, by default ``<cpu>-hf-model``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("transformers", "patched")
-PASSES = ("forward", "training step")
+# --passes: name -> (the results' "pass" column, activation checkpointing)
+PASSES = {"forward": ("forward", False), "training step": ("forward+backward", False),
+          "checkpointed training step": ("forward+backward, checkpointed", True)}
 WARM_UP_TOKENS = 512
 
 
@@ -57,6 +61,12 @@ def use(model, method: str) -> None:
     (hf.patch if method == "patched" else hf.unpatch)(model)
 
 
+def _checkpointing(model, on: bool) -> None:
+    """transformers' activation checkpointing on or off (5.x renamed gradient_checkpointing_*)."""
+    prefix = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    getattr(model, f"{prefix}_checkpointing_{'enable' if on else 'disable'}")()
+
+
 def runner(model, inputs, step: str):
     """One call of ``step``."""
 
@@ -66,6 +76,7 @@ def runner(model, inputs, step: str):
             with torch.no_grad():
                 model(**inputs)
         else:
+            _checkpointing(model, PASSES[step][1])
             model.train()
             model.zero_grad(set_to_none=True)
             model(**inputs).last_hidden_state.square().mean().backward()
@@ -128,6 +139,8 @@ def peak_mib(seq_len: int, layers: int, method: str, step: str) -> float | str:
         return receiver.recv()
     except EOFError:  # killed (for memory) or crashed without answering
         process.join()
+        if process.exitcode == -9:
+            return "out of memory: killed (SIGKILL, the kernel's OOM killer on this machine)"
         return f"the process died (exit code {process.exitcode})"
     finally:
         process.join()
@@ -139,15 +152,14 @@ def memory_budget_mib() -> float:
     return 0.6 * available / 1024
 
 
-def measure(seq_lens: list[int], layers: int, rounds: int, budget_mib: float) -> list[dict]:
+def measure(seq_lens: list[int], layers: int, passes: list[str], rounds: int, budget_mib: float) -> list[dict]:
     """One row per (length, method, pass), in the layout of ``python -m bench``'s results."""
     rows, last = [], {}  # last: (method, pass) -> (seq_len, peak MiB, seconds) at the previous length
     for seq_len in seq_lens:
         entries, warm_up, by_key = [], set(), {}
-        for key in ((m, s) for s in PASSES for m in METHODS):
+        for key in ((m, s) for s in passes for m in METHODS):
             row = dict(op="hf LongformerModel base", method=key[0], seq_len=seq_len, window=256, dilation="1", heads=12,
-                       head_dim=64, batch=1, dtype="float32", device="cpu", status="ok",
-                       **{"pass": "forward" if key[1] == "forward" else "forward+backward"})
+                       head_dim=64, batch=1, dtype="float32", device="cpu", status="ok", **{"pass": PASSES[key[1]][0]})
             rows.append(row)
             by_key[key] = row
             previous = last.get(key)
@@ -169,7 +181,7 @@ def measure(seq_lens: list[int], layers: int, rounds: int, budget_mib: float) ->
         for key, seconds in medians.items():
             by_key[key]["time_ms"] = seconds * 1e3
             last[key] = (seq_len, by_key[key]["peak_mib"], seconds)
-        for step in PASSES:
+        for step in passes:
             print(table_row(by_key[("transformers", step)], by_key[("patched", step)], step), file=sys.stderr)
     return rows
 
@@ -193,31 +205,38 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-lens", default="1024,2048,4096,8192,16384")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=12, help="fewer for a quick run (the committed results: 12)")
+    parser.add_argument("--passes", default="forward,training step",
+                        help=f"comma-separated, from: {', '.join(PASSES)}")
+    parser.add_argument("--name", default=None, help="results file stem (default: <cpu>-hf-model)")
     parser.add_argument("--memory-budget-gib", type=float, default=None,
                         help="skip a call predicted to need more (default: 60%% of the memory available at the start)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
+    passes = [p.strip() for p in args.passes.split(",")]
+    if any(p not in PASSES for p in passes):
+        parser.error(f"--passes: choose from {list(PASSES)}, got {passes}")
     from bench import report
     from bench.__main__ import cpu_results_name, source_commit
 
     name, commit = cpu_results_name(), source_commit()
     budget = args.memory_budget_gib * 1024 if args.memory_budget_gib is not None else memory_budget_mib()
-    rows = measure([int(s) for s in args.seq_lens.split(",")], args.layers, args.rounds, budget)
+    rows = measure([int(s) for s in args.seq_lens.split(",")], args.layers, passes, args.rounds, budget)
     lines = [f"# transformers' LongformerModel (base), patched against unpatched ({name}, at {commit})", "",
-             f"`python -m bench.hf_model --seq-lens {args.seq_lens} --rounds {args.rounds} --layers {args.layers}`: "
+             f"`python -m bench.hf_model --seq-lens {args.seq_lens} --rounds {args.rounds} --layers {args.layers} "
+             f"--passes '{args.passes}'`: "
              f"{args.layers} layers, batch 1, token 0 global, "
              f"float32, {torch.get_num_threads()} threads; time per call (median of the rounds) / peak extra RSS of "
              f"one call in a fresh process; memory budget {budget / 1024:.1f} GiB.", "",
              "| n | pass | transformers | patched | speed-up | memory saved |", "|---:|---|---:|---:|---:|---:|"]
     by_key = {(r["seq_len"], r["method"], r["pass"]): r for r in rows}
     for seq_len in dict.fromkeys(r["seq_len"] for r in rows):
-        for step, pass_name in zip(PASSES, ("forward", "forward+backward"), strict=True):
-            lines.append(table_row(by_key[(seq_len, "transformers", pass_name)],
-                                   by_key[(seq_len, "patched", pass_name)], step))
+        for step in passes:
+            lines.append(table_row(by_key[(seq_len, "transformers", PASSES[step][0])],
+                                   by_key[(seq_len, "patched", PASSES[step][0])], step))
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{name}-hf-model"
+    stem = args.out / (args.name or f"{name}-hf-model")
     stem.with_suffix(".md").write_text(text)
     report.write_csv(rows, stem.with_suffix(".csv"))
     report.plot(rows, stem.with_suffix(".png"), f"{name}: transformers' LongformerModel (base, window 512), "

@@ -224,15 +224,17 @@ def test_hf_model_bench_writes_results_and_skips_what_would_not_fit(tmp_path):
 
     budget_gib = 0.001  # far below any call: the second length must be skipped entirely
     assert hf_model.main(["--seq-lens", "256,512", "--rounds", "1", "--layers", "1", "--memory-budget-gib",
-                          str(budget_gib), "--out", str(tmp_path)]) == 0
+                          str(budget_gib), "--passes", "forward,training step,checkpointed training step",
+                          "--out", str(tmp_path)]) == 0
     stem = next(tmp_path.glob("*-hf-model.csv")).with_suffix("")
     rows = report.read_csv(stem.with_suffix(".csv"))
-    assert len(rows) == 8 and stem.with_suffix(".png").stat().st_size > 0
+    assert len(rows) == 12 and stem.with_suffix(".png").stat().st_size > 0
     first = [r for r in rows if r["seq_len"] == 256]
-    assert {(r["method"], r["pass"]) for r in first} == {(m, p) for m in ("transformers", "patched")
-                                                           for p in ("forward", "forward+backward")}
+    assert {(r["method"], r["pass"]) for r in first} == {
+        (m, p) for m in ("transformers", "patched") for p in ("forward", "forward+backward",
+                                                               "forward+backward, checkpointed")}
     assert all(r["status"] == "ok" and r["time_ms"] > 0 and r["peak_mib"] > 0 for r in first), first
     second = [r for r in rows if r["seq_len"] == 512]
     assert all(r["status"] == "skipped" and "budget" in r["reason"] for r in second), second
     table = stem.with_suffix(".md").read_text()
-    assert table.count("| 256 |") == 2 and "x |" in table and table.count("skipped: predicted") == 4
+    assert table.count("| 256 |") == 3 and "x |" in table and table.count("skipped: predicted") == 6
