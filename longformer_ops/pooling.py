@@ -99,6 +99,13 @@ def residue_intervals(window: int, kernel_size: int, stride: int, autoregressive
     return intervals
 
 
+def _stack(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index [R, length]`` of ``x [b, rows, ...]``, one sequence per (residue, example):
+    ``[R * b, length, ...]`` (residue-major)."""
+    picked = x[:, index.flatten()].unflatten(1, index.shape)              # [b, R, length, ...]
+    return picked.transpose(0, 1).flatten(0, 1)
+
+
 def pooling_attention(q: torch.Tensor, pooled_k: torch.Tensor, pooled_v: torch.Tensor, window: int, kernel_size: int,
                       stride: int, *, pool_valid: torch.Tensor | None = None, autoregressive: bool = False,
                       scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
@@ -116,7 +123,7 @@ def pooling_attention(q: torch.Tensor, pooled_k: torch.Tensor, pooled_v: torch.T
         raise ValueError(f"pooled_k and pooled_v must be [batch, ceil(seq_len / stride), heads, head_dim] = "
                          f"{(b, m, h, d)}, got {tuple(pooled_k.shape)} and {tuple(pooled_v.shape)}")
     device = q.device
-    # Row n of the extended inputs is a zero row: where a stacked slot has no query or no pool.
+    # A zero row appended to each input: what a stacked slot without a query or a pool gathers.
     zero_row = q.new_zeros(b, 1, h, d)
     q_ext = torch.cat([q, zero_row], dim=1)
     k_ext, v_ext = (torch.cat([x, zero_row.to(x.dtype)], dim=1) for x in (pooled_k, pooled_v))
@@ -142,14 +149,9 @@ def pooling_attention(q: torch.Tensor, pooled_k: torch.Tensor, pooled_v: torch.T
             queries = len(range(r, n, stride))
             row_of[r::stride] = rows_so_far + slot * length + shift + torch.arange(queries)
         query_index, key_index = (torch.stack(x).to(device) for x in (query_index, key_index))  # [R, length]
-        stacked = len(residues) * b
-
-        def gather(x, index):  # x [b, n + 1, h, d], index [R, length] -> [R * b, length, h, d]
-            return x[:, index.flatten()].view(b, len(residues), length, h, -1).transpose(0, 1).reshape(stacked, length, h, -1)
-
-        hidden_keys = ~valid_ext[:, key_index.flatten()].view(b, len(residues), length).transpose(0, 1).reshape(stacked, length)
-        out = sliding_window_attention(gather(q_ext, query_index), gather(k_ext, key_index), gather(v_ext, key_index),
-                                       width, 1, True, scale, key_padding_mask=hidden_keys, dropout_p=dropout_p)
+        out = sliding_window_attention(_stack(q_ext, query_index), _stack(k_ext, key_index), _stack(v_ext, key_index),
+                                       width, 1, True, scale, key_padding_mask=~_stack(valid_ext, key_index),
+                                       dropout_p=dropout_p)
         pieces.append(out.view(len(residues), b, length, h, d).transpose(0, 1).reshape(b, len(residues) * length, h, d))
         rows_so_far += len(residues) * length
     pieces.append(q.new_zeros(b, 1, h, d))  # the row of queries that see no pool
