@@ -273,3 +273,22 @@ def test_pool_centres():
     assert pool_centres(10, 4, 3).tolist() == [1, 4, 7, 9]
     assert pool_centres(1, 1, 1).tolist() == [0]
     assert pool_centres(7, 5, 2).tolist() == [2, 4, 6, 6]
+
+
+def test_level_two_compiles_without_graph_breaks():
+    """torch.compile(fullgraph=True) of pooling and pooling attention (the index bookkeeping is
+    Python over static sizes): the same result and gradients as eager."""
+    q, x, v, logits, is_padding = _case(23, 4, 3, dtype=torch.float32, requires_grad=True)
+
+    def level2(q, x, v, logits):
+        pooled_k, valid = pool_sequence(x, 4, 3, "ldconv", is_padding, logits)
+        pooled_v, _ = pool_sequence(v, 4, 3, "ldconv", is_padding, logits)
+        return pooling_attention(q, pooled_k, pooled_v, 7, 4, 3, pool_valid=valid, autoregressive=True)
+
+    logits = logits.float().detach().requires_grad_()
+    results = []
+    for function in (level2, torch.compile(level2, fullgraph=True)):
+        out = function(q, x, v, logits)
+        results.append([out, *torch.autograd.grad(out.square().sum(), (q, x, v, logits))])
+    for got, expected in zip(*reversed(results), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
