@@ -33,7 +33,7 @@ from torch import nn
 from longformer_ops.attention import fill_band_at_keys_, sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.diagonaled import diagonaled_mm
-from longformer_ops.pooling import pool_centres, pool_sequence, pooling_attention
+from longformer_ops.pooling import pool_centres, pool_sequence, pool_then_project, pooling_attention
 from longformer_ops.reference import key_positions, pooling_attention_reference, sliding_chunks_pv, sliding_chunks_qk
 
 
@@ -315,7 +315,9 @@ class PoolingformerSelfAttention(LongformerSelfAttention):
     Level 2 (``config.pooling``, a :class:`longformer_ops.config.PoolingConfig`): from level 1's
     output ``y``, queries ``query2(y)``, and keys and values ``key2(y)``, ``value2(y)`` pooled along
     the sequence (:func:`longformer_ops.pooling.pool_sequence`: kernel ``kernel_size``, stride
-    ``stride``, padding left out of every pool); each query attends to the pools whose centres lie
+    ``stride``, padding left out of every pool; mean and LDConv pools are computed as projections
+    of the pooled ``y``, :func:`longformer_ops.pooling.pool_then_project`, the same numbers at
+    ``1 / stride`` of the work); each query attends to the pools whose centres lie
     within ``window`` tokens of it (:func:`longformer_ops.pooling.pooling_attention`, on the
     local-attention kernels). Choices where the paper leaves details open:
 
@@ -365,10 +367,15 @@ class PoolingformerSelfAttention(LongformerSelfAttention):
         if self.ldconv is not None:
             centres = pool_centres(n, k, s).to(y.device)
             logits = self.ldconv(y[:, centres]).view(b, -1, self.num_heads, k)  # [b, m, h, k]
-        pooled_k, valid = pool_sequence(self._heads(self.key2(y)), k, s, self.pooling_kind, is_padding, logits)
-        pooled_v, _ = pool_sequence(self._heads(self.value2(y)), k, s, self.pooling_kind, is_padding, logits)
         q = self._heads(self.query2(y))
         dropout_p = self.dropout if self.training else 0.0
+        if self.attention_mode is AttentionMode.FULL or self.pooling_kind == "max":
+            # The definition: pool the projections (the reference mode; and max, which is not linear).
+            pooled_k, valid = pool_sequence(self._heads(self.key2(y)), k, s, self.pooling_kind, is_padding, logits)
+            pooled_v, _ = pool_sequence(self._heads(self.value2(y)), k, s, self.pooling_kind, is_padding, logits)
+        else:  # the same, a quarter of the work at stride 4: project the pools
+            (pooled_k, pooled_v), valid = pool_then_project(y, (self.key2, self.value2), self.num_heads, k, s,
+                                                            self.pooling_kind, is_padding, logits)
         if self.attention_mode is AttentionMode.FULL:  # the dense reference, as level 1 in this mode
             z = pooling_attention_reference(q, pooled_k, pooled_v, self.pooling_window, k, s, valid, self.autoregressive,
                                             dropout_p=dropout_p)

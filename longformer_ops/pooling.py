@@ -36,6 +36,29 @@ def num_pools(seq_len: int, stride: int) -> int:
     return -(-seq_len // stride)
 
 
+def _windows(x: torch.Tensor, kernel_size: int, stride: int, is_padding: torch.Tensor | None):
+    """The pools' windows of ``x [b, n, ...]``: ``(windows [b, m, ..., k], counted [b, m, k], valid [b, m])``;
+    ``counted`` marks the window positions that lie in the sequence and are not padding."""
+    b, n = x.shape[:2]
+    m = num_pools(n, stride)
+    span = (m - 1) * stride + kernel_size                                 # positions the pools reach
+    counts = torch.ones(b, n, dtype=torch.bool, device=x.device) if is_padding is None else ~is_padding
+    counted = torch.nn.functional.pad(counts, (0, span - n)).unfold(1, kernel_size, stride)  # [b, m, k]
+    padded = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, span - n))
+    return padded.unfold(1, kernel_size, stride), counted, counted.any(-1)
+
+
+def _ldconv_weights(ldconv_logits: torch.Tensor, counted: torch.Tensor, valid: torch.Tensor, expected: tuple):
+    """LDConv's weights ``[b, m, h, k]``: a softmax of the logits over each pool's counted positions."""
+    if ldconv_logits is None or ldconv_logits.shape != expected:
+        raise ValueError(f"ldconv_logits must be [batch, pools, heads, kernel_size] = {expected}, "
+                         f"got {None if ldconv_logits is None else tuple(ldconv_logits.shape)}")
+    counted = counted[:, :, None, :]                                      # [b, m, 1, k]
+    # An empty pool softmaxes zeros (not all -inf, whose NaN would reach every gradient), then gets weight 0.
+    logits = ldconv_logits.masked_fill(~counted, float("-inf")).masked_fill(~valid[:, :, None, None], 0)
+    return torch.softmax(logits, dim=-1) * counted
+
+
 def pool_sequence(x: torch.Tensor, kernel_size: int, stride: int, kind: str = "mean",
                   is_padding: torch.Tensor | None = None, ldconv_logits: torch.Tensor | None = None):
     """Pool ``x [b, n, h, d]`` along the sequence into ``([b, m, h, d], valid [b, m])``, ``m = ceil(n / stride)``.
@@ -47,13 +70,8 @@ def pool_sequence(x: torch.Tensor, kernel_size: int, stride: int, kind: str = "m
     softmax over the pool's positions that count, weights shared by a head's channels).
     """
     b, n, h, d = x.shape
-    m = num_pools(n, stride)
-    span = (m - 1) * stride + kernel_size                                  # positions the pools reach
-    counts = torch.ones(b, n, dtype=torch.bool, device=x.device) if is_padding is None else ~is_padding
-    counts = torch.nn.functional.pad(counts, (0, span - n))                # [b, span]: beyond n never counts
-    windows = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, span - n)).unfold(1, kernel_size, stride)  # [b, m, h, d, k]
-    inside = counts.unfold(1, kernel_size, stride)[:, :, None, None, :]    # [b, m, 1, 1, k]
-    valid = inside.reshape(b, m, kernel_size).any(-1)                       # [b, m]
+    windows, counted, valid = _windows(x, kernel_size, stride, is_padding)  # [b, m, h, d, k], [b, m, k], [b, m]
+    inside = counted[:, :, None, None, :]
     if kind == "mean":
         total = windows.masked_fill(~inside, 0).sum(-1)
         pooled = total / inside.sum(-1).clamp_min(1).to(x.dtype)
@@ -61,18 +79,37 @@ def pool_sequence(x: torch.Tensor, kernel_size: int, stride: int, kind: str = "m
         pooled = windows.masked_fill(~inside, float("-inf")).amax(-1)
         pooled = pooled.masked_fill(~valid[:, :, None, None], 0)
     elif kind == "ldconv":
-        if ldconv_logits is None or ldconv_logits.shape != (b, m, h, kernel_size):
-            raise ValueError(f"ldconv_logits must be [batch, pools, heads, kernel_size] = {(b, m, h, kernel_size)}, "
-                             f"got {None if ldconv_logits is None else tuple(ldconv_logits.shape)}")
-        counted = inside[:, :, :, 0, :]                                     # [b, m, 1, k]
-        # An empty pool softmaxes zeros (not all -inf, whose NaN would reach every gradient), then gets weight 0.
-        logits = ldconv_logits.masked_fill(~counted, float("-inf")).masked_fill(~valid[:, :, None, None], 0)
-        weights = torch.softmax(logits, dim=-1) * counted
+        weights = _ldconv_weights(ldconv_logits, counted, valid, (b, valid.shape[1], h, kernel_size))
         # Elementwise, not einsum: that would be a batched matmul of b * m * h tiny [d, k] x [k] products.
         pooled = (windows * weights.to(x.dtype)[:, :, :, None, :]).sum(-1)
     else:
         raise ValueError(f"kind (pooling) must be one of {POOLING_KINDS}, got {kind!r}")
     return pooled, valid
+
+
+def pool_then_project(y: torch.Tensor, projections, heads: int, kernel_size: int, stride: int, kind: str,
+                      is_padding: torch.Tensor | None = None, ldconv_logits: torch.Tensor | None = None):
+    """``pool_sequence(projection(y) split into heads, ...)`` for each affine ``projection`` (an
+    ``nn.Linear``, hidden -> hidden), for ``kind`` ``"mean"`` or ``"ldconv"``, computed the cheap way
+    round: both pools are weighted sums with weights adding up to 1, so they commute with an affine
+    map, and projecting the ``m = n / stride`` pooled rows costs ``1 / stride`` of projecting all
+    ``n``. LDConv's weights differ per head, so ``y`` is pooled per head ``[b, m, h, hidden]`` and
+    each head projected with its rows of the weight. Returns ``([b, m, h, d] per projection, valid)``.
+    """
+    b, n, hidden = y.shape
+    windows, counted, valid = _windows(y, kernel_size, stride, is_padding)  # [b, m, hidden, k], [b, m, k], [b, m]
+    if kind == "mean":
+        weights = counted.to(y.dtype) / counted.sum(-1, keepdim=True).clamp_min(1).to(y.dtype)  # [b, m, k]
+        pooled = (windows * weights[:, :, None, :]).sum(-1)               # [b, m, hidden]
+        outputs = [p(pooled).view(b, -1, heads, hidden // heads) for p in projections]
+    elif kind == "ldconv":
+        weights = _ldconv_weights(ldconv_logits, counted, valid, (b, valid.shape[1], heads, kernel_size))
+        pooled = torch.einsum("bmck,bmhk->bmhc", windows, weights.to(y.dtype))  # [b, m, h, hidden]
+        outputs = [torch.einsum("bmhc,hdc->bmhd", pooled, p.weight.view(heads, -1, hidden)) + p.bias.view(heads, -1)
+                   for p in projections]
+    else:
+        raise ValueError(f"pool_then_project needs a linear pooling (mean or ldconv), got kind={kind!r}")
+    return [x.masked_fill(~valid[:, :, None, None], 0) for x in outputs], valid
 
 
 def pool_centres(seq_len: int, kernel_size: int, stride: int) -> torch.Tensor:

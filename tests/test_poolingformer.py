@@ -16,7 +16,7 @@ from hf_helpers import random_batch, single_thread
 from longformer_ops import (AttentionMode, LongformerConfig, LongformerModel, PoolingConfig,
                             PoolingformerSelfAttention, from_hf_pretrained)
 from longformer_ops.layer import LongformerSelfAttention
-from longformer_ops.pooling import num_pools, pool_centres, pool_sequence, pooling_attention
+from longformer_ops.pooling import num_pools, pool_centres, pool_sequence, pool_then_project, pooling_attention
 from longformer_ops.reference import pool_sequence_reference, pooling_attention_reference
 
 _ = single_thread  # autouse fixture
@@ -48,6 +48,22 @@ def test_pool_sequence_matches_the_reference(n, kernel_size, stride, window, kin
     expected, expected_valid = pool_sequence_reference(x, kernel_size, stride, kind, is_padding, logits)
     assert torch.equal(valid, expected_valid)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["mean", "ldconv"])
+@pytest.mark.parametrize("n,kernel_size,stride,window", SIZES)
+def test_pooling_the_input_then_projecting_is_projecting_then_pooling(n, kernel_size, stride, window, kind):
+    """pool_then_project (the layer's cheap order) against pool_sequence of the projections, padding included."""
+    gen = torch.Generator().manual_seed(stable_seed(n, kernel_size, stride, kind))
+    _, _, _, logits, is_padding = _case(n, kernel_size, stride)
+    y = torch.randn(2, n, 24, generator=gen, dtype=torch.float64)
+    projections = [torch.nn.Linear(24, 24).double() for _ in range(2)]
+    got, valid = pool_then_project(y, projections, 3, kernel_size, stride, kind, is_padding, logits)
+    for projection, pooled in zip(projections, got, strict=True):
+        expected, expected_valid = pool_sequence(projection(y).view(2, n, 3, 8), kernel_size, stride, kind,
+                                                 is_padding, logits)
+        assert torch.equal(valid, expected_valid)
+        torch.testing.assert_close(pooled, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["two-sided", "causal"])
