@@ -248,10 +248,15 @@ def _layer_module(method: str, heads: int, head_dim: int, w: int, dilation: tupl
 def layer(method: str, x, w: int, dilation, buffers=None):
     """One attention layer on hidden states ``[b, n, hidden]``, token 0 global; training mode (with
     attention dropout) when ``x`` requires grad."""
-    b, n, hidden = x.shape
     heads = len(dilation)
-    module = _layer_module(method, heads, hidden // heads, w, tuple(dilation), x.dtype, x.device.type, x.requires_grad)
-    mask = torch.zeros(b, n, device=x.device)
+    module = _layer_module(method, heads, x.shape[-1] // heads, w, tuple(dilation), x.dtype, x.device.type,
+                           x.requires_grad)
+    return _with_token_0_global(module, x)
+
+
+def _with_token_0_global(module, x):
+    """``module``'s output on hidden states ``x [b, n, hidden]``, with token 0 global (a classifier's ``<s>``)."""
+    mask = torch.zeros(x.shape[:2], device=x.device)
     mask[:, 0] = 1
     return module(x, mask)[0]
 
@@ -275,13 +280,10 @@ def _poolingformer_module(method: str, heads: int, head_dim: int, w: int, dilati
 def poolingformer(method: str, x, w: int, dilation, buffers=None):
     """One Poolingformer layer (or the Longformer layer at its level-1 or level-2 window) on hidden
     states ``[b, n, hidden]``, token 0 global, as :func:`layer`."""
-    b, n, hidden = x.shape
     heads = len(dilation)
-    module = _poolingformer_module(method, heads, hidden // heads, w, tuple(dilation), x.dtype, x.device.type,
+    module = _poolingformer_module(method, heads, x.shape[-1] // heads, w, tuple(dilation), x.dtype, x.device.type,
                                    x.requires_grad)
-    mask = torch.zeros(b, n, device=x.device)
-    mask[:, 0] = 1
-    return module(x, mask)[0]
+    return _with_token_0_global(module, x)
 
 
 def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requires_grad: bool, seed: int = 0):
