@@ -118,16 +118,19 @@ def fill_band_at_keys_(band: torch.Tensor, flags: torch.Tensor, w: int, dilation
     """In place, ``band [b, n, h, c]`` = ``value`` wherever the key of (i, h, j), ``i + d[h] * (j - w)``,
     is inside the sequence and flagged in ``flags [b, n]`` (bool); returns ``band``.
 
-    Each head's flags are a strided view of the zero-padded flags, copied into one bool mask of
-    the band's shape (a quarter of a float32 band), then one ``masked_fill_``. No int64 index
-    (at n = 4096 it alone was 200 MiB and a third of the layer's time), and no in-place fill per
-    head: on a band that requires grad each of those makes autograd copy the whole band's
-    gradient once more (12 heads: ~0.7 s of a 2.4 s layer forward+backward at n = 4096).
+    Each head's flags are a strided view of the zero-padded flags, copied into one bool mask, then
+    one ``masked_fill_``. When every head has the same dilation the mask is one ``[b, n, 1, c]``
+    that broadcasts over the heads (1/heads of a band-shaped one); otherwise it has the band's
+    shape (a quarter of a float32 band). No int64 index (at n = 4096 it alone was 200 MiB and a
+    third of the layer's time), and no in-place fill per head: on a band that requires grad each
+    of those makes autograd copy the whole band's gradient once more (12 heads: ~0.7 s of a 2.4 s
+    layer forward+backward at n = 4096).
     """
     b, n = flags.shape
     c = band_width(w, autoregressive)
-    at_flagged_keys = torch.empty(band.shape, dtype=torch.bool, device=band.device)
-    for head, d in enumerate(dilation):
+    groups = [(0, dilation[0])] if len(set(dilation)) == 1 else list(enumerate(dilation))
+    at_flagged_keys = torch.empty((b, n, len(groups), c), dtype=torch.bool, device=band.device)
+    for head, d in groups:
         padded = torch.nn.functional.pad(flags, (w * d, w * d)).contiguous()      # padded[i + w*d] = flags[i]
         at_flagged_keys[:, :, head] = padded.as_strided((b, n, c), (padded.stride(0), 1, d))  # padded[i + d*j]
     return band.masked_fill_(at_flagged_keys, value)

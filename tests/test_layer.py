@@ -428,7 +428,8 @@ def test_layer_on_cuda_matches_cpu(mode, dtype):
 
 
 @pytest.mark.parametrize("autoregressive", [False, True])
-@pytest.mark.parametrize("n, w, dilation", [(1, 0, (1,)), (9, 3, (1, 2, 5)), (40, 7, (3, 1, 9, 2))])
+@pytest.mark.parametrize("n, w, dilation", [(1, 0, (1,)), (9, 3, (1, 2, 5)), (40, 7, (3, 1, 9, 2)), (17, 4, (2, 2, 2)),
+                                             (30, 5, (1, 1, 1, 1))])
 def test_fill_band_at_keys_matches_an_explicit_gather(n, w, dilation, autoregressive):
     from longformer_ops.attention import fill_band_at_keys_
     from longformer_ops.reference import key_positions
