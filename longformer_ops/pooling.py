@@ -1,11 +1,12 @@
 """Poolingformer's second level: pooling attention over a wide window, on the local-attention kernels.
 
-Two functions (the layer, :class:`longformer_ops.PoolingformerSelfAttention`, composes them):
+The functions the layer, :class:`longformer_ops.PoolingformerSelfAttention`, composes:
 
 - :func:`pool_sequence` compresses keys or values along the sequence: pool ``j`` covers positions
   ``j * stride .. j * stride + kernel_size - 1`` (clipped to the sequence, padding left out), and
   is the mean, the max, or an LDConv weighted sum (weights: a softmax over the pool's positions of
-  caller-given logits) of them.
+  caller-given logits) of them. :func:`pool_then_project` gives the same pools of projected keys
+  or values (mean and LDConv) by projecting the pooled input, at ``1 / stride`` of the work.
 - :func:`pooling_attention`: query ``i`` attends to the pooled keys whose centres
   ``j * stride + (kernel_size - 1) / 2`` lie within ``window`` tokens of ``i`` (and, when
   autoregressive, whose pools end at or before ``i``).
