@@ -119,6 +119,11 @@ def memory_budget_bytes(args) -> float:
     if args.device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info()
         return 0.6 * free
+    return default_cpu_memory_budget_bytes()
+
+
+def default_cpu_memory_budget_bytes() -> float:
+    """60% of the memory available now (MemAvailable): the default budget of the CPU benches."""
     available = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
     return 0.6 * available * 1024
 

@@ -146,12 +146,6 @@ def peak_mib(seq_len: int, layers: int, method: str, step: str) -> float | str:
         process.join()
 
 
-def memory_budget_mib() -> float:
-    """60% of the memory available now, as ``python -m bench``'s default budget."""
-    available = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
-    return 0.6 * available / 1024
-
-
 def measure(seq_lens: list[int], layers: int, passes: list[str], rounds: int, budget_mib: float) -> list[dict]:
     """One row per (length, method, pass), in the layout of ``python -m bench``'s results."""
     rows, last = [], {}  # last: (method, pass) -> (seq_len, peak MiB, seconds) at the previous length
@@ -216,10 +210,11 @@ def main(argv=None) -> int:
     if any(p not in PASSES for p in passes):
         parser.error(f"--passes: choose from {list(PASSES)}, got {passes}")
     from bench import report
-    from bench.__main__ import cpu_results_name, source_commit
+    from bench.__main__ import cpu_results_name, default_cpu_memory_budget_bytes, source_commit
 
     name, commit = cpu_results_name(), source_commit()
-    budget = args.memory_budget_gib * 1024 if args.memory_budget_gib is not None else memory_budget_mib()
+    budget = (args.memory_budget_gib * 1024 if args.memory_budget_gib is not None
+              else default_cpu_memory_budget_bytes() / 2**20)
     rows = measure([int(s) for s in args.seq_lens.split(",")], args.layers, passes, args.rounds, budget)
     lines = [f"# transformers' LongformerModel (base), patched against unpatched ({name}, at {commit})", "",
              f"`python -m bench.hf_model --seq-lens {args.seq_lens} --rounds {args.rounds} --layers {args.layers} "
