@@ -53,10 +53,14 @@ def fill_invalid_locations_(band: torch.Tensor, w: int, dilation: tuple[int, ...
         return band
     edges = [(0, n)] if 2 * reach >= n else [(0, reach)] + ([] if autoregressive else [(n - reach, n)])
     columns = torch.arange(band_width(w, autoregressive), device=band.device).view(1, 1, -1)
-    offsets = torch.tensor(dilation, device=band.device).view(1, -1, 1) * (columns - w)  # [1, h, c]
+    d = torch.tensor(dilation, device=band.device).view(1, -1)
     for start, stop in edges:
-        keys = torch.arange(start, stop, device=band.device).view(-1, 1, 1) + offsets  # [rows, h, c]
-        band[:, start:stop].masked_fill_((keys < 0) | (keys >= n), value)
+        rows = torch.arange(start, stop, device=band.device).view(-1, 1)
+        # Key i + d (j - w) is in [0, n) exactly for w - i // d <= j <= w + (n - 1 - i) // d: two
+        # [rows, h] bounds and one bool mask [rows, h, c], no int64 index of the rows' band shape.
+        first = (w - torch.div(rows, d, rounding_mode="floor")).unsqueeze(-1)
+        last = (w + torch.div(n - 1 - rows, d, rounding_mode="floor")).unsqueeze(-1)
+        band[:, start:stop].masked_fill_((columns < first) | (columns > last), value)
     return band
 
 
