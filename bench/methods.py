@@ -15,11 +15,17 @@ Levels (``op``):
   against the Longformer layer at its level-1 window (``longformer_w1``: the cost it adds to) and at
   its level-2 window (``longformer_w2``: the same receptive field), and against its dense reference
   (``full``: both levels dense). Not in the default ``--ops``.
+- ``model``: the whole encoder, :class:`longformer_ops.LongformerModel` at base size (12 layers, hidden
+  = heads x head_dim, FFN 4 x hidden), from random input embeddings ``[b, n, hidden]`` (the
+  embedding lookup is negligible), token 0 global; ``layer``'s modes, forward in eval mode,
+  forward+backward in training mode. Not in the default ``--ops``.
 
 Methods: ``tvm`` (ours; local attention is :func:`longformer_ops.sliding_window_attention`: the
 fused kernels on CPU, for inference and for training; the layer in its ``tvm`` mode), ``tvm_out`` (ours, forward only,
 writing into the outputs of its first call, ``out=``, as an inference loop that reuses its
-buffers does: no fresh memory per call),
+buffers does: no fresh memory per call), ``tvm_steps`` (local attention as the original API's
+three calls: ``diagonaled_mm``, :func:`longformer_ops.band_softmax_`, ``diagonaled_mm``) and
+``tvm_steps_torch_softmax`` (the same with ``mask_invalid_locations`` and ``torch.softmax``),
 ``full`` (n x n scores), ``sdpa`` (PyTorch SDPA with a boolean band mask), ``sliding_chunks``
 (Hugging Face's algorithm), ``flex`` (compiled FlexAttention with a sliding-window block mask);
 for the layer, ``full`` and ``sliding_chunks`` are its modes of those names.
@@ -35,8 +41,9 @@ import math
 
 import torch
 
-from longformer_ops import (AttentionMode, LongformerConfig, LongformerSelfAttention, PoolingConfig,
-                            PoolingformerSelfAttention, diagonaled_mm, sliding_window_attention)
+from longformer_ops import (AttentionMode, LongformerConfig, LongformerModel, LongformerSelfAttention, PoolingConfig,
+                            PoolingformerSelfAttention, band_softmax_, diagonaled_mm, mask_invalid_locations,
+                            sliding_window_attention)
 from longformer_ops.diagonaled import transposed_product
 from longformer_ops.layer import band_key_mask
 from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
@@ -45,8 +52,12 @@ METHODS = ("tvm", "tvm_out", "full", "sdpa", "sliding_chunks", "flex")
 OURS = ("tvm", "tvm_out")
 COMPILES_PER_SHAPE = {"flex"}  # its first call at a new length compiles
 OPS = ("qk_band", "pv_band", "transposed_band", "local_attention")  # the default --ops
-ALL_OPS = OPS + ("layer", "poolingformer")
-ALL_METHODS = METHODS + ("longformer_w1", "longformer_w2")
+ALL_OPS = OPS + ("layer", "poolingformer", "model")
+MODEL_LAYERS = 12
+# The original API's three calls (band, softmax, band): with our band softmax, and with
+# mask_invalid_locations and torch.softmax. Not in the default --methods.
+STEPS_METHODS = ("tvm_steps", "tvm_steps_torch_softmax")
+ALL_METHODS = METHODS + ("longformer_w1", "longformer_w2") + STEPS_METHODS
 LAYER_METHODS = {"tvm": AttentionMode.TVM, "sliding_chunks": AttentionMode.SLIDING_CHUNKS, "full": AttentionMode.FULL}
 POOLINGFORMER_METHODS = ("tvm", "full", "longformer_w1", "longformer_w2")
 POOLING_WINDOW_FACTOR, POOLING_STRIDE = 4, 4  # level 2's window (x the layer's w), its pooling kernel and stride
@@ -59,10 +70,12 @@ def default_methods(ops) -> list[str]:
 
 
 def unsupported_reason(method: str, op: str, backward: bool, dilation: tuple[int, ...], device: str) -> str | None:
-    if op == "layer" and method not in LAYER_METHODS:
-        return f"the layer's attention modes are {', '.join(LAYER_METHODS)}"
+    if op in ("layer", "model") and method not in LAYER_METHODS:
+        return f"the {op}'s attention modes are {', '.join(LAYER_METHODS)}"
     if op == "poolingformer" and method not in POOLINGFORMER_METHODS:
         return f"the Poolingformer layer is compared as {', '.join(POOLINGFORMER_METHODS)}"
+    if method in STEPS_METHODS and op != "local_attention":
+        return "the original API's path is local attention"
     if method.startswith("longformer_w") and op != "poolingformer":
         return "the Longformer layers at the two windows are the Poolingformer's yardsticks only"
     if method == "tvm_out" and backward:
@@ -88,11 +101,14 @@ def band_flops(batch: int, seq_len: int, heads: int, head_dim: int, w: int) -> f
 
 def useful_flops(op: str, backward: bool, batch, seq_len, heads, head_dim, w) -> float:
     """Band products the op needs (2 for attention; the layer adds its five n x hidden x hidden
-    projections), x3 with backward (each product has two adjoints)."""
-    products = 2 if op in ("local_attention", "layer", "poolingformer") else 1
+    projections; the model has 12 layers, each with those and its FFN), x3 with backward (each
+    product has two adjoints)."""
+    products = 2 if op in ("local_attention", "layer", "poolingformer") else 1  # (model: per layer, below)
     flops = band_flops(batch, seq_len, heads, head_dim, w) * products
     if op in ("layer", "poolingformer"):
         flops += 5 * 2.0 * batch * seq_len * (heads * head_dim) ** 2
+    if op == "model":  # per layer: two band products, five projections, the output dense and the 4x FFN
+        flops = MODEL_LAYERS * (2 * flops + (5 + 1 + 8) * 2.0 * batch * seq_len * (heads * head_dim) ** 2)
     if op == "poolingformer":  # level 2: three more projections and two products over its band of pools
         flops += 3 * 2.0 * batch * seq_len * (heads * head_dim) ** 2
         flops += 2 * band_flops(batch, seq_len, heads, head_dim, POOLING_WINDOW_FACTOR * w // POOLING_STRIDE)
@@ -209,6 +225,13 @@ def local_attention(method: str, q, k, v, w: int, dilation, buffers=None):
     if method in OURS:  # on CPU the fused kernels, with and without autograd
         return _reusing(buffers, "context", lambda out: sliding_window_attention(
             q, k, v, w, list(dilation), scale=scale, out=out))
+    if method in ("tvm_steps", "tvm_steps_torch_softmax"):  # the original API's path, on one band
+        scores = diagonaled_mm(q * scale, k, w, list(dilation))
+        if method == "tvm_steps":
+            probs = band_softmax_(scores, w, list(dilation))
+        else:
+            probs = torch.softmax(mask_invalid_locations(scores, w, list(dilation), False), dim=-1)
+        return diagonaled_mm(probs, v, w, list(dilation), is_t1_diagonaled=True)
     if method == "sliding_chunks":
         scores = sliding_chunks_qk(q * scale, k, w, padding=float("-inf"))
         # In the input dtype, as the layer does: torch's softmax accumulates half types in float32
@@ -286,6 +309,29 @@ def poolingformer(method: str, x, w: int, dilation, buffers=None):
     return _with_token_0_global(module, x)
 
 
+@functools.lru_cache(maxsize=2)
+def _model(method: str, heads: int, head_dim: int, w: int, dilation: tuple[int, ...], seq_len: int, dtype, device: str,
+           training: bool) -> LongformerModel:
+    torch.manual_seed(0)
+    hidden = heads * head_dim
+    config = LongformerConfig(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=MODEL_LAYERS,
+                              intermediate_size=4 * hidden, max_position_embeddings=seq_len + 2, attention_window=w,
+                              attention_dilation=[list(dilation)] * MODEL_LAYERS,
+                              attention_mode=LAYER_METHODS[method])
+    return LongformerModel(config).to(dtype=dtype, device=device).train(training)
+
+
+def model(method: str, x, w: int, dilation, buffers=None):
+    """The encoder's last hidden states ``[b, n, hidden]`` from input embeddings ``x``, token 0 global;
+    training mode when ``x`` requires grad."""
+    heads = len(dilation)
+    module = _model(method, heads, x.shape[-1] // heads, w, tuple(dilation), x.shape[1], x.dtype, x.device.type,
+                    x.requires_grad)
+    is_global = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+    is_global[:, 0] = 1
+    return module(inputs_embeds=x, global_attention_mask=is_global).last_hidden_state
+
+
 def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requires_grad: bool, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
 
@@ -295,7 +341,7 @@ def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requ
 
     if op == "qk_band":
         return tensor(batch, seq_len, heads, head_dim), tensor(batch, seq_len, heads, head_dim)
-    if op in ("layer", "poolingformer"):
+    if op in ("layer", "poolingformer", "model"):
         return (tensor(batch, seq_len, heads * head_dim),)
     if op in ("pv_band", "transposed_band"):
         probs = torch.softmax(torch.randn(batch, seq_len, heads, 2 * w + 1, generator=generator), -1)
@@ -306,7 +352,8 @@ def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requ
 def runner(op: str, method: str, inputs, w: int, dilation, backward: bool):
     """A no-argument callable doing one forward (and backward) of ``op`` with ``method``."""
     function = {"qk_band": qk_band, "pv_band": pv_band, "transposed_band": transposed_band,
-                "local_attention": local_attention, "layer": layer, "poolingformer": poolingformer}[op]
+                "local_attention": local_attention, "layer": layer, "poolingformer": poolingformer,
+                "model": model}[op]
 
     buffers = {} if method == "tvm_out" else None
 

@@ -1,6 +1,6 @@
 """Longformer's banded attention products on prebuilt TVM kernels, for PyTorch.
 
-    from longformer_ops import diagonaled_mm, mask_invalid_locations, sliding_window_attention
+    from longformer_ops import diagonaled_mm, mask_invalid_locations, band_softmax_, sliding_window_attention
 
 Importing this package loads nothing compiled; kernels are loaded on first use
 from ``prebuilt/`` (see :mod:`longformer_ops._loader`) and called through the
@@ -13,11 +13,11 @@ from longformer_ops._loader import KernelNotAvailableError, StaleKernelError
 from longformer_ops._output_cache import empty_cache
 from longformer_ops.attention import sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig, PoolingConfig
-from longformer_ops.diagonaled import diagonaled_mm, mask_invalid_locations
+from longformer_ops.diagonaled import band_softmax_, diagonaled_mm, mask_invalid_locations
 from longformer_ops.layer import LongformerSelfAttention, PoolingformerSelfAttention
 from longformer_ops.model import LongformerForMaskedLM, LongformerModel, from_hf_pretrained
 
-__all__ = ["diagonaled_mm", "mask_invalid_locations", "sliding_window_attention", "empty_cache", "KernelNotAvailableError",
+__all__ = ["diagonaled_mm", "mask_invalid_locations", "band_softmax_", "sliding_window_attention", "empty_cache", "KernelNotAvailableError",
            "StaleKernelError", "LongformerConfig", "PoolingConfig", "AttentionMode", "LongformerSelfAttention",
            "PoolingformerSelfAttention", "LongformerModel",
            "LongformerForMaskedLM", "from_hf_pretrained"]

@@ -1,5 +1,4 @@
-"""``sliding_window_attention``: Longformer's local attention (no global tokens) in one call,
-and ``fill_band_at_keys_``, which removes flagged keys from a band.
+"""``sliding_window_attention``: Longformer's local attention (no global tokens) in one call.
 
 ``softmax(scale * Q.K^T restricted to each query's band) . V``, the same as ``diagonaled_mm``
 (Q.K^T mode, ``padding=-inf``), a softmax over the band and ``diagonaled_mm`` (probs.V mode). Two
@@ -12,7 +11,7 @@ paths, one result, each a few custom ops of :mod:`longformer_ops.kernels`:
   recomputes each tile's probabilities and gives dQ, dK and dV (FlashAttention's backward): no
   band in training either;
 - otherwise (a library without them: CUDA) the three steps above, differentiable through the
-  band ops' own autograd.
+  band ops' own autograd, the softmax in place on the one band (:func:`longformer_ops.band_softmax_`).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from longformer_ops import checks, kernels
-from longformer_ops.reference import band_width
+from longformer_ops.diagonaled import band_softmax
 
 _ops = torch.ops.longformer_ops
 
@@ -88,49 +87,11 @@ def _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask,
                  needs_grad):
     """Band scores, softmax, band times values, on the band ops (arguments checked by the caller)."""
     scores = _ops.band_qk(q * scale, k, w, dilations, autoregressive, float("-inf"))
-    no_key = None
-    if key_padding_mask is not None:
-        # The lowest finite score, not -inf, so that a row of masked keys gives no NaN; such a row
-        # then gives 0, as in the fused kernels.
-        lowest = torch.finfo(scores.dtype).min
-        scores = fill_band_at_keys_(scores, key_padding_mask, w, dilations, autoregressive, lowest)
-        no_key = scores.amax(-1, keepdim=True) <= lowest
-    lse = None
-    if return_lse:  # before the in-place softmax below overwrites the scores
-        lse = torch.logsumexp(scores.to(kernels.accumulation_dtype(q.dtype)), dim=-1)
-        if no_key is not None:
-            lse = lse.masked_fill(no_key[..., 0], float("-inf"))
-    # In the input dtype: torch's softmax accumulates half types in float32 and rounds once.
-    probs = torch.softmax(scores, dim=-1) if needs_grad else torch.softmax(scores, dim=-1, out=scores)
-    if no_key is not None:
-        probs = probs.masked_fill(no_key, 0) if needs_grad else probs.masked_fill_(no_key, 0)
+    probs, lse = band_softmax(scores, key_padding_mask, w, dilations, autoregressive)
     if dropout_p > 0:
         probs = torch.nn.functional.dropout(probs, dropout_p, training=True, inplace=not needs_grad)
     probs = probs.to(v.dtype)  # (CUDA autocast runs softmax in float32)
     if out is None:
-        return _ops.band_pv(probs, v, w, dilations, autoregressive), lse
+        return _ops.band_pv(probs, v, w, dilations, autoregressive), (lse if return_lse else None)
     _ops.band_pv_out(probs, v, w, dilations, autoregressive, out)
-    return out, lse
-
-
-def fill_band_at_keys_(band: torch.Tensor, flags: torch.Tensor, w: int, dilation: tuple[int, ...],
-                        autoregressive: bool, value: float) -> torch.Tensor:
-    """In place, ``band [b, n, h, c]`` = ``value`` wherever the key of (i, h, j), ``i + d[h] * (j - w)``,
-    is inside the sequence and flagged in ``flags [b, n]`` (bool); returns ``band``.
-
-    Each head's flags are a strided view of the zero-padded flags, copied into one bool mask, then
-    one ``masked_fill_``. When every head has the same dilation the mask is one ``[b, n, 1, c]``
-    that broadcasts over the heads (1/heads of a band-shaped one); otherwise it has the band's
-    shape (a quarter of a float32 band). No int64 index (at n = 4096 it alone was 200 MiB and a
-    third of the layer's time), and no in-place fill per head: on a band that requires grad each
-    of those makes autograd copy the whole band's gradient once more (12 heads: ~0.7 s of a 2.4 s
-    layer forward+backward at n = 4096).
-    """
-    b, n = flags.shape
-    c = band_width(w, autoregressive)
-    groups = [(0, dilation[0])] if len(set(dilation)) == 1 else list(enumerate(dilation))
-    at_flagged_keys = torch.empty((b, n, len(groups), c), dtype=torch.bool, device=band.device)
-    for head, d in groups:
-        padded = torch.nn.functional.pad(flags, (w * d, w * d)).contiguous()      # padded[i + w*d] = flags[i]
-        at_flagged_keys[:, :, head] = padded.as_strided((b, n, c), (padded.stride(0), 1, d))  # padded[i + d*j]
-    return band.masked_fill_(at_flagged_keys, value)
+    return out, (lse if return_lse else None)

@@ -117,16 +117,22 @@ def check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_pad
         scale = 1.0 / math.sqrt(q.shape[3]) if q.shape[3] else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite real number or None (1/sqrt(head_dim)), got {scale!r}")
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
-            raise TypeError("key_padding_mask must be a bool tensor [batch, seq_len] (True: a key no query attends to), "
-                            f"got {getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
-        if tuple(key_padding_mask.shape) != tuple(q.shape[:2]):
-            raise ValueError(f"key_padding_mask must be [batch, seq_len] = {tuple(q.shape[:2])}, "
-                             f"got shape {tuple(key_padding_mask.shape)}")
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"key_padding_mask must be on q's device {q.device}, got {key_padding_mask.device}")
+    check_key_padding_mask(key_padding_mask, q, "q")
     return check_window(w), check_dilation(d, q.shape[2]), float(scale)
+
+
+def check_key_padding_mask(key_padding_mask, like: torch.Tensor, like_name: str) -> None:
+    """None, or a bool ``[batch, seq_len]`` tensor on ``like``'s device (``like`` is ``[batch, seq_len, ...]``)."""
+    if key_padding_mask is None:
+        return
+    if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+        raise TypeError("key_padding_mask must be a bool tensor [batch, seq_len] (True: a key no query attends to), "
+                        f"got {getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
+    if tuple(key_padding_mask.shape) != tuple(like.shape[:2]):
+        raise ValueError(f"key_padding_mask must be [batch, seq_len] = {tuple(like.shape[:2])}, "
+                         f"got shape {tuple(key_padding_mask.shape)}")
+    if key_padding_mask.device != like.device:
+        raise ValueError(f"key_padding_mask must be on {like_name}'s device {like.device}, got {key_padding_mask.device}")
 
 
 def check_dropout_p(dropout_p) -> float:
@@ -173,3 +179,13 @@ def check_mask_invalid_locations(scores, w, d, autoregressive):
             f"scores must have last dimension c = {band} for w={w}, autoregressive={autoregressive}; "
             f"got shape {tuple(scores.shape)}")
     return w, check_dilation(d, scores.shape[2])
+
+
+def check_band_softmax(scores, w, d, autoregressive, key_padding_mask):
+    """Validate band_softmax_'s arguments; return ``(w, dilations)``."""
+    w, dilations = check_mask_invalid_locations(scores, w, d, autoregressive)
+    if not scores.is_contiguous():
+        raise ValueError(f"scores must be contiguous (the softmax is written in place), got strides {scores.stride()} "
+                         f"for shape {tuple(scores.shape)}")
+    check_key_padding_mask(key_padding_mask, scores, "scores")
+    return w, dilations

@@ -41,6 +41,9 @@ NAMESPACE = "longformer_ops"
 # The fused kernels' op names in the libraries (tvm_kernels.variants.FUSED_ATTENTION).
 FUSED = "attention"
 FUSED_BACKWARD = "attention_backward"
+# The band softmax's op names (tvm_kernels.variants.BAND_SOFTMAX).
+BAND_SOFTMAX = "softmax"
+BAND_SOFTMAX_BACKWARD = "softmax_backward"
 
 
 # ----------------------------------------------------------------------------- helpers (eager only)
@@ -70,26 +73,36 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def has_fused_attention(device_type: str, dtype: torch.dtype, backward: bool) -> bool:
-    """Whether the library for (device, dtype) has the fused local-attention kernels (with their
-    backward when ``backward``). Raises the loader's error when there is no library at all.
+def has_kernels(device_type: str, dtype: torch.dtype, names: tuple[str, ...]) -> bool:
+    """Whether the library for (device, dtype) has the ops ``names`` (each symmetric and causal):
+    the fused local attention and the band softmax are in the CPU libraries only. Raises the
+    loader's error when there is no library at all.
 
     A Python decision, made while tracing: under ``torch.compile`` it is evaluated once per
-    (device, dtype, backward) and its answer becomes part of the graph (see :func:`_fused_decision`).
+    (device, dtype, names) and its answer becomes part of the graph (see :func:`_kernels_decision`).
     """
     library = library_for(torch.device(device_type), str(dtype).removeprefix("torch."))
-    names = (FUSED, FUSED_BACKWARD) if backward else (FUSED,)
     return all(library.has(function_name(name, autoregressive)) for name in names for autoregressive in (False, True))
 
 
 # Dynamo must not trace the loader (file reads, dlopen): it calls this once, eagerly, and keeps the answer.
-_fused_decision = torch.compiler.assume_constant_result(has_fused_attention)
+_kernels_decision = torch.compiler.assume_constant_result(has_kernels)
+
+
+def _kernels_available(device: torch.device, dtype: torch.dtype, names: tuple[str, ...]) -> bool:
+    if torch.compiler.is_compiling():
+        return _kernels_decision(device.type, dtype, names)
+    return has_kernels(device.type, dtype, names)
 
 
 def fused_attention_available(device: torch.device, dtype: torch.dtype, backward: bool) -> bool:
-    if torch.compiler.is_compiling():
-        return _fused_decision(device.type, dtype, backward)
-    return has_fused_attention(device.type, dtype, backward)
+    """Whether the fused local-attention kernels (with their backward when ``backward``) serve (device, dtype)."""
+    return _kernels_available(device, dtype, (FUSED, FUSED_BACKWARD) if backward else (FUSED,))
+
+
+def band_softmax_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the band softmax kernels (forward and backward) serve (device, dtype)."""
+    return _kernels_available(device, dtype, (BAND_SOFTMAX, BAND_SOFTMAX_BACKWARD))
 
 
 def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: tuple[int, ...], autoregressive: bool,
@@ -316,6 +329,67 @@ def _attention_backward(ctx, grad, grad_lse):
 
 
 attention.register_autograd(_attention_backward, setup_context=_save_attention)
+
+
+# ----------------------------------------------------------------------------- band softmax
+@torch.library.custom_op(f"{NAMESPACE}::band_softmax_", mutates_args=("band",))
+def band_softmax_(band: Tensor, key_padding_mask: Optional[Tensor], w: int, dilation: list[int],
+                  autoregressive: bool) -> Tensor:
+    """In place: ``band`` (contiguous) becomes the softmax of each row over its valid keys (keys of
+    ``key_padding_mask`` removed; 0 at removed and invalid keys, a row with none left all 0). Returns
+    each row's log-sum-exp ``[b, n, h]`` in the accumulation dtype (-inf for a row with no key)."""
+    lse = band.new_empty(band.shape[:3], dtype=accumulation_dtype(band.dtype))
+    if lse.numel() == 0:
+        return lse
+    kernel = _library(band).function(function_name(BAND_SOFTMAX, autoregressive))
+    with _on_device(band):
+        kernel(band, _key_bias(key_padding_mask, band), int(key_padding_mask is not None),
+               _dilation_tensor(tuple(dilation), band.device), lse)
+    return lse
+
+
+@torch.library.custom_op(f"{NAMESPACE}::band_softmax_backward", mutates_args=())
+def band_softmax_backward(probs: Tensor, grad: Tensor, grad_lse: Tensor, w: int, dilation: list[int],
+                          autoregressive: bool) -> Tensor:
+    """The scores' gradient ``P * (dP - rowsum(dP * P) + dlse)`` at valid keys, 0 elsewhere."""
+    out = new_output(probs, probs.shape)
+    if out.numel() == 0:
+        return out
+    kernel = _library(probs).function(function_name(BAND_SOFTMAX_BACKWARD, autoregressive))
+    with _on_device(probs):
+        kernel(probs, grad.contiguous(), grad_lse.contiguous(), _dilation_tensor(tuple(dilation), probs.device), out)
+    return out
+
+
+@band_softmax_.register_fake
+def _(band, key_padding_mask, w, dilation, autoregressive):
+    return band.new_empty(band.shape[:3], dtype=accumulation_dtype(band.dtype))
+
+
+@band_softmax_backward.register_fake
+def _(probs, grad, grad_lse, w, dilation, autoregressive):
+    return probs.new_empty(probs.shape)
+
+
+class BandSoftmax(torch.autograd.Function):
+    """Autograd of the in-place :func:`band_softmax_` (an op that mutates cannot carry its own):
+    ``apply(scores, key_padding_mask, w, dilation, autoregressive) -> (scores, lse)``, ``scores``
+    overwritten by the probabilities, which are all the backward keeps (no second band).
+    Differentiable once."""
+
+    @staticmethod
+    def forward(ctx, scores, key_padding_mask, w, dilation, autoregressive):
+        lse = torch.ops.longformer_ops.band_softmax_(scores, key_padding_mask, w, dilation, autoregressive)
+        ctx.mark_dirty(scores)
+        ctx.save_for_backward(scores)
+        ctx.band_config = (w, dilation, autoregressive)
+        return scores, lse
+
+    @staticmethod
+    def backward(ctx, grad, grad_lse):
+        (probs,) = ctx.saved_tensors
+        grad_scores = torch.ops.longformer_ops.band_softmax_backward(probs, grad, grad_lse, *ctx.band_config)
+        return grad_scores, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- autocast

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from longformer_ops.attention import fill_band_at_keys_, sliding_window_attention
+from longformer_ops.attention import sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
-from longformer_ops.diagonaled import diagonaled_mm
+from longformer_ops.diagonaled import diagonaled_mm, fill_band_at_keys_
 from longformer_ops.pooling import pool_centres, pool_sequence, pool_then_project, pooling_attention
 from longformer_ops.reference import key_positions, pooling_attention_reference, sliding_chunks_pv, sliding_chunks_qk
 

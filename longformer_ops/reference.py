@@ -46,22 +46,30 @@ def fill_invalid_locations_(band: torch.Tensor, w: int, dilation: tuple[int, ...
 
     Only the first and last ``w * max(d)`` rows can hold such positions, and only those are touched:
     the mask is of their size, not the band's (plain torch ops: differentiable, traced by torch.compile).
+    Without autograd recording, the edge rows go in blocks of ``EDGE_BLOCK_ROWS``, so the mask stays
+    small at large dilations too; a band that requires grad gets one fill per edge instead (each
+    in-place fill of a slice costs autograd a copy of the band's gradient).
     """
     n = band.shape[1]
     reach = min(n, w * max(dilation, default=1))  # rows farther from both ends see only valid keys
     if reach == 0:
         return band
     edges = [(0, n)] if 2 * reach >= n else [(0, reach)] + ([] if autoregressive else [(n - reach, n)])
+    if not (torch.is_grad_enabled() and band.requires_grad):
+        edges = [(r, min(r + EDGE_BLOCK_ROWS, stop)) for start, stop in edges for r in range(start, stop, EDGE_BLOCK_ROWS)]
     columns = torch.arange(band_width(w, autoregressive), device=band.device).view(1, 1, -1)
     d = torch.tensor(dilation, device=band.device).view(1, -1)
     for start, stop in edges:
         rows = torch.arange(start, stop, device=band.device).view(-1, 1)
         # Key i + d (j - w) is in [0, n) exactly for w - i // d <= j <= w + (n - 1 - i) // d: two
         # [rows, h] bounds and one bool mask [rows, h, c], no int64 index of the rows' band shape.
-        first = (w - torch.div(rows, d, rounding_mode="floor")).unsqueeze(-1)
-        last = (w + torch.div(n - 1 - rows, d, rounding_mode="floor")).unsqueeze(-1)
-        band[:, start:stop].masked_fill_((columns < first) | (columns > last), value)
+        invalid = columns < (w - torch.div(rows, d, rounding_mode="floor")).unsqueeze(-1)
+        invalid |= columns > (w + torch.div(n - 1 - rows, d, rounding_mode="floor")).unsqueeze(-1)
+        band[:, start:stop].masked_fill_(invalid, value)
     return band
+
+
+EDGE_BLOCK_ROWS = 256
 
 
 def _per_head(d, heads: int, device) -> torch.Tensor:

@@ -142,11 +142,19 @@ def test_gradients_of_a_subset_of_inputs(cpu_library, needs):
         torch.testing.assert_close(x.grad, e)
 
 
+def _without_fused_kernels(monkeypatch, band_softmax: bool):
+    """Make the libraries look as if they had no fused kernels (CUDA's today): the three steps run,
+    their softmax on the band softmax kernel when ``band_softmax``, else on torch's ops (CUDA's today)."""
+    keep = ("softmax_",) if band_softmax else ()
+    monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: name.startswith(keep) if keep else False)
+
+
+@pytest.mark.parametrize("softmax", ["band-softmax-kernel", "torch-softmax"])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "key-padding-mask"])
-def test_library_without_the_fused_kernels_runs_the_band_products(monkeypatch, autoregressive, masked):
+def test_library_without_the_fused_kernels_runs_the_band_products(monkeypatch, autoregressive, masked, softmax):
     """A library without them (the CUDA ones) gives the same results through the three steps."""
-    monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
+    _without_fused_kernels(monkeypatch, softmax == "band-softmax-kernel")
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 77, 3, 20, generator=g, dtype=torch.float64) for _ in range(3))
     mask = _padding_mask(2, 77, g) if masked else None
@@ -356,14 +364,14 @@ def test_dropout_on_the_three_steps_is_torch_dropout(monkeypatch):
 
 
 @pytest.mark.parametrize("variant", ["plain", "key-padding-mask", "dropout", "return-lse"])
-@pytest.mark.parametrize("path", ["fused", "three-steps"])
+@pytest.mark.parametrize("path", ["fused", "three-steps", "three-steps-band-softmax"])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 def test_gradcheck_float64(cpu_library, autoregressive, path, variant, monkeypatch):
     """float64 gradcheck of every variant, on each CPU library this machine runs and on both paths
     (the fused kernels, and the three steps a library without them runs). Dropout: the same mask at
     every evaluation (torch's generator re-seeded inside the function)."""
-    if path == "three-steps":
-        monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
+    if path != "fused":
+        _without_fused_kernels(monkeypatch, band_softmax=path == "three-steps-band-softmax")
     g = torch.Generator().manual_seed(stable_seed("gradcheck", autoregressive, path, variant))
     q, k, v = (torch.randn(2, 9, 3, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = torch.rand(2, 9, generator=g) < 0.3 if variant == "key-padding-mask" else None

@@ -20,7 +20,7 @@ def test_methods_agree_on_local_attention(dilation, requires_grad):
     """Every method the bench compares computes the same local attention (else timings mean nothing).
     Inference takes another path (softmax in place) than training."""
     inputs = methods.make_inputs("local_attention", 1, 70, 3, 8, 5, torch.float64, "cpu", requires_grad)
-    names = [m for m in ("tvm", "tvm_out", "full", "sdpa", "sliding_chunks")
+    names = [m for m in ("tvm", "tvm_out", "full", "sdpa", "sliding_chunks") + methods.STEPS_METHODS
              if not methods.unsupported_reason(m, "local_attention", requires_grad, dilation, "cpu")]
     assert ("tvm_out" in names) == (not requires_grad) and "tvm" in names
     for name in names:
@@ -238,3 +238,28 @@ def test_hf_model_bench_writes_results_and_skips_what_would_not_fit(tmp_path):
     assert all(r["status"] == "skipped" and "budget" in r["reason"] for r in second), second
     table = stem.with_suffix(".md").read_text()
     assert table.count("| 256 |") == 3 and "x |" in table and table.count("skipped: predicted") == 6
+
+
+def test_model_op_runs_the_encoder(tmp_path):
+    """``--ops model``: the 12-layer encoder, forward and a training step, in its tvm and full modes."""
+    inputs = methods.make_inputs("model", 1, 40, 2, 8, 3, torch.float64, "cpu", False)
+    outputs = [methods.runner("model", m, inputs, 3, (1, 2), False)() for m in ("tvm", "full")]
+    assert outputs[0].shape == (1, 40, 16)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-9, atol=1e-9)
+    assert methods.unsupported_reason("sdpa", "model", False, (1,), "cpu")
+
+
+def test_scale_points_measure_and_write(tmp_path):
+    """bench.scale: one point measured in this process, and its CSV, table and plot written."""
+    from bench import scale
+
+    point = dict(op="local_attention", backward=True, dilation=(1, 2) * 6, dtype="float32", n=700)
+    result = scale.measure(point)
+    assert result["status"] == "ok" and result["time_s"] > 0 and result["peak_mib"] > 0
+    full = scale.measure(dict(op="full", backward=False, dilation=(1,) * 12, dtype="float32", n=300))
+    rows = [scale._row(point, result), scale._row(dict(point, op="full", backward=False, n=300), full)]
+    scale.write(rows, tmp_path, "test-scale", "python -m bench.scale --quick")
+    assert (tmp_path / "test-scale.png").stat().st_size > 0
+    table = (tmp_path / "test-scale.md").read_text()
+    assert "| local_attention | forward+backward | 1..8 | float32 | 700 |" in table
+    assert {p["op"] for p in scale.points(quick=True)} == {"local_attention", "layer", "model", "full"}

@@ -147,6 +147,10 @@ def _opcheck_cases(dtype, device="cpu"):
         out, lse = ops.attention(q.detach(), k.detach(), v.detach(), mask, seed, w, DILATION, autoregressive, 0.125, 0.2)
         cases.append((ops.attention_backward, (torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(),
                                                v.detach(), mask, seed, out, lse, w, DILATION, autoregressive, 0.125, 0.2)))
+        probs = band.detach().clone()
+        cases.append((ops.band_softmax_, (probs, mask, w, DILATION, autoregressive)))
+        cases.append((ops.band_softmax_backward, (probs, torch.randn_like(probs), torch.randn_like(lse), w, DILATION,
+                                                  autoregressive)))
     return cases
 
 
@@ -166,7 +170,7 @@ def test_opcheck_every_op(dtype):
         torch.library.opcheck(op, args)
         names.add(op._qualified_op_name.split("::")[1])
     registered = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
-    assert names == registered and len(names) == 9, (names, registered)
+    assert names == registered and len(names) == 11, (names, registered)
 
 
 # ----------------------------------------------------------------------------- layer and model

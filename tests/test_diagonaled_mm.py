@@ -263,3 +263,22 @@ def test_mask_invalid_locations(autoregressive):
                 key = i + int(d[head]) * (j - w)
                 expected = original[:, i, head, j] if 0 <= key < n else torch.full((2,), float("-inf"))
                 assert torch.equal(scores[:, i, head, j], expected), (i, head, j)
+
+
+@pytest.mark.parametrize("with_grad", [False, True], ids=["in-blocks", "autograd"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_mask_invalid_locations_at_large_dilations(autoregressive, with_grad):
+    """Edge rows past one block (EDGE_BLOCK_ROWS) without autograd, and whole edges with it: the same
+    -inf positions as the key-index reference, everything else untouched, gradient 0 at masked ones."""
+    n, h, w = 1500, 3, 90
+    d = [1, 3, 8]  # reach 720 rows: three blocks per edge
+    c = w + (0 if autoregressive else w) + 1
+    leaf = torch.randn(1, n, h, c, requires_grad=with_grad)
+    scores = leaf.clone()
+    with torch.set_grad_enabled(with_grad):
+        mask_invalid_locations(scores, w, d, autoregressive)
+    invalid = invalid_locations(n, w, torch.tensor(d), autoregressive)[None]
+    assert torch.equal(scores.detach(), leaf.detach().masked_fill(invalid, float("-inf")))
+    if with_grad:
+        (grad,) = torch.autograd.grad(scores.masked_fill(invalid, 0).sum(), leaf)
+        assert torch.equal(grad, (~invalid).to(grad.dtype).expand_as(grad))

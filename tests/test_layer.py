@@ -431,7 +431,7 @@ def test_layer_on_cuda_matches_cpu(mode, dtype):
 @pytest.mark.parametrize("n, w, dilation", [(1, 0, (1,)), (9, 3, (1, 2, 5)), (40, 7, (3, 1, 9, 2)), (17, 4, (2, 2, 2)),
                                              (30, 5, (1, 1, 1, 1))])
 def test_fill_band_at_keys_matches_an_explicit_gather(n, w, dilation, autoregressive):
-    from longformer_ops.attention import fill_band_at_keys_
+    from longformer_ops.diagonaled import fill_band_at_keys_
     from longformer_ops.reference import key_positions
 
     flags = torch.rand(2, n, generator=torch.Generator().manual_seed(n)) < 0.3

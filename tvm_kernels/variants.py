@@ -20,6 +20,9 @@ OPS = ("qk", "pv", "transposed")  # the three banded products, see tvm_kernels.c
 # backward (dQ, dK, dV from the forward's row log-sum-exp): no band in memory either way.
 # CPU targets only; the runtime runs the three products where a library lacks them.
 FUSED_ATTENTION = ("attention", "attention_backward")
+# The band softmax of the unfused path (in place, with the invalid-location mask) and its backward.
+# CPU targets only; elsewhere the runtime masks and softmaxes with torch ops.
+BAND_SOFTMAX = ("softmax", "softmax_backward")
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs
@@ -60,7 +63,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=1,
             cpu_flags=_V3_FLAGS,
             vector_bits=256,
-            ops=OPS + FUSED_ATTENTION,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX,
         ),
         KernelTarget(
             name="cpu-avx512",
@@ -71,7 +74,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=2,
             cpu_flags=_V4_FLAGS,
             vector_bits=512,
-            ops=OPS + FUSED_ATTENTION,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX,
         ),
         KernelTarget(
             name="cuda",
