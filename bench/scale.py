@@ -21,9 +21,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import ctypes
+import datetime
 import multiprocessing
-import os
-import platform
 import shlex
 import sys
 import time
@@ -139,7 +138,7 @@ def _row(point: dict, result: dict) -> dict:
             "status": result["status"], "reason": result["reason"]}
 
 
-def write(rows: list[dict], out: Path, name: str, command: str) -> None:
+def write(rows: list[dict], out: Path, name: str, command: str, provenance: str) -> None:
     import csv
 
     out.mkdir(parents=True, exist_ok=True)
@@ -147,7 +146,7 @@ def write(rows: list[dict], out: Path, name: str, command: str) -> None:
         writer = csv.DictWriter(handle, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    lines = [f"# Scale: time and peak memory per length ({name})", "", f"Command: `{command}`", "",
+    lines = [f"# Scale: time and peak memory per length ({name})", "", f"Command: `{command}` ({provenance})", "",
              "One call per point in a fresh process; memory is the peak RSS growth of that call (outputs "
              "included, inputs not). b = 1, 12 heads x 64, w = 256.", "",
              "| op | pass | dilation | dtype | seq_len | time (s) | peak (MiB) |", "|---|---|---|---|---:|---:|---:|"]
@@ -204,16 +203,18 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small lengths only (a smoke test)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per point")
     args = parser.parse_args(argv)
-    from bench.__main__ import cpu_results_name
+    from bench.__main__ import cpu_results_name, device_name, source_commit
 
     name = args.name or f"{cpu_results_name()}-scale"
     command = "python -m bench.scale " + shlex.join(sys.argv[1:] if argv is None else argv)
+    provenance = (f"commit {source_commit()}, {datetime.date.today()}, torch {torch.__version__}, "
+                  f"{torch.get_num_threads()} threads, {device_name('cpu')}")
     rows = []
     for point in tqdm(points(args.quick), desc="scale points", unit="point"):
         rows.append(_row(point, _run_fresh(point, args.timeout)))
         tqdm.write(f"{rows[-1]}")
-        write(rows, args.out, name, command)  # after each point: a long run leaves what it measured
-    print(f"wrote {args.out / name}.csv, .md, .png ({platform.processor() or platform.machine()}, {os.cpu_count()} cpus)")
+        write(rows, args.out, name, command, provenance)  # after each point: a long run leaves what it measured
+    print(f"wrote {args.out / name}.csv, .md, .png")
     return 0
 
 

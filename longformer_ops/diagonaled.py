@@ -138,19 +138,42 @@ def fill_band_at_keys_(band: torch.Tensor, flags: torch.Tensor, w: int, dilation
     """In place, ``band [b, n, h, c]`` = ``value`` wherever the key of (i, h, j), ``i + d[h] * (j - w)``,
     is inside the sequence and flagged in ``flags [b, n]`` (bool); returns ``band``.
 
-    Each head's flags are a strided view of the zero-padded flags, copied into one bool mask, then
-    one ``masked_fill_``. When every head has the same dilation the mask is one ``[b, n, 1, c]``
-    that broadcasts over the heads (1/heads of a band-shaped one); otherwise it has the band's
-    shape (a quarter of a float32 band). No int64 index (at n = 4096 it alone was 200 MiB and a
-    third of the layer's time), and no in-place fill per head: on a band that requires grad each
-    of those makes autograd copy the whole band's gradient once more (12 heads: ~0.7 s of a 2.4 s
-    layer forward+backward at n = 4096).
+    Each head's flags are a strided view of the zero-padded flags, copied into a bool mask, then
+    ``masked_fill_``; no int64 index (at n = 4096 it alone was 200 MiB and a third of the layer's
+    time). When every head has the same dilation the mask is ``[.., 1, c]`` and broadcasts over the
+    heads. Without autograd recording, rows go in blocks of ``FLAG_BLOCK_ROWS`` (the mask is a
+    block's, not the band's), and in eager mode only blocks with a flagged key within reach are
+    touched (one host sync; padding at the end and a few global tokens leave most blocks alone).
+    A band that requires grad gets one fill with a band-sized mask instead: each in-place fill of a
+    slice would make autograd copy the whole band's gradient once more.
     """
     b, n = flags.shape
     c = band_width(w, autoregressive)
     groups = [(0, dilation[0])] if len(set(dilation)) == 1 else list(enumerate(dilation))
-    at_flagged_keys = torch.empty((b, n, len(groups), c), dtype=torch.bool, device=band.device)
-    for head, d in groups:
-        padded = torch.nn.functional.pad(flags, (w * d, w * d)).contiguous()      # padded[i + w*d] = flags[i]
-        at_flagged_keys[:, :, head] = padded.as_strided((b, n, c), (padded.stride(0), 1, d))  # padded[i + d*j]
-    return band.masked_fill_(at_flagged_keys, value)
+    padded = {d: torch.nn.functional.pad(flags, (w * d, w * d)).contiguous() for d in set(dilation)}  # [i + w*d] = flags[i]
+
+    def mask_of_rows(start: int, stop: int) -> torch.Tensor:
+        at_flagged_keys = torch.empty((b, stop - start, len(groups), c), dtype=torch.bool, device=band.device)
+        for group, d in groups:
+            keys = padded[d]  # row start + i, column j reads padded[start + i + d*j]
+            at_flagged_keys[:, :, group] = keys.as_strided((b, stop - start, c), (keys.stride(0), 1, d),
+                                                           keys.storage_offset() + start)
+        return at_flagged_keys
+
+    if torch.is_grad_enabled() and band.requires_grad:
+        return band.masked_fill_(mask_of_rows(0, n), value)
+    starts = list(range(0, n, FLAG_BLOCK_ROWS))
+    if starts and not torch.compiler.is_compiling():
+        reach = w * max(dilation)
+        flagged_before = torch.nn.functional.pad(flags.any(0).to(torch.int32).cumsum(0), (1, 0))  # [p]: flagged keys < p
+        low = torch.tensor([max(0, r - reach) for r in starts], device=flags.device)
+        high = torch.tensor([min(n, r + FLAG_BLOCK_ROWS + reach) for r in starts], device=flags.device)
+        needed = (flagged_before[high] > flagged_before[low]).tolist()
+        starts = [r for r, need in zip(starts, needed) if need]
+    for start in starts:
+        stop = min(start + FLAG_BLOCK_ROWS, n)
+        band[:, start:stop].masked_fill_(mask_of_rows(start, stop), value)
+    return band
+
+
+FLAG_BLOCK_ROWS = 512

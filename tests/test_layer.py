@@ -427,17 +427,24 @@ def test_layer_on_cuda_matches_cpu(mode, dtype):
         assert_close(out[i].float().cpu(), expected[i], tol, f"{mode} {dtype} attentions {i}")
 
 
+@pytest.mark.parametrize("with_grad", [False, True], ids=["in-blocks", "autograd"])
 @pytest.mark.parametrize("autoregressive", [False, True])
 @pytest.mark.parametrize("n, w, dilation", [(1, 0, (1,)), (9, 3, (1, 2, 5)), (40, 7, (3, 1, 9, 2)), (17, 4, (2, 2, 2)),
-                                             (30, 5, (1, 1, 1, 1))])
-def test_fill_band_at_keys_matches_an_explicit_gather(n, w, dilation, autoregressive):
+                                             (30, 5, (1, 1, 1, 1)), (1700, 20, (1, 8, 3)), (1300, 9, (2, 2))])
+def test_fill_band_at_keys_matches_an_explicit_gather(n, w, dilation, autoregressive, with_grad):
     from longformer_ops.diagonaled import fill_band_at_keys_
     from longformer_ops.reference import key_positions
 
     flags = torch.rand(2, n, generator=torch.Generator().manual_seed(n)) < 0.3
+    if n > 1000:  # sparse, as padding and global tokens are: most row blocks have nothing to fill
+        flags = torch.zeros(2, n, dtype=torch.bool)
+        flags[0, [0, n // 2]] = True
+        flags[1, n - 30:] = True
     keys = key_positions(n, w, torch.tensor(dilation), autoregressive)          # [n, h, c]
     inside = (keys >= 0) & (keys < n)
     expected = flags[:, keys.clamp(0, n - 1)] & inside
-    band = torch.zeros(expected.shape)
-    assert fill_band_at_keys_(band, flags, w, dilation, autoregressive, 1.0) is band
-    assert torch.equal(band.bool(), expected)
+    leaf = torch.zeros(expected.shape, requires_grad=with_grad)
+    band = leaf.clone()
+    with torch.set_grad_enabled(with_grad):
+        assert fill_band_at_keys_(band, flags, w, dilation, autoregressive, 1.0) is band
+    assert torch.equal(band.detach().bool(), expected)

@@ -991,14 +991,15 @@ def softmax(dtype: str, autoregressive: bool, vector_bits: int):
     log-sum-exp. ``key_bias [b, n]`` (accumulation dtype; read only when ``with_bias`` is nonzero)
     is added to the scores of each key first: -inf removes the key (padding). A row with no key
     left (every score -inf) gets 0 and lse -inf, not NaN. Per row: a max pass (adding the bias and
-    storing the biased scores, exact for 0 and -inf), a sum pass of exp(score - max), and a pass
-    writing exp(score - max) / sum; the exponential is recomputed rather than stored, so half types
-    round once.
+    storing the biased scores, exact for 0 and -inf), a pass storing exp(score - max) and summing
+    it, and a pass scaling by 1 / sum. Half types recompute the exponential in the last pass
+    instead of storing it, so that they round once (a row stays in L1 across its passes either way).
     """
     acc_dtype = accumulation_dtype(dtype)
     lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
     causal = 1 if autoregressive else 0
     minus_inf = tirx.const(float("-inf"), acc_dtype)
+    store_exp = dtype == acc_dtype
 
     @T.prim_func
     def main(band_handle: T.handle, key_bias_handle: T.handle, with_bias: T.int64, dilation_handle: T.handle,
@@ -1042,24 +1043,43 @@ def softmax(dtype: str, autoregressive: bool, vector_bits: int):
                     row_max[0] = T.Cast(acc_dtype, 0)
                 for lane in T.vectorized(lanes):
                     partial[lane] = T.Cast(acc_dtype, 0)
-                for vector in range(vectors):
-                    for lane in T.vectorized(lanes):
-                        partial[lane] = partial[lane] + _exp(
-                            T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
+                if store_exp:  # the band holds the accumulation dtype: keep each exp, rescale it below
+                    for vector in range(vectors):
+                        for lane in T.vectorized(lanes):
+                            scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _exp(
+                                scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] - row_max[0], acc_dtype)
+                            partial[lane] = partial[lane] + scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]
+                else:
+                    for vector in range(vectors):
+                        for lane in T.vectorized(lanes):
+                            partial[lane] = partial[lane] + _exp(
+                                T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
                 total[0] = T.Cast(acc_dtype, 0)
                 for lane in range(lanes):
                     total[0] = total[0] + partial[lane]
                 for j in range(tail, stop[0]):
-                    total[0] = total[0] + _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype)
+                    if store_exp:
+                        scores[b, i, h, j] = _exp(scores[b, i, h, j] - row_max[0], acc_dtype)
+                        total[0] = total[0] + scores[b, i, h, j]
+                    else:
+                        total[0] = total[0] + _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype)
                 lse[b, i, h] = row_max[0] + T.log(total[0])  # log(0) = -inf: a row with no key
                 total[0] = T.Select(total[0] > T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / total[0], T.Cast(acc_dtype, 0))
-                for vector in range(vectors):
-                    for lane in T.vectorized(lanes):
-                        scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = T.Cast(dtype, _exp(
-                            T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0],
-                            acc_dtype) * total[0])
-                for j in range(tail, stop[0]):
-                    scores[b, i, h, j] = T.Cast(dtype, _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype) * total[0])
+                if store_exp:
+                    for vector in range(vectors):
+                        for lane in T.vectorized(lanes):
+                            scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = \
+                                scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] * total[0]
+                    for j in range(tail, stop[0]):
+                        scores[b, i, h, j] = scores[b, i, h, j] * total[0]
+                else:
+                    for vector in range(vectors):
+                        for lane in T.vectorized(lanes):
+                            scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = T.Cast(dtype, _exp(
+                                T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0],
+                                acc_dtype) * total[0])
+                    for j in range(tail, stop[0]):
+                        scores[b, i, h, j] = T.Cast(dtype, _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype) * total[0])
                 for j in range(first[0]):
                     scores[b, i, h, j] = T.Cast(dtype, 0)
                 for j in range(stop[0], width):
