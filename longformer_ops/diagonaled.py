@@ -136,32 +136,48 @@ def band_softmax(scores, key_padding_mask, w, dilations, autoregressive):
 def fill_band_at_keys_(band: torch.Tensor, flags: torch.Tensor, w: int, dilation: tuple[int, ...],
                         autoregressive: bool, value: float) -> torch.Tensor:
     """In place, ``band [b, n, h, c]`` = ``value`` wherever the key of (i, h, j), ``i + d[h] * (j - w)``,
-    is inside the sequence and flagged in ``flags [b, n]`` (bool); returns ``band``.
+    is inside the sequence and flagged in ``flags [b, n]`` (bool); returns ``band``. Differentiable
+    (the gradient is 0 at the filled positions).
 
-    Each head's flags are a strided view of the zero-padded flags, copied into a bool mask, then
-    ``masked_fill_``; no int64 index (at n = 4096 it alone was 200 MiB and a third of the layer's
-    time). When every head has the same dilation the mask is ``[.., 1, c]`` and broadcasts over the
-    heads. Without autograd recording, rows go in blocks of ``FLAG_BLOCK_ROWS`` (the mask is a
-    block's, not the band's), and in eager mode only blocks with a flagged key within reach are
-    touched (one host sync; padding at the end and a few global tokens leave most blocks alone).
-    A band that requires grad gets one fill with a band-sized mask instead: each in-place fill of a
-    slice would make autograd copy the whole band's gradient once more.
+    Rows go in blocks of ``FLAG_BLOCK_ROWS``: each block's flags, a strided view of the zero-padded
+    flags per head, become a bool mask of that block (``[.., 1, c]`` when every head has the same
+    dilation), then one ``masked_fill_``; in eager mode only blocks with a flagged key within reach
+    are touched (one host sync: padding at the end and a few global tokens leave most blocks alone).
+    No int64 index (at n = 4096 it alone was 200 MiB and a third of the layer's time) and no
+    band-shaped mask. Under autograd one custom function does the fills, so that autograd does
+    not copy the band's gradient per in-place fill of a slice; its backward zeroes the same blocks
+    of a copy of the incoming gradient (the gradient is the one band it allocates).
     """
+    if torch.is_grad_enabled() and band.requires_grad:
+        return _FillAtKeys.apply(band, flags, w, tuple(dilation), autoregressive, value)
+    return _fill_at_keys_in_blocks(band, flags, w, tuple(dilation), autoregressive, value)
+
+
+class _FillAtKeys(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, band, flags, w, dilation, autoregressive, value):
+        _fill_at_keys_in_blocks(band, flags, w, dilation, autoregressive, value)
+        ctx.mark_dirty(band)
+        ctx.save_for_backward(flags)
+        ctx.fill_config = (w, dilation, autoregressive)
+        return band
+
+    @staticmethod
+    def backward(ctx, grad):
+        (flags,) = ctx.saved_tensors
+        grad_band = _fill_at_keys_in_blocks(grad.clone(memory_format=torch.contiguous_format), flags,
+                                            *ctx.fill_config, 0.0)
+        return grad_band, None, None, None, None, None
+
+
+FLAG_BLOCK_ROWS = 512
+
+
+def _fill_at_keys_in_blocks(band, flags, w, dilation, autoregressive, value):
     b, n = flags.shape
     c = band_width(w, autoregressive)
     groups = [(0, dilation[0])] if len(set(dilation)) == 1 else list(enumerate(dilation))
     padded = {d: torch.nn.functional.pad(flags, (w * d, w * d)).contiguous() for d in set(dilation)}  # [i + w*d] = flags[i]
-
-    def mask_of_rows(start: int, stop: int) -> torch.Tensor:
-        at_flagged_keys = torch.empty((b, stop - start, len(groups), c), dtype=torch.bool, device=band.device)
-        for group, d in groups:
-            keys = padded[d]  # row start + i, column j reads padded[start + i + d*j]
-            at_flagged_keys[:, :, group] = keys.as_strided((b, stop - start, c), (keys.stride(0), 1, d),
-                                                           keys.storage_offset() + start)
-        return at_flagged_keys
-
-    if torch.is_grad_enabled() and band.requires_grad:
-        return band.masked_fill_(mask_of_rows(0, n), value)
     starts = list(range(0, n, FLAG_BLOCK_ROWS))
     if starts and not torch.compiler.is_compiling():
         reach = w * max(dilation)
@@ -172,8 +188,9 @@ def fill_band_at_keys_(band: torch.Tensor, flags: torch.Tensor, w: int, dilation
         starts = [r for r, need in zip(starts, needed) if need]
     for start in starts:
         stop = min(start + FLAG_BLOCK_ROWS, n)
-        band[:, start:stop].masked_fill_(mask_of_rows(start, stop), value)
+        at_flagged_keys = torch.empty((b, stop - start, len(groups), c), dtype=torch.bool, device=band.device)
+        for group, d in groups:
+            keys = padded[d][:, start:]  # row start + i, column j reads padded[start + i + d*j]
+            at_flagged_keys[:, :, group] = keys.as_strided((b, stop - start, c), (keys.stride(0), 1, d))
+        band[:, start:stop].masked_fill_(at_flagged_keys, value)
     return band
-
-
-FLAG_BLOCK_ROWS = 512

@@ -448,3 +448,29 @@ def test_fill_band_at_keys_matches_an_explicit_gather(n, w, dilation, autoregres
     with torch.set_grad_enabled(with_grad):
         assert fill_band_at_keys_(band, flags, w, dilation, autoregressive, 1.0) is band
     assert torch.equal(band.detach().bool(), expected)
+    if with_grad:  # gradient 0 exactly at the filled positions, passed through elsewhere
+        upstream = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+        (grad,) = torch.autograd.grad(band, leaf, upstream)
+        assert torch.equal(grad, upstream.masked_fill(expected, 0))
+
+
+def test_fill_band_at_keys_compiles():
+    """Traced as one graph without autograd (every block filled, no host sync) and with it (the
+    custom function), giving eager's result and gradient."""
+    from longformer_ops.diagonaled import fill_band_at_keys_
+
+    flags = torch.zeros(2, 1100, dtype=torch.bool)
+    flags[0, 3] = flags[1, 1050] = True
+
+    def filled_sum(x):
+        return fill_band_at_keys_(x * 2, flags, 5, (1, 3), False, -1.0).square().sum()
+
+    x = torch.randn(2, 1100, 2, 11, requires_grad=True)
+    eager = filled_sum(x)
+    (eager_grad,) = torch.autograd.grad(eager, x)
+    compiled = torch.compile(filled_sum)(x)
+    (compiled_grad,) = torch.autograd.grad(compiled, x)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(compiled_grad, eager_grad)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(filled_sum, fullgraph=True)(x), eager)
