@@ -137,7 +137,10 @@ class LongformerSelfAttention(nn.Module):
             # passes over the band when nothing is padding.
             any_padding = bool(is_padding.any())
 
-        q = self._heads(self.query(hidden_states)) / math.sqrt(self.head_dim)  # [b, n, h, d]
+        # Without autograd, hidden-size temporaries are written in place (at 2^20 tokens each is 3 GiB).
+        in_place = not torch.is_grad_enabled()
+        q = self._heads(self.query(hidden_states))                              # [b, n, h, d]
+        q = q.div_(math.sqrt(self.head_dim)) if in_place else q / math.sqrt(self.head_dim)
         k = self._heads(self.key(hidden_states))                                # [b, n, h, d]
         v = self._heads(self.value(hidden_states))                              # [b, n, h, d]
 
@@ -146,15 +149,20 @@ class LongformerSelfAttention(nn.Module):
         else:
             context, probs = self._local_banded(q, k, v, is_padding if any_padding else None, is_global, globals_,
                                                 output_attentions)
+        del q, k, v  # (autograd keeps what its backward needs) before the global rows' projections
         output = context.reshape(b, n, hidden)                                  # [b, n, h*d]
 
         global_probs = None
         if globals_ is not None:
             global_context, global_probs = self._global_rows(hidden_states, is_padding, globals_)
-            # Scatter the g rows back to their positions; they replace the local rows there.
-            index = globals_.positions[..., None].expand(-1, -1, hidden)
-            scattered = torch.zeros_like(output).scatter(1, index, global_context)  # [b, n, hidden]
-            output = torch.where(is_global[..., None], scattered, output)
+            # The g rows go back to their positions; they replace the local rows there.
+            if in_place:
+                rows = torch.arange(b, device=output.device)[:, None].expand_as(globals_.positions)
+                output[rows[globals_.valid], globals_.positions[globals_.valid]] = global_context[globals_.valid]
+            else:
+                index = globals_.positions[..., None].expand(-1, -1, hidden)
+                scattered = torch.zeros_like(output).scatter(1, index, global_context)  # [b, n, hidden]
+                output = torch.where(is_global[..., None], scattered, output)
 
         if not output_attentions:
             return output, None, None
@@ -205,6 +213,10 @@ class LongformerSelfAttention(nn.Module):
         global_weights = torch.exp(scores - shift[..., None])
         total = (band_weight + global_weights.sum(-1)).clamp_min(torch.finfo(acc).tiny)
         dropped = nn.functional.dropout(global_weights, dropout_p, training=dropout_p > 0)
+        if not torch.is_grad_enabled():  # the same operations in place, in the input dtype: one temporary
+            merged = torch.einsum("bnhg,bghd->bnhd", dropped.to(v.dtype), globals_.gather(v))
+            merged.add_(context.mul_(band_weight.to(context.dtype)[..., None]))
+            return merged.div_(total.to(merged.dtype)[..., None])
         merged = torch.einsum("bnhg,bghd->bnhd", dropped, globals_.gather(v).to(acc))
         merged = merged + context.to(acc) * band_weight[..., None]
         return (merged / total[..., None]).to(q.dtype)
