@@ -34,7 +34,8 @@ from tqdm import tqdm
 DILATED = (1, 1, 2, 2, 4, 4, 8, 8, 1, 2, 4, 8)
 UNDILATED = (1,) * 12
 HEADS, HEAD_DIM, W = 12, 64, 256
-COLUMNS = ["op", "pass", "dilation", "dtype", "seq_len", "time_s", "peak_mib", "status", "reason"]
+COLUMNS = ["op", "pass", "dilation", "dtype", "seq_len", "time_s", "peak_mib", "status", "reason", "commit"]
+OPS = ("local_attention", "layer", "model", "full")
 
 
 def points(quick: bool) -> list[dict]:
@@ -131,11 +132,24 @@ def _run_fresh(point: dict, timeout_s: float) -> dict:
             return {"status": "skipped", "reason": f"over {timeout_s:.0f} s"}
 
 
-def _row(point: dict, result: dict) -> dict:
+def _row(point: dict, result: dict, commit: str = "") -> dict:
     return {"op": point["op"], "pass": "forward+backward" if point["backward"] else "forward",
             "dilation": "1" if set(point["dilation"]) == {1} else "1..8", "dtype": point["dtype"],
             "seq_len": point["n"], "time_s": result.get("time_s", ""), "peak_mib": result.get("peak_mib", ""),
-            "status": result["status"], "reason": result["reason"]}
+            "status": result["status"], "reason": result["reason"], "commit": commit}
+
+
+def read(path: Path) -> list[dict]:
+    """Rows of an earlier results CSV, numbers as numbers."""
+    import csv
+
+    rows = list(csv.DictReader(open(path)))
+    for row in rows:
+        row["seq_len"] = int(row["seq_len"])
+        for key in ("time_s", "peak_mib"):
+            row[key] = float(row[key]) if row[key] else ""
+        row.setdefault("commit", "")
+    return rows
 
 
 def write(rows: list[dict], out: Path, name: str, command: str, provenance: str) -> None:
@@ -148,12 +162,15 @@ def write(rows: list[dict], out: Path, name: str, command: str, provenance: str)
         writer.writerows(rows)
     lines = [f"# Scale: time and peak memory per length ({name})", "", f"Command: `{command}` ({provenance})", "",
              "One call per point in a fresh process; memory is the peak RSS growth of that call (outputs "
-             "included, inputs not). b = 1, 12 heads x 64, w = 256.", "",
-             "| op | pass | dilation | dtype | seq_len | time (s) | peak (MiB) |", "|---|---|---|---|---:|---:|---:|"]
+             "included, inputs not). b = 1, 12 heads x 64, w = 256. Rows re-run later with `--ops` name "
+             "their own commit.", "",
+             "| op | pass | dilation | dtype | seq_len | time (s) | peak (MiB) | commit |",
+             "|---|---|---|---|---:|---:|---:|---|"]
     for r in rows:
         time_cell = f"{r['time_s']:.2f}" if r["status"] == "ok" else f"skipped: {r['reason']}"
         peak_cell = f"{r['peak_mib']:.0f}" if r["status"] == "ok" else ""
-        lines.append(f"| {r['op']} | {r['pass']} | {r['dilation']} | {r['dtype']} | {r['seq_len']} | {time_cell} | {peak_cell} |")
+        lines.append(f"| {r['op']} | {r['pass']} | {r['dilation']} | {r['dtype']} | {r['seq_len']} | {time_cell} | "
+                     f"{peak_cell} | {r.get('commit', '')} |")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out / f"{name}.png", name)
 
@@ -202,18 +219,28 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default=None, help="results' file name (default: <cpu>-scale)")
     parser.add_argument("--quick", action="store_true", help="small lengths only (a smoke test)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per point")
+    parser.add_argument("--ops", default=",".join(OPS),
+                        help=f"series to run (of {','.join(OPS)}); the other series' rows already in the "
+                             f"results file are kept, so one series can be re-run")
     args = parser.parse_args(argv)
+    ops = [op for op in args.ops.split(",") if op]
+    if not ops or set(ops) - set(OPS):
+        parser.error(f"--ops: choose from {','.join(OPS)}, got {args.ops!r}")
     from bench.__main__ import cpu_results_name, device_name, source_commit
 
     name = args.name or f"{cpu_results_name()}-scale"
     command = "python -m bench.scale " + shlex.join(sys.argv[1:] if argv is None else argv)
     provenance = (f"commit {source_commit()}, {datetime.date.today()}, torch {torch.__version__}, "
                   f"{torch.get_num_threads()} threads, {device_name('cpu')}")
+    earlier = args.out / f"{name}.csv"
+    kept = [r for r in read(earlier) if r["op"] not in ops] if earlier.exists() and set(ops) != set(OPS) else []
     rows = []
-    for point in tqdm(points(args.quick), desc="scale points", unit="point"):
-        rows.append(_row(point, _run_fresh(point, args.timeout)))
+    for point in tqdm([p for p in points(args.quick) if p["op"] in ops], desc="scale points", unit="point"):
+        rows.append(_row(point, _run_fresh(point, args.timeout), source_commit()))
         tqdm.write(f"{rows[-1]}")
-        write(rows, args.out, name, command, provenance)  # after each point: a long run leaves what it measured
+        # After each point (a long run leaves what it measured), in the series' order.
+        merged = sorted(kept + rows, key=lambda r: OPS.index(r["op"]))
+        write(merged, args.out, name, command, provenance)
     print(f"wrote {args.out / name}.csv, .md, .png")
     return 0
 

@@ -257,9 +257,9 @@ def test_scale_points_measure_and_write(tmp_path):
     result = scale.measure(point)
     assert result["status"] == "ok" and result["time_s"] > 0 and result["peak_mib"] > 0
     full = scale.measure(dict(op="full", backward=False, dilation=(1,) * 12, dtype="float32", n=300))
-    rows = [scale._row(point, result), scale._row(dict(point, op="full", backward=False, n=300), full)]
+    rows = [scale._row(point, result, "abc"), scale._row(dict(point, op="full", backward=False, n=300), full, "abc")]
     scale.write(rows, tmp_path, "test-scale", "python -m bench.scale --quick", "a test")
     assert (tmp_path / "test-scale.png").stat().st_size > 0
     table = (tmp_path / "test-scale.md").read_text()
-    assert "| local_attention | forward+backward | 1..8 | float32 | 700 |" in table
+    assert "| local_attention | forward+backward | 1..8 | float32 | 700 |" in table and table.count("| abc |") == 2
     assert {p["op"] for p in scale.points(quick=True)} == {"local_attention", "layer", "model", "full"}
