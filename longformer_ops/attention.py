@@ -87,7 +87,7 @@ def _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask,
                  needs_grad):
     """Band scores, softmax, band times values, on the band ops (arguments checked by the caller)."""
     scores = _ops.band_qk(q * scale, k, w, dilations, autoregressive, float("-inf"))
-    probs, lse = band_softmax(scores, key_padding_mask, w, dilations, autoregressive)
+    probs, lse = band_softmax(scores, key_padding_mask, w, dilations, autoregressive, need_lse=return_lse)
     if dropout_p > 0:
         probs = torch.nn.functional.dropout(probs, dropout_p, training=True, inplace=not needs_grad)
     probs = probs.to(v.dtype)  # (CUDA autocast runs softmax in float32)

@@ -107,12 +107,14 @@ def band_softmax_(scores: torch.Tensor, w: int, d, autoregressive: bool = False,
     """
     w, dilations = checks.check_band_softmax(scores, w, d, autoregressive, key_padding_mask)
     checks.check_bool("return_lse", return_lse)
-    probs, lse = band_softmax(scores, key_padding_mask, w, dilations, autoregressive)
+    probs, lse = band_softmax(scores, key_padding_mask, w, dilations, autoregressive, need_lse=return_lse)
     return (probs, lse) if return_lse else probs
 
 
-def band_softmax(scores, key_padding_mask, w, dilations, autoregressive):
-    """:func:`band_softmax_` on checked arguments: ``(probs, lse)``, in place where the library has the kernel."""
+def band_softmax(scores, key_padding_mask, w, dilations, autoregressive, need_lse: bool):
+    """:func:`band_softmax_` on checked arguments: ``(probs, lse)``, in place where the library has the
+    kernel (which gives lse for free); on torch ops lse is None unless ``need_lse`` (for half types it
+    costs a float32 copy of the band)."""
     if kernels.band_softmax_available(scores.device, scores.dtype):
         return kernels.BandSoftmax.apply(scores, key_padding_mask, w, list(dilations), autoregressive)
     needs_grad = torch.is_grad_enabled() and scores.requires_grad
@@ -124,11 +126,11 @@ def band_softmax(scores, key_padding_mask, w, dilations, autoregressive):
         lowest = torch.finfo(scores.dtype).min
         fill_band_at_keys_(scores, key_padding_mask, w, dilations, autoregressive, lowest)
         no_key = scores.amax(-1, keepdim=True) <= lowest
-    lse = torch.logsumexp(scores.to(kernels.accumulation_dtype(scores.dtype)), dim=-1)
+    lse = torch.logsumexp(scores.to(kernels.accumulation_dtype(scores.dtype)), dim=-1) if need_lse else None
     # In the input dtype: torch's softmax accumulates half types in float32 and rounds once.
     probs = torch.softmax(scores, dim=-1) if needs_grad else torch.softmax(scores, dim=-1, out=scores)
     if no_key is not None:
-        lse = lse.masked_fill(no_key[..., 0], float("-inf"))
+        lse = None if lse is None else lse.masked_fill(no_key[..., 0], float("-inf"))
         probs = probs.masked_fill(no_key, 0) if needs_grad else probs.masked_fill_(no_key, 0)
     return probs, lse
 

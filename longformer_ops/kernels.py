@@ -16,6 +16,9 @@ already checked by the public functions in :mod:`longformer_ops.diagonaled` and
 - ``band_transposed(band, x, w, dilation, autoregressive) -> rows``: the backward's P^T.dO;
 - ``attention(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p)
   -> (out, lse)`` and ``attention_backward(...)``: the fused local attention (CPU libraries);
+- ``band_softmax_(band, key_padding_mask, w, dilation, autoregressive) -> lse`` (in place) and
+  ``band_softmax_backward(...)``: the band softmax of the unfused path (CPU libraries), whose
+  autograd is :class:`BandSoftmax` (an op that mutates cannot carry its own);
 - ``*_out`` variants of each forward op write into a given ``out`` (``mutates_args=("out",)``;
   not differentiable, as custom ops that mutate cannot have autograd).
 
