@@ -157,7 +157,8 @@ def write(rows: list[dict], out: Path, name: str, command: str, provenance: str)
         writer = csv.DictWriter(handle, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    lines = [f"# Scale: time and peak memory per length ({name})", "", f"Command: `{command}` ({provenance})", "",
+    lines = [f"# Scale: time and peak memory per length ({name})", "",
+             f"Last run: `{command}` ({provenance}); the full run is `python -m bench.scale`.", "",
              "One call per point in a fresh process; memory is the peak RSS growth of that call (outputs "
              "included, inputs not). b = 1, 12 heads x 64, w = 256. Rows re-run later with `--ops` name "
              "their own commit.", "",
@@ -223,13 +224,13 @@ def main(argv=None) -> int:
     ops = [op for op in args.ops.split(",") if op]
     if not ops or set(ops) - set(OPS):
         parser.error(f"--ops: choose from {','.join(OPS)}, got {args.ops!r}")
-    from bench.__main__ import cpu_results_name, device_name, source_commit
+    from bench.__main__ import cpu_results_name, source_commit
 
     name = args.name or f"{cpu_results_name()}-scale"
     command = "python -m bench.scale " + shlex.join(sys.argv[1:] if argv is None else argv)
     commit = source_commit()  # once, before this run's own results make the checkout look modified
     provenance = (f"commit {commit}, {datetime.date.today()}, torch {torch.__version__}, "
-                  f"{torch.get_num_threads()} threads, {device_name('cpu')}")
+                  f"{torch.get_num_threads()} threads, {cpu_results_name()}")
     earlier = args.out / f"{name}.csv"
     kept = [r for r in read(earlier) if r["op"] not in ops] if earlier.exists() and set(ops) != set(OPS) else []
     rows = []
