@@ -343,6 +343,10 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
     # weight costs a broadcast and a convert per use (float32's broadcast rides in the FMA); this
     # tile uses each weight for 4 FMAs instead of 2 (bench/NOTES.md). 0: no wide tile.
     wide_cols = 4 * lanes if vector_bits >= 512 and dtype in ("float16", "bfloat16") else 0
+    # Half types on AVX2 (no wide tile: 16 ymm registers): every tile converts its weights to the
+    # accumulation dtype once, into the weight buffer, instead of at each of their uses (one per
+    # 2-vector feature tile); the direct path below reads them from the band only for float32/64.
+    direct_weights = not (vector_bits < 512 and dtype in ("float16", "bfloat16"))
     causal = 1 if autoregressive else 0
     per_line = 64 * 8 // _BITS[dtype]  # elements of one 64-byte cache line
     # Row offset of band column 0: w for probs.V; w_upper (w, or 0 when causal) for transposed.
@@ -371,7 +375,8 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
             # per class), the keys inside the sequence are the same packed rows for every row:
             # k in [low[0], k_end), and row r has a column there iff r <= k < r + band.
             k_end: T.let = T.min(offset + (n - T.int64(1) - query[0]) // d + T.int64(1), band + T.int64(rows - 1))
-            if p0 + T.int64(rows) <= n and query[rows - 1] == query[0] + T.int64(rows - 1) * d and band >= T.int64(rows - 1):
+            if (T.bool(direct_weights) and p0 + T.int64(rows) <= n and query[rows - 1] == query[0] + T.int64(rows - 1) * d
+                    and band >= T.int64(rows - 1)):
                 # The FMA loop reads its weights straight from the band rows; only the two
                 # triangles k < rows - 1 and k >= band, where some row has no column, select.
                 for feature_tile in range(head_dim // T.int64(cols)):
