@@ -74,13 +74,11 @@ def _call(point: dict, n: int):
 
 
 def _layer_with_globals(x, dilation, backward: bool, globals_: int = 4):
-    """One LongformerSelfAttention with ``globals_`` global tokens spread over the sequence."""
-    from longformer_ops import LongformerConfig, LongformerSelfAttention
+    """The bench's ``layer`` module (:func:`bench.methods._layer_module`, ``tvm`` mode) with ``globals_``
+    global tokens spread over the sequence."""
+    from bench import methods
 
-    torch.manual_seed(0)
-    config = LongformerConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_hidden_layers=1,
-                              attention_window=W, attention_dilation=[list(dilation)])
-    layer = LongformerSelfAttention(config, 0).to(x.dtype).train(backward)
+    layer = methods._layer_module("tvm", HEADS, HEAD_DIM, W, tuple(dilation), x.dtype, x.device.type, backward)
     mask = torch.zeros(x.shape[:2])
     mask[:, torch.linspace(0, x.shape[1] - 1, globals_).long()] = 1
 

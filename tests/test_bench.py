@@ -263,3 +263,5 @@ def test_scale_points_measure_and_write(tmp_path):
     table = (tmp_path / "test-scale.md").read_text()
     assert "| local_attention | forward+backward | 1..8 | float32 | 700 |" in table and table.count("| abc |") == 2
     assert {p["op"] for p in scale.points(quick=True)} == {"local_attention", "layer", "model", "full"}
+    layer = scale.measure(dict(op="layer", backward=False, dilation=(1,) * 12, dtype="float32", n=600))
+    assert layer["status"] == "ok" and layer["peak_mib"] > 0
