@@ -29,7 +29,9 @@ micro-kernel (bench/NOTES.md has every variant measured):
   (for transposed: from *other* rows' bands) with loop bounds instead of masks. Tiles
   across classes or past the end first gather their weights, zeroed at invalid keys,
   into a small buffer. The output features accumulate in registers while the packed
-  rows the tile touches stream through once.
+  rows the tile touches stream through once. On AVX2 the direct loop runs in chunks of 32
+  steps, every feature tile of a chunk before the next one (a chunk's band lines stay in
+  L1), and half types convert a chunk's weights once into a small float32 buffer.
 - attention: the qk micro-kernel writes a tile's scores into a buffer that stays in cache, the
   softmax runs there, and the pv micro-kernel streams the value rows once; no band in memory
   (see :func:`attention`). Its backward recomputes each tile's probabilities from the forward's
@@ -92,6 +94,20 @@ def _accumulate(acc, r, packed, row, column, cols, weight):
     """Tile row r += weight * packed[row, column : column + cols] (one broadcast, an FMA per vector)."""
     for lane in T.vectorized(cols):
         acc[r, lane] = acc[r, lane] + weight * packed[row, column + lane]
+
+
+@T.macro
+def _save_tile(sums, acc, column, rows, cols):
+    for r in T.unroll(rows):
+        for lane in T.vectorized(cols):
+            sums[r, column + lane] = acc[r, lane]
+
+
+@T.macro
+def _load_tile(acc, sums, column, rows, cols):
+    for r in T.unroll(rows):
+        for lane in T.vectorized(cols):
+            acc[r, lane] = sums[r, column + lane]
 
 
 @T.macro
@@ -334,6 +350,28 @@ def _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, 
     return T.Cast(acc_dtype, t1[b, query[r], h, column])
 
 
+@T.macro
+def _stage_chunk(staged, t1, query, b, h, d, offset, band, chunk, k_from, k_to, steps, rows, acc_dtype, by_step):
+    """A direct tile's weights for steps k_from..k_to-1 of the chunk from step ``chunk``, in the
+    accumulation dtype: probs.V ``staged[r, k - chunk]`` = row r's band column k - r; transposed
+    ``staged[k - chunk, r]`` = column band - 1 - k + r of step k's band row (which it also
+    prefetches where the next tile reads it, as the unstaged loop does). ``by_step``: transposed."""
+    if by_step:
+        for k in range(k_from, k_to):
+            source: T.let = query[0] + (k - offset) * d
+            _prefetch_line(t1, b, source, h, T.min(band + T.int64(2 * rows - 2) - k, band - T.int64(1)))
+            for r in T.vectorized(rows):
+                staged[k - chunk, r] = T.Cast(acc_dtype, t1[b, source, h, band - T.int64(1) - k + T.int64(r)])
+    else:
+        for r in range(rows):
+            if k_from == chunk and k_to == chunk + T.int64(steps):
+                for k in T.vectorized(steps):
+                    staged[r, k] = T.Cast(acc_dtype, t1[b, query[r], h, chunk + k - T.int64(r)])
+            else:
+                for k in range(k_from, k_to):
+                    staged[r, k - chunk] = T.Cast(acc_dtype, t1[b, query[r], h, k - T.int64(r)])
+
+
 def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transposed: bool):
     acc_dtype = accumulation_dtype(dtype)
     lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
@@ -343,10 +381,13 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
     # weight costs a broadcast and a convert per use (float32's broadcast rides in the FMA); this
     # tile uses each weight for 4 FMAs instead of 2 (bench/NOTES.md). 0: no wide tile.
     wide_cols = 4 * lanes if vector_bits >= 512 and dtype in ("float16", "bfloat16") else 0
-    # Half types on AVX2 (no wide tile: 16 ymm registers): every tile converts its weights to the
-    # accumulation dtype once, into the weight buffer, instead of at each of their uses (one per
-    # 2-vector feature tile); the direct path below reads them from the band only for float32/64.
-    direct_weights = not (vector_bits < 512 and dtype in ("float16", "bfloat16"))
+    # AVX2 (16 ymm registers, 32 KiB L1): the direct path runs its steps in chunks of 32, every
+    # feature tile of a chunk before the next chunk, so that the band lines a chunk reads are
+    # read again from L1 (transposed reads a new band row per step); half types convert the
+    # chunk's weights to the accumulation dtype once, into a small buffer, instead of at each
+    # use (one per feature tile). AVX-512 (0: one chunk) keeps the loop measured there.
+    chunk_steps = 32 if vector_bits < 512 else 0
+    stage_weights = vector_bits < 512 and dtype in ("float16", "bfloat16")
     causal = 1 if autoregressive else 0
     per_line = 64 * 8 // _BITS[dtype]  # elements of one 64-byte cache line
     # Row offset of band column 0: w for probs.V; w_upper (w, or 0 when causal) for transposed.
@@ -359,9 +400,13 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
         weights = T.decl_buffer((band + T.int64(rows), T.int64(rows)) if transposed
                                 else (T.int64(rows), band + T.int64(rows)), acc_dtype)
         query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+        next_row = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
         low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
         high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
         acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
+        sums = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)  # the direct path's tile between phases
+        staged = T.decl_buffer((T.int64(max(chunk_steps, 1)), T.int64(rows)) if transposed  # a chunk's weights
+                               else (T.int64(rows), T.int64(max(chunk_steps, 1))), acc_dtype)
         for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
             p0: T.let = tile * T.int64(rows)
             for r in range(rows):
@@ -375,40 +420,73 @@ def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transpo
             # per class), the keys inside the sequence are the same packed rows for every row:
             # k in [low[0], k_end), and row r has a column there iff r <= k < r + band.
             k_end: T.let = T.min(offset + (n - T.int64(1) - query[0]) // d + T.int64(1), band + T.int64(rows - 1))
-            if (T.bool(direct_weights) and p0 + T.int64(rows) <= n and query[rows - 1] == query[0] + T.int64(rows - 1) * d
+            if (p0 + T.int64(rows) <= n and query[rows - 1] == query[0] + T.int64(rows - 1) * d
                     and band >= T.int64(rows - 1)):
                 # The FMA loop reads its weights straight from the band rows; only the two
                 # triangles k < rows - 1 and k >= band, where some row has no column, select.
+                k_low: T.let = T.max(low[0], T.int64(rows - 1))
+                k_high: T.let = T.max(T.min(k_end, band), k_low)
                 for feature_tile in range(head_dim // T.int64(cols)):
-                    column: T.let = feature_tile * T.int64(cols)
                     _zero_tile(acc, rows, cols, acc_dtype)
                     for k in range(low[0], T.max(T.min(k_end, T.int64(rows - 1)), low[0])):
                         for r in T.unroll(rows):
-                            _accumulate(acc, r, packed, first + k, column, cols, T.Select(
+                            _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols, T.Select(
                                 k >= T.int64(r), _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
                                 T.Cast(acc_dtype, 0)))
-                    for k in range(T.max(low[0], T.int64(rows - 1)), T.max(T.min(k_end, band), T.max(low[0], T.int64(rows - 1)))):
-                        if not transposed:
-                            # Fetch the next tile's band rows, a line per step, spread over the FMA
-                            # loop: all at once they fill the miss queue and the loop stalls (perf).
-                            _prefetch_line(t1, b, row_of[T.min(p0 + T.int64(rows) + k % T.int64(rows), n - T.int64(1))], h,
-                                           T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
-                        else:
-                            # The next tile reads the next `rows` entries of this band row (its
-                            # last one: column band - 1 - k + 2 * rows - 1): fetch that line now.
-                            # Without it head_dim 32 (one pass per tile) ran 2.5x slower per FLOP
-                            # than 64, and slowest when the band row stride was near a multiple of
-                            # 4 KiB (an even number of heads); bench/NOTES.md.
-                            _prefetch_line(t1, b, row_of[p0 - offset + k], h, T.min(band + T.int64(2 * rows - 2) - k, band - T.int64(1)))
-                        for r in T.unroll(rows):
-                            _accumulate(acc, r, packed, first + k, column, cols,
-                                        _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, False))
+                    _save_tile(sums, acc, feature_tile * T.int64(cols), rows, cols)
+                for r in range(rows):
+                    next_row[r] = row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))]  # the next tile's rows
+                steps: T.let = T.int64(chunk_steps) if chunk_steps > 0 else band + T.int64(rows)
+                # The chunks by an index from 0: the same loop written from k_low // steps to its end
+                # computed wrong sums under TVM 0.27 (cause not isolated; tests caught it).
+                for chunk_index in range((k_high + steps - T.int64(1)) // steps - k_low // steps):
+                    chunk: T.let = (k_low // steps + chunk_index) * steps  # its first step
+                    k_from: T.let = T.max(chunk, k_low)
+                    k_to: T.let = T.min(chunk + steps, k_high)
+                    if not transposed and chunk_steps > 0:
+                        # Fetch the next tile's band rows, the lines of this chunk's steps: all at
+                        # once they fill the miss queue and the FMA loop stalls (perf).
+                        for line in range((chunk_steps + per_line - 1) // per_line):
+                            for r in range(rows):
+                                _prefetch_line(t1, b, next_row[r], h, T.min(chunk + T.int64(line * per_line), band - T.int64(1)))
+                    if stage_weights:
+                        _stage_chunk(staged, t1, query, b, h, d, offset, band, chunk, k_from, k_to, chunk_steps, rows, acc_dtype, transposed)
+                    for feature_tile in range(head_dim // T.int64(cols)):
+                        _load_tile(acc, sums, feature_tile * T.int64(cols), rows, cols)
+                        for k in range(k_from, k_to):
+                            if transposed:
+                                # The band row of packed row p0 - offset + k, in the tile's residue
+                                # class (the loop bounds keep it there): no row table in the loop,
+                                # the weights' address advances by a constant per step.
+                                source: T.let = query[0] + (k - offset) * d
+                                if not stage_weights:
+                                    # The next tile reads the next `rows` entries of this band row
+                                    # (its last one: column band - 1 - k + 2 * rows - 1): fetch that
+                                    # line now. Without it head_dim 32 (one pass per tile) ran 2.5x
+                                    # slower per FLOP than 64 (bench/NOTES.md).
+                                    _prefetch_line(t1, b, source, h, T.min(band + T.int64(2 * rows - 2) - k, band - T.int64(1)))
+                                for r in T.unroll(rows):
+                                    _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols,
+                                                staged[k - chunk, r] if stage_weights else
+                                                T.Cast(acc_dtype, t1[b, source, h, band - T.int64(1) - k + T.int64(r)]))
+                            else:
+                                if chunk_steps == 0:
+                                    # Fetch the next tile's band rows, a line per step.
+                                    _prefetch_line(t1, b, row_of[T.min(p0 + T.int64(rows) + k % T.int64(rows), n - T.int64(1))], h,
+                                                   T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
+                                for r in T.unroll(rows):
+                                    _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols,
+                                                staged[r, k - chunk] if stage_weights else
+                                                _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, False))
+                        _save_tile(sums, acc, feature_tile * T.int64(cols), rows, cols)
+                for feature_tile in range(head_dim // T.int64(cols)):
+                    _load_tile(acc, sums, feature_tile * T.int64(cols), rows, cols)
                     for k in range(T.max(low[0], band), T.max(k_end, T.max(low[0], band))):
                         for r in T.unroll(rows):
-                            _accumulate(acc, r, packed, first + k, column, cols, T.Select(
+                            _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols, T.Select(
                                 k - T.int64(r) < band, _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
                                 T.Cast(acc_dtype, 0)))
-                    _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype)
+                    _store_tile(out, acc, b, h, query, p0, n, feature_tile * T.int64(cols), rows, cols, dtype)
             else:
                 # A tile across residue classes or past the end: gather the weights, zeroed at
                 # invalid columns, into a buffer first.
