@@ -22,7 +22,7 @@ from longformer_ops.diagonaled import transposed_product
 HEADS, HEAD_DIM, W = 12, 64, 256
 DILATION = [1, 1, 2, 2, 4, 4, 8, 8, 1, 2, 4, 8]
 # The kernels' scratch per (batch, head), in head slices (n x head_dim in the accumulation dtype):
-# the packed operands each thread holds while it works on one head (tvm_kernels/schedules/cpu.py).
+# the packed operands each thread holds while it works on one head (tvm_kernels/schedules/cpu/).
 SCRATCH_HEAD_SLICES = {"qk": 1, "pv": 1, "transposed": 1, "mask": 0, "softmax": 0, "attention": 2,
                        "attention_backward": 8}
 

@@ -12,11 +12,12 @@ through ``prebuilt/manifest.json``, and the builder and tests read this table.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from longformer_ops._manifest import function_name  # noqa: F401  (the naming contract with the runtime)
 
 OPS = ("qk", "pv", "transposed")  # the three banded products, see tvm_kernels.compute
-# Fused local attention (qk, softmax, pv per tile, see tvm_kernels/schedules/cpu.py) and its
+# Fused local attention (qk, softmax, pv per tile, see tvm_kernels/schedules/cpu/attention.py) and its
 # backward (dQ, dK, dV from the forward's row log-sum-exp): no band in memory either way.
 # CPU targets only; the runtime runs the three products where a library lacks them.
 FUSED_ATTENTION = ("attention", "attention_backward")
@@ -88,12 +89,21 @@ TARGETS: dict[str, KernelTarget] = {
     )
 }
 
+_HERE = Path(__file__).resolve().parent
+
 # Source files (relative to tvm_kernels/) whose content decides a target's libraries.
 COMMON_SOURCES = ("compute.py", "variants.py", "build.py")
 
 
 def sources_of(target: KernelTarget) -> tuple[str, ...]:
-    return COMMON_SOURCES + (f"schedules/{target.schedule_module}.py",) + target.extra_sources
+    """The files (relative to tvm_kernels/) a target's libraries are built from: the common ones,
+    its schedule module (a file, or every file of a package) and its extras."""
+    package = _HERE / "schedules" / target.schedule_module
+    if package.is_dir():
+        schedule = tuple(sorted(f"schedules/{target.schedule_module}/{p.name}" for p in package.glob("*.py")))
+    else:
+        schedule = (f"schedules/{target.schedule_module}.py",)
+    return COMMON_SOURCES + schedule + target.extra_sources
 
 
 def library_name(target: KernelTarget, dtype: str) -> str:

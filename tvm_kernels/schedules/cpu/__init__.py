@@ -1,0 +1,60 @@
+"""x86-64 CPU kernels: the three banded products and fused local attention, hand-written in TIR,
+GEMM-like tiles for any dilation.
+
+Why not TE schedules: the fast loop nests run over *residue classes* whose size
+depends on each head's runtime dilation, compute dense tiles wider than the band
+and store them skewed into the band layout. Schedule primitives cannot reorder a
+TE output that way (bench/NOTES.md has the schedules tried first), so these kernels
+are written directly in TIR (TVMScript). Each computes exactly its definition in
+:mod:`tvm_kernels.compute` and is tested against the same plain references.
+
+Common structure, per (batch, head) in parallel: the second operand is packed
+residue-major (dilation d: rows r, r+d, r+2d, ... for r = 0..d-1, with zero
+margins). In packed order every query's band is a run of consecutive rows, for
+any dilation: dilation d is d interleaved undilated problems laid end to end.
+Then tiles of ``rows`` consecutive packed queries run a register-blocked
+micro-kernel (bench/NOTES.md has every variant measured):
+
+- qk (16 rows x 1 vector of accumulators on AVX-512, 6 x 2 on AVX2): keys packed in
+  blocks of ``cols`` (one tile width), transposed so that for a fixed feature a
+  block's keys are contiguous. Per feature: one broadcast per row, one load per
+  vector, one FMA per row and vector. A block's result for a row whose columns there
+  are all valid is stored straight into the output row (those stores overlap the next
+  blocks' FMAs); the rest goes, skewed by its row, into a small row buffer, from which
+  the row's remaining columns are copied, ``padding`` outside the sequence.
+- pv / transposed (8 x 2 vectors on AVX-512, 4 x 4 for half types when head_dim is a
+  multiple of 64; 6 x 2 on AVX2): for a tile whose rows are consecutive in one residue
+  class, the keys inside the sequence are the same packed rows for every row, so the
+  FMA loop reads its weights straight from the band
+  (for transposed: from *other* rows' bands) with loop bounds instead of masks. Tiles
+  across classes or past the end first gather their weights, zeroed at invalid keys,
+  into a small buffer. The output features accumulate in registers while the packed
+  rows the tile touches stream through once. On AVX2 the direct loop runs in chunks of 32
+  steps, every feature tile of a chunk before the next one (a chunk's band lines stay in
+  L1), and half types convert a chunk's weights once into a small float32 buffer.
+- attention: the qk micro-kernel writes a tile's scores into a buffer that stays in cache, the
+  softmax runs there, and the pv micro-kernel streams the value rows once; no band in memory
+  (see :func:`attention`). Its backward recomputes each tile's probabilities from the forward's
+  row log-sum-exp and accumulates dK and dV in packed rows (:func:`attention_backward`).
+
+Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
+(feature loops run over whole vectors or register tiles; the runtime zero-pads,
+which is exact). Scratch per (batch, head): the packed rows (about one
+head's slice of the input; the attention backward also its dK and dV sums), a row
+table and a per-tile buffer; accumulators live in registers.
+"""
+
+from __future__ import annotations
+
+from tvm_kernels.schedules.cpu.attention import attention, attention_backward
+from tvm_kernels.schedules.cpu.band_times_rows import pv, transposed
+from tvm_kernels.schedules.cpu.qk import qk
+from tvm_kernels.schedules.cpu.softmax import softmax, softmax_backward
+
+
+FEATURE_MULTIPLE = 32  # head_dim: whole vectors for qk, whole 2-vector tiles for pv / transposed (32 float32 lanes on AVX-512; the others divide it)
+# The per-tile buffers stay on the stack only with StorageRewrite off (microkernels._ON_STACK).
+PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
+
+HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": attention,
+                "attention_backward": attention_backward, "softmax": softmax, "softmax_backward": softmax_backward}

@@ -1,0 +1,470 @@
+"""Fused local attention on the CPU, forward and backward: Q.K^T, softmax and probs.V per tile
+of queries, no band in memory (see the package docstring)."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvm_kernels.compute import accumulation_dtype
+from tvm_kernels.schedules.cpu.microkernels import (
+    _BITS,
+    _ON_STACK,
+    _accumulate,
+    _exp,
+    _fill_residue_major,
+    _fill_run,
+    _pack_operands,
+    _zero_tile,
+)
+from tvm_kernels.schedules.cpu.tiles import tiles_for
+
+
+# Attention dropout without generator state, so that the backward regenerates the forward's mask:
+# each row's key is murmur3's 32-bit finaliser chained over (seed, batch * heads + head, query row);
+# band column j of that row is kept when the top 24 bits of mix(key + j * golden) are >= p * 2^24.
+# longformer_ops.reference.dropout_factor_reference computes the same mask in PyTorch.
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32(x):
+    """murmur3's fmix32 of a uint32 expression (a plain Python helper building the expression)."""
+    x = x ^ T.shift_right(x, T.uint32(16))
+    x = x * T.uint32(0x85EBCA6B)
+    x = x ^ T.shift_right(x, T.uint32(13))
+    x = x * T.uint32(0xC2B2AE35)
+    return x ^ T.shift_right(x, T.uint32(16))
+
+
+def _dropout_row_key(seed, bh, row):
+    return _mix32(T.Cast("uint32", seed) ^ _mix32(T.Cast("uint32", bh) * T.uint32(_GOLDEN) ^ _mix32(T.Cast("uint32", row))))
+
+
+def _dropout_factor(key, column, dropout, acc_dtype):
+    """1 / (1 - p) if band column ``column`` of the row with ``key`` is kept, else 0."""
+    bits = T.shift_right(_mix32(key + T.Cast("uint32", column) * T.uint32(_GOLDEN)), T.uint32(8))
+    return T.Select(bits >= T.Cast("uint32", dropout * T.float64(1 << 24)),
+                    T.Cast(acc_dtype, T.float64(1) / (T.float64(1) - dropout)), T.Cast(acc_dtype, 0))
+
+
+@T.macro
+def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype):
+    """kept[r, c] = scores[r, c] * (1/(1-p) or 0) at each row's valid columns [begin, end) (its other
+    columns are left as they are); ``kept`` may be ``scores`` itself (in place)."""
+    for r in range(rows):
+        key: T.let = _dropout_row_key(seed, bh, query[r])
+        for vector in range((end[r] - begin[r]) // T.int64(lanes)):
+            for lane in T.vectorized(lanes):
+                kept[r, begin[r] + vector * T.int64(lanes) + lane] = scores[r, begin[r] + vector * T.int64(lanes) + lane] * _dropout_factor(
+                    key, begin[r] + vector * T.int64(lanes) + lane - base - T.int64(r), dropout, acc_dtype)
+        for c in range(begin[r] + (end[r] - begin[r]) // T.int64(lanes) * T.int64(lanes), end[r]):
+            kept[r, c] = scores[r, c] * _dropout_factor(key, c - base - T.int64(r), dropout, acc_dtype)
+
+
+@T.macro
+def _attention_tile_rows(query, begin, end, queries, t_rows, row_of, b, h, n, head_dim, p0, w, d, band, base, scale,
+                         rows, lanes, acc_dtype):
+    """The tile's sequence rows, their valid columns [begin, end) in the scores buffer (row r's band
+    column j is at base + r + j; empty past the end), and their first operand rows times ``scale``."""
+    for r in T.unroll(rows):
+        query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
+        begin[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.max(w - query[r] // d, T.int64(0)), T.int64(0))
+        end[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.min(w + (n - T.int64(1) - query[r]) // d + T.int64(1), band), T.int64(0))
+    for r in range(rows):
+        for vector in range(head_dim // T.int64(lanes)):
+            for lane in T.vectorized(lanes):
+                queries[r, vector * T.int64(lanes) + lane] = T.Cast(
+                    acc_dtype, t_rows[b, query[r], h, vector * T.int64(lanes) + lane]) * T.Cast(acc_dtype, scale)
+
+
+@T.macro
+def _attention_tile_blocks(tile_blocks, begin, end, rows, cols):
+    """tile_blocks = the key blocks (relative to block0) holding a valid column of some row of the
+    tile: at the sequence's ends and, dilated, at each residue class's ends the band reaches past
+    the keys, and those blocks are neither computed nor read. Row 0 is inside the sequence and
+    has a valid column (itself); rows past the end have begin = end = 0 and are left out."""
+    tile_blocks[0] = begin[0]
+    tile_blocks[1] = end[0]
+    for r in range(1, rows):
+        if begin[r] < end[r]:
+            tile_blocks[0] = T.min(tile_blocks[0], begin[r])
+            tile_blocks[1] = T.max(tile_blocks[1], end[r])
+    tile_blocks[0] = tile_blocks[0] // T.int64(cols)
+    tile_blocks[1] = (tile_blocks[1] + T.int64(cols - 1)) // T.int64(cols)
+
+
+@T.macro
+def _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, value):
+    """scores[r] = value over the tile's computed columns outside [begin[r], end[r]) (all of them
+    for a row past the end, whose begin = end = 0 lie left of them)."""
+    _fill_run(scores, r, tile_blocks[0] * T.int64(cols), T.max(begin[r], tile_blocks[0] * T.int64(cols)), value, lanes)
+    _fill_run(scores, r, T.max(end[r], tile_blocks[0] * T.int64(cols)), tile_blocks[1] * T.int64(cols), value, lanes)
+
+
+@T.macro
+def _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, with_bias):
+    """scores[r, c] = queries[r] . packed key (block0 * cols + c) (+ that key's bias), for the key
+    blocks [tile_blocks[0], tile_blocks[1]) (relative to block0)."""
+    for block in range(tile_blocks[0], tile_blocks[1]):
+        _zero_tile(acc, rows, cols, acc_dtype)
+        for f in range(head_dim):
+            for r in T.unroll(rows):
+                for lane in T.vectorized(cols):
+                    acc[r, lane] = acc[r, lane] + queries[r, f] * keys[block0 + block, f, lane]
+        for r in T.unroll(rows):
+            for lane in T.vectorized(cols):
+                if with_bias:
+                    scores[r, block * T.int64(cols) + lane] = acc[r, lane] + biases[(block0 + block) * T.int64(cols) + lane]
+                else:
+                    scores[r, block * T.int64(cols) + lane] = acc[r, lane]
+
+
+@T.macro
+def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n, block0,
+                            tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype):
+    """out row r = row_scale[r] * sum over c of scores[r, c] * packed value row (block0 * cols + c)."""
+    for g in range(rows // group):
+        # The columns some row of the group has; the other rows' weights there are 0. (Rows past
+        # the end have begin = end = 0, left of the tile's computed blocks: not read.)
+        span[0] = begin[g * group]
+        span[1] = end[g * group]
+        for r in range(1, group):
+            span[0] = T.min(span[0], begin[g * group + r])
+            span[1] = T.max(span[1], end[g * group + r])
+        span[0] = T.max(span[0], tile_blocks[0] * T.int64(cols))
+        for feature_tile in range(head_dim // T.int64(features)):
+            column: T.let = feature_tile * T.int64(features)
+            _zero_tile(out_acc, group, features, acc_dtype)
+            for key in range(span[0], span[1]):
+                for r in T.unroll(group):
+                    _accumulate(out_acc, r, values, block0 * T.int64(cols) + key, column, features, scores[g * group + r, key])
+            for r in T.unroll(group):
+                if p0 + T.int64(g * group + r) < n:
+                    for lane in T.vectorized(features):
+                        out[b, query[g * group + r], h, column + lane] = T.Cast(dtype, out_acc[r, lane] * row_scale[g * group + r])
+
+
+@T.macro
+def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin, end, tile_blocks, rows, cols, lanes,
+                            acc_dtype, minus_inf):
+    """Each row, over the tile's computed blocks: -inf at its invalid and out-of-band columns (exp
+    gives exactly 0 there), then exp(score - row max) in place, 1 / their sum, and the row's
+    log-sum-exp of the scores (-inf for a row with no key)."""
+    for r in range(rows):
+        _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, minus_inf)
+        for lane in T.vectorized(lanes):
+            partial[lane] = minus_inf
+        for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
+            for lane in T.vectorized(lanes):
+                partial[lane] = T.max(partial[lane], scores[r, vector * T.int64(lanes) + lane])
+        row_max[0] = partial[0]
+        for lane in range(1, lanes):
+            row_max[0] = T.max(row_max[0], partial[lane])
+        if row_max[0] == minus_inf:  # a row past the end (never stored): no NaN from -inf - -inf
+            row_max[0] = T.Cast(acc_dtype, 0)
+        for lane in T.vectorized(lanes):
+            partial[lane] = T.Cast(acc_dtype, 0)
+        for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
+            for lane in T.vectorized(lanes):
+                scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype)
+                partial[lane] = partial[lane] + scores[r, vector * T.int64(lanes) + lane]
+        reciprocal[r] = T.Cast(acc_dtype, 0)
+        for lane in range(lanes):
+            reciprocal[r] = reciprocal[r] + partial[lane]
+        log_sum[r] = row_max[0] + T.log(reciprocal[r])  # one scalar log per row; log(0) = -inf
+        reciprocal[r] = T.Select(reciprocal[r] > T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / reciprocal[r], T.Cast(acc_dtype, 0))
+
+
+@T.macro
+def _attention_tile_probs(scores, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, minus_inf):
+    """The backward's P from the forward's log-sum-exp, in place over the tile's computed blocks:
+    exp(score - lse) at each row's valid columns, exactly 0 elsewhere (-inf first) and in rows with
+    no key (lse -inf) or past the end (no valid column)."""
+    for r in range(rows):
+        _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, minus_inf)
+        row_lse: T.let = T.Select(lse[b, query[r], h] == minus_inf, T.Cast(acc_dtype, 0), lse[b, query[r], h])
+        for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
+            for lane in T.vectorized(lanes):
+                scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_lse, acc_dtype)
+
+
+@T.macro
+def _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows, lanes, acc_dtype):
+    """row_delta[r] = rowsum(dO * O) less the log-sum-exp's gradient, per row of the tile (0 past the end):
+    the softmax backward's shift, from the tile's dO rows already converted in grad_rows."""
+    for r in range(rows):
+        for lane in T.vectorized(lanes):
+            partial[lane] = T.Cast(acc_dtype, 0)
+        for vector in range(head_dim // T.int64(lanes)):
+            for lane in T.vectorized(lanes):
+                partial[lane] = partial[lane] + grad_rows[r, vector * T.int64(lanes) + lane] * T.Cast(
+                    acc_dtype, out[b, query[r], h, vector * T.int64(lanes) + lane])
+        row_delta[r] = T.Cast(acc_dtype, 0) - grad_lse[b, query[r], h]
+        for lane in range(lanes):
+            row_delta[r] = row_delta[r] + partial[lane]
+        if p0 + T.int64(r) >= n:
+            row_delta[r] = T.Cast(acc_dtype, 0)
+
+
+@T.macro
+def _attention_tile_softmax_grad(grads, probs, row_delta, tile_blocks, rows, cols, lanes):
+    """Softmax backward in place: grads (dP) -> dS = P * (dP - row_delta) over the tile's computed
+    blocks (0 wherever P is 0; rows past the end have P = 0)."""
+    for r in range(rows):
+        for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
+            for lane in T.vectorized(lanes):
+                grads[r, vector * T.int64(lanes) + lane] = probs[r, vector * T.int64(lanes) + lane] * (
+                    grads[r, vector * T.int64(lanes) + lane] - row_delta[r])
+
+
+@T.macro
+def _accumulate_keys(total, weights, tile_rows, first, start, width, head_dim, rows, keys, features, key_acc, acc_dtype):
+    """total[first + c] += sum over the tile's rows r of weights[r, c] * tile_rows[r], for c in
+    [start, start + width) (width a multiple of ``keys``): dK and dV, the transposed products, per
+    tile. ``keys`` packed rows x ``features`` accumulate in registers; per tile row one broadcast per
+    key, one load per vector."""
+    for group in range(width // T.int64(keys)):
+        for feature_tile in range(head_dim // T.int64(features)):
+            column: T.let = feature_tile * T.int64(features)
+            for j in T.unroll(keys):
+                for lane in T.vectorized(features):
+                    key_acc[j, lane] = total[first + start + group * T.int64(keys) + T.int64(j), column + lane]
+            for r in range(rows):
+                for j in T.unroll(keys):
+                    _accumulate(key_acc, j, tile_rows, T.int64(r), column, features, weights[r, start + group * T.int64(keys) + T.int64(j)])
+            for j in T.unroll(keys):
+                for lane in T.vectorized(features):
+                    total[first + start + group * T.int64(keys) + T.int64(j), column + lane] = key_acc[j, lane]
+
+
+def _attention_sizes(dtype: str, autoregressive: bool, vector_bits: int) -> tuple:
+    acc_dtype = accumulation_dtype(dtype)
+    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
+    isa = tiles_for(vector_bits)  # the Q.K^T and probs.V tiles of qk and pv (tiles.py)
+    return (acc_dtype, lanes, isa.qk_rows, isa.qk_vectors * lanes,
+            isa.band_rows,  # rows of one probs.V register tile
+            2 * lanes, 1 if autoregressive else 0, 64 * 8 // _BITS[dtype], tirx.const(float("-inf"), acc_dtype))
+
+
+# Packed rows of one head's operands: the sequence with margins of a band and a few tiles.
+def _packed_length(n, window, causal, rows, cols):
+    return ((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols)
+
+
+def attention(dtype: str, autoregressive: bool, vector_bits: int):
+    """Fused local attention: ``out = softmax(scale * Q.K^T on the band) . V``, and each row's
+    log-sum-exp.
+
+    What :func:`qk`, a softmax over each row's valid keys and :func:`pv` compute one after the
+    other, without the band in memory: per tile of ``rows`` consecutive packed queries, the
+    Q.K^T micro-kernel writes the tile's scores (the keys it touches, a few more than the band)
+    into a buffer that stays in cache; each row is exponentiated in place (0 at its invalid
+    and out-of-band keys) and summed; the probs.V micro-kernel then streams the same packed
+    value rows through once, and each output row is divided by its sum as it is stored.
+    Arguments: q, k, v ``[b, n, h, f]``, key_bias ``[b, n]`` (accumulation dtype: 0, or -inf for
+    a key no query attends to), dilation ``[h]``, the one-sided window ``w``, the score scale, the
+    dropout probability p and its seed (p = 0: none; else each probability is kept with its
+    factor 1/(1-p) or zeroed, by the stateless generator above, after lse), out
+    ``[b, n, h, f]``, lse ``[b, n, h]`` (accumulation dtype: each row's log-sum-exp of its scaled,
+    biased scores, -inf for a row with no key: what the backward recomputes the probabilities
+    from, and what merges this result with attention to other keys, such as global tokens).
+    A row with no key left gets 0.
+    """
+    acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
+
+    @T.prim_func
+    def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
+             dilation_handle: T.handle, window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64,
+             out_handle: T.handle, lse_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
+        lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
+        w: T.let = window
+        band: T.let = T.int64(2 - causal) * window + T.int64(1)
+        margin: T.let = w + T.int64(cols)  # packed columns before the first key
+        for bh in T.parallel(batch * heads):
+            b: T.let = bh // heads
+            h: T.let = bh % heads
+            d: T.let = T.Cast("int64", dilation[h])
+            row_of = T.decl_buffer((n,), "int64")
+            keys = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols), head_dim, T.int64(cols)), acc_dtype)
+            values = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
+            biases = T.decl_buffer((_packed_length(n, window, causal, rows, cols),), acc_dtype)
+            scores = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
+            queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+            query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
+            key_tile = T.alloc_local((cols, lanes), acc_dtype, annotations=_ON_STACK)
+            begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+            log_sum = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+            partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            row_max = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
+            tile_blocks = T.alloc_local((2,), "int64", annotations=_ON_STACK)
+            acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
+            out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
+            _fill_residue_major(row_of, n, d)
+            _pack_operands(keys, values, biases, key_tile, k, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+                                     margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                                     cols, lanes, per_line, acc_dtype, True, True)
+            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+                p0: T.let = tile * T.int64(rows)
+                first: T.let = p0 - w + margin  # packed column of row 0's band column 0
+                block0: T.let = first // T.int64(cols)
+                base: T.let = first - block0 * T.int64(cols)  # scores column of row 0's band column 0
+                _attention_tile_rows(query, begin, end, queries, q, row_of, b, h, n, head_dim, p0, w, d, band, base,
+                                     scale, rows, lanes, acc_dtype)
+                _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
+                _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, True)
+                _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, tile_blocks, rows, cols,
+                                        lanes, acc_dtype, minus_inf)
+                for r in range(rows):
+                    if p0 + T.int64(r) < n:
+                        lse[b, query[r], h] = log_sum[r]
+                if dropout > T.float64(0):
+                    _apply_dropout(scores, scores, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
+                _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n,
+                                        block0, tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype)
+
+    return main
+
+
+def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
+    """The fused kernel's backward, FlashAttention-style: dQ, dK and dV with no band in memory.
+
+    Arguments: dO ``[b, n, h, f]``, q, k, v, key_bias, out and lse as in :func:`attention` (out and
+    lse from its forward call), grad_lse ``[b, n, h]`` (the gradient of lse, accumulation dtype;
+    it joins the softmax's shift delta = rowsum(dO * O) - grad_lse, computed per tile), dilation, ``w``,
+    the score scale, the forward's dropout p and seed (its mask Z is regenerated: dP = (dO . V^T) * Z,
+    dV from P * Z), dQ, dK, dV ``[b, n, h, f]``. Per (batch, head) K and V are packed as in the
+    forward, and dK, dV accumulate over the tiles in packed rows (scratch of the packed operands'
+    size), cast into place at the end. Per tile of ``rows`` packed queries, in cache: the
+    scores again (the Q.K^T micro-kernel) and P = exp(score - lse); dP = dO . V^T (the same
+    micro-kernel); dS = P * (dP - delta); dQ = scale * dS . K (the probs.V micro-kernel);
+    dV += P^T dO and dK += dS^T (scale Q) over the keys the tile touches.
+    """
+    acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
+    keys_per_update = tiles_for(vector_bits).key_update_rows  # rows of the dK/dV register tile (x 2 vectors)
+
+    @T.prim_func
+    def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
+             key_bias_handle: T.handle, out_handle: T.handle, lse_handle: T.handle, grad_lse_handle: T.handle,
+             dilation_handle: T.handle,
+             window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64, grad_q_handle: T.handle, grad_k_handle: T.handle,
+             grad_v_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        grad = T.match_buffer(grad_handle, (batch, n, heads, head_dim), dtype)
+        q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
+        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
+        lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
+        grad_lse = T.match_buffer(grad_lse_handle, (batch, n, heads), acc_dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        grad_q = T.match_buffer(grad_q_handle, (batch, n, heads, head_dim), dtype)
+        grad_k = T.match_buffer(grad_k_handle, (batch, n, heads, head_dim), dtype)
+        grad_v = T.match_buffer(grad_v_handle, (batch, n, heads, head_dim), dtype)
+        w: T.let = window
+        band: T.let = T.int64(2 - causal) * window + T.int64(1)
+        margin: T.let = w + T.int64(cols)
+        for bh in T.parallel(batch * heads):
+            b: T.let = bh // heads
+            h: T.let = bh % heads
+            d: T.let = T.Cast("int64", dilation[h])
+            row_of = T.decl_buffer((n,), "int64")
+            keys_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols), head_dim, T.int64(cols)), acc_dtype)
+            keys_v = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols), head_dim, T.int64(cols)), acc_dtype)
+            rows_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
+            biases = T.decl_buffer((_packed_length(n, window, causal, rows, cols),), acc_dtype)
+            total_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
+            total_v = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
+            probs = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
+            grads = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
+            kept = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)  # P with dropout
+            queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+            grad_rows = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+            query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
+            key_tile = T.alloc_local((cols, lanes), acc_dtype, annotations=_ON_STACK)
+            begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+            row_delta = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
+            partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
+            tile_blocks = T.alloc_local((2,), "int64", annotations=_ON_STACK)
+            acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
+            out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
+            key_acc = T.alloc_local((keys_per_update, features), acc_dtype, annotations=_ON_STACK)
+            _fill_residue_major(row_of, n, d)
+            _pack_operands(keys_k, rows_k, biases, key_tile, k, k, key_bias, row_of, block_keys, b, h, n, head_dim,
+                                     margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                                     cols, lanes, per_line, acc_dtype, True, True)
+            _pack_operands(keys_v, rows_k, biases, key_tile, v, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+                                     margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                                     cols, lanes, per_line, acc_dtype, False, False)
+            for t in range(_packed_length(n, window, causal, rows, cols)):
+                for vector in range(head_dim // T.int64(lanes)):
+                    for lane in T.vectorized(lanes):
+                        total_k[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
+                        total_v[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
+            for r in range(rows):
+                row_scale[r] = T.Cast(acc_dtype, scale)
+            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+                p0: T.let = tile * T.int64(rows)
+                first: T.let = p0 - w + margin
+                block0: T.let = first // T.int64(cols)
+                base: T.let = first - block0 * T.int64(cols)
+                _attention_tile_rows(query, begin, end, queries, q, row_of, b, h, n, head_dim, p0, w, d, band, base,
+                                     scale, rows, lanes, acc_dtype)
+                _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
+                start: T.let = tile_blocks[0] * T.int64(cols)  # the computed columns: [start, start + width)
+                width: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols)
+                _attention_tile_scores(probs, acc, queries, keys_k, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, True)
+                _attention_tile_probs(probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, minus_inf)
+                _attention_tile_rows(query, begin, end, grad_rows, grad, row_of, b, h, n, head_dim, p0, w, d, band, base,
+                                     T.float64(1), rows, lanes, acc_dtype)
+                _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows,
+                                       lanes, acc_dtype)
+                _attention_tile_scores(grads, acc, grad_rows, keys_v, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, False)
+                if dropout > T.float64(0):  # the forward's mask Z: dP = (dO . V^T) * Z, dV from P * Z
+                    for r in range(rows):
+                        _fill_run(kept, r, start, start + width, T.Cast(acc_dtype, 0), lanes)
+                    _apply_dropout(probs, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
+                    _apply_dropout(grads, grads, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
+                _attention_tile_softmax_grad(grads, probs, row_delta, tile_blocks, rows, cols, lanes)
+                _attention_tile_context(grad_q, out_acc, grads, rows_k, row_scale, span, begin, end, query, b, h, p0, n,
+                                        block0, tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype)
+                if dropout > T.float64(0):
+                    _accumulate_keys(total_v, kept, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
+                                     keys_per_update, features, key_acc, acc_dtype)
+                else:
+                    _accumulate_keys(total_v, probs, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
+                                     keys_per_update, features, key_acc, acc_dtype)
+                _accumulate_keys(total_k, grads, queries, block0 * T.int64(cols), start, width, head_dim, rows,
+                                 keys_per_update, features, key_acc, acc_dtype)
+            for p in range(n):
+                for vector in range(head_dim // T.int64(lanes)):
+                    for lane in T.vectorized(lanes):
+                        grad_k[b, row_of[p], h, vector * T.int64(lanes) + lane] = T.Cast(
+                            dtype, total_k[margin + p, vector * T.int64(lanes) + lane])
+                        grad_v[b, row_of[p], h, vector * T.int64(lanes) + lane] = T.Cast(
+                            dtype, total_v[margin + p, vector * T.int64(lanes) + lane])
+
+    return main

@@ -1,0 +1,176 @@
+"""The micro-kernel macros and helpers the CPU kernels share: prefetching, register tiles
+(zero, accumulate, save, load, store), row runs, the residue-major row table and packing, and
+a vectorisable exp."""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+
+# Keep small per-tile buffers on the stack (LLVM promotes them to registers).
+# TVM otherwise lowers every allocation inside a parallel loop to a heap workspace
+# call (3x slower kernels); the annotation survives only if StorageRewrite is off.
+_ON_STACK = {"disable_lower_builtin": True}
+_BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+
+
+# Packing reads one head's slice of every row: a few lines, then a jump of heads * head_dim
+# elements, which crosses a 4 KiB page almost every row, where hardware prefetchers stop.
+_ROWS_AHEAD = 8
+
+
+@T.macro
+def _prefetch_line(x, b, row, h, column):
+    """Ask for the cache line of x[b, row, h, column] (a hint: no fault, no effect on results)."""
+    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[b, row, h, column]),
+                                  T.int32(0), T.int32(3), T.int32(1)))
+
+
+@T.macro
+def _prefetch_row(x, b, row, h, length, per_line):
+    """Ask for the cache lines of x[b, row, h, 0:length]."""
+    for line in range((length + T.int64(per_line - 1)) // T.int64(per_line)):
+        _prefetch_line(x, b, row, h, line * T.int64(per_line))
+
+
+@T.macro
+def _zero_tile(acc, rows, cols, acc_dtype):
+    for r in T.unroll(rows):
+        for lane in T.vectorized(cols):
+            acc[r, lane] = T.Cast(acc_dtype, 0)
+
+
+@T.macro
+def _accumulate(acc, r, packed, row, column, cols, weight):
+    """Tile row r += weight * packed[row, column : column + cols] (one broadcast, an FMA per vector)."""
+    for lane in T.vectorized(cols):
+        acc[r, lane] = acc[r, lane] + weight * packed[row, column + lane]
+
+
+@T.macro
+def _save_tile(sums, acc, column, rows, cols):
+    for r in T.unroll(rows):
+        for lane in T.vectorized(cols):
+            sums[r, column + lane] = acc[r, lane]
+
+
+@T.macro
+def _load_tile(acc, sums, column, rows, cols):
+    for r in T.unroll(rows):
+        for lane in T.vectorized(cols):
+            acc[r, lane] = sums[r, column + lane]
+
+
+@T.macro
+def _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype):
+    for r in T.unroll(rows):
+        if p0 + T.int64(r) < n:
+            for lane in T.vectorized(cols):
+                out[b, query[r], h, column + lane] = T.Cast(dtype, acc[r, lane])
+
+
+@T.macro
+def _fill_run(buffer, r, begin, end, value, lanes):
+    """buffer[r, begin:end] = value (whole vectors, then the rest)."""
+    for vector in range((end - begin) // T.int64(lanes)):
+        for lane in T.vectorized(lanes):
+            buffer[r, begin + vector * T.int64(lanes) + lane] = value
+    for j in range(begin + (end - begin) // T.int64(lanes) * T.int64(lanes), end):
+        buffer[r, j] = value
+
+
+@T.macro
+def _copy_run(out, b, i, h, buffer, r, offset, begin, end, lanes, dtype):
+    """out[b, i, h, begin:end] = buffer[r, offset + begin : offset + end], cast (whole vectors, then the rest)."""
+    for vector in range((end - begin) // T.int64(lanes)):
+        for lane in T.vectorized(lanes):
+            out[b, i, h, begin + vector * T.int64(lanes) + lane] = T.Cast(
+                dtype, buffer[r, offset + begin + vector * T.int64(lanes) + lane])
+    for j in range(begin + (end - begin) // T.int64(lanes) * T.int64(lanes), end):
+        out[b, i, h, j] = T.Cast(dtype, buffer[r, offset + j])
+
+
+@T.macro
+def _valid_span(span, low, high, first, p0, n, rows):
+    """span = [first + min(r + low[r]), first + max(r + high[r])) over the tile's rows inside the sequence:
+    the packed columns where some row has a valid band column (row r's band column j is first + r + j)."""
+    span[0] = first + T.int64(rows)
+    span[1] = first
+    for r in T.unroll(rows):
+        if p0 + T.int64(r) < n:
+            span[0] = T.min(span[0], first + T.int64(r) + low[r])
+            span[1] = T.max(span[1], first + T.int64(r) + high[r])
+
+
+@T.macro
+def _fill_residue_major(row_of, n, d):
+    """row_of[p] = the sequence row at packed position p: rows r, r+d, r+2d, ... for r = 0..d-1."""
+    start = T.alloc_local((1,), "int64", annotations=_ON_STACK)
+    start[0] = T.int64(0)
+    for residue in range(T.min(d, n)):
+        for step in range((n - residue + d - T.int64(1)) // d):
+            row_of[start[0] + step] = residue + d * step
+        start[0] = start[0] + (n - residue + d - T.int64(1)) // d
+
+
+@T.macro
+def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, row_of, block_keys, b, h, n,
+                             head_dim, margin, blocks, cols, lanes, per_line, acc_dtype, with_bias, with_values):
+    """One (batch, head)'s operands in packed (residue-major) order, zero outside the sequence:
+    keys in blocks of ``cols``, feature-major (the Q.K^T micro-kernel's layout: Q.K^T and the fused
+    kernels), with_values the values as rows (probs.V's layout), and with_bias the keys' score
+    biases, at the same packed columns. ``key_tile``: scratch of ``cols x lanes``."""
+    for block in range(blocks):
+        for lane in range(T.int64(cols)):
+            p: T.let = block * T.int64(cols) + lane - margin  # packed position
+            block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
+            ahead: T.let = row_of[T.max(T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1)), T.int64(0))]
+            _prefetch_row(t_keys, b, ahead, h, head_dim, per_line)
+            if with_values:
+                _prefetch_row(t_values, b, ahead, h, head_dim, per_line)
+        # The block's keys transposed a vector of features at a time through a tile of constant
+        # strides: gathering each packed vector straight from the key rows took a vector index
+        # extract per element.
+        for chunk in range(head_dim // T.int64(lanes)):
+            for lane in range(T.int64(cols)):
+                for f in T.vectorized(lanes):
+                    key_tile[lane, f] = T.Select(
+                        block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
+                        T.Cast(acc_dtype, t_keys[b, block_keys[lane], h, chunk * T.int64(lanes) + f]), T.Cast(acc_dtype, 0))
+            for f in range(lanes):
+                for lane in T.vectorized(cols):
+                    keys[block, chunk * T.int64(lanes) + T.int64(f), lane] = key_tile[lane, f]
+        for lane in range(T.int64(cols)):
+            inside: T.let = block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n
+            if with_values:
+                for vector in range(head_dim // T.int64(lanes)):
+                    for lane2 in T.vectorized(lanes):
+                        values[block * T.int64(cols) + lane, vector * T.int64(lanes) + lane2] = T.Select(
+                            inside, T.Cast(acc_dtype, t_values[b, block_keys[lane], h, vector * T.int64(lanes) + lane2]),
+                            T.Cast(acc_dtype, 0))
+            if with_bias:
+                biases[block * T.int64(cols) + lane] = T.Select(inside, key_bias[b, block_keys[lane]], T.Cast(acc_dtype, 0))
+
+
+# exp on [-inf, 0] for the fused softmax, vectorisable: TVM lowers ``T.exp`` to one scalar ``expf``
+# call per lane. exp(x) = 2^m * exp(t), m = round(x / ln 2), t = x - m ln 2 in [-ln2/2, ln2/2]
+# (ln 2 split in two constants so that t keeps float32 precision), exp(t) by its degree-7
+# Taylor polynomial (relative error < 1e-8 there), 2^m built in the exponent bits. Inputs are
+# clamped at -127 ln 2, where m = -127 makes those bits 0: exp(-inf) = 0 exactly, and results
+# below float32's smallest normal number (x < -87.7) flush to 0.
+_LOG2E = 1.4426950408889634
+_LN2_HIGH = 0.693145751953125  # few mantissa bits: m * _LN2_HIGH is exact in float32
+_LN2_LOW = 1.4286068203094172e-06
+
+
+def _exp(x, acc_dtype):
+    """The expression exp(x) for x <= 0 (a plain Python helper building the expression)."""
+    if acc_dtype == "float64":  # no speed goal for float64: the library's exp, exactly rounded
+        return T.exp(x)
+    x = T.max(x, T.float32(-127 * 0.6931471805599453))
+    m = T.floor(x * T.float32(_LOG2E) + T.float32(0.5))
+    t = x - m * T.float32(_LN2_HIGH) - m * T.float32(_LN2_LOW)
+    poly = T.float32(1.0 / 5040)
+    for k in (720, 120, 24, 6, 2, 1, 1):
+        poly = poly * t + T.float32(1.0 / k)
+    return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", m) + T.int32(127), T.int32(23)))

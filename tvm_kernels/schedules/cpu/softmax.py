@@ -1,0 +1,190 @@
+"""The band softmax of the unfused path on the CPU, in place, with its backward."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tvm_kernels.compute import accumulation_dtype
+from tvm_kernels.schedules.cpu.microkernels import _ON_STACK, _exp
+
+
+# ----------------------------------------------------------------------------- band softmax
+# The original API's path (Q.K^T band, mask, softmax, probs.V) on one band: the softmax runs in place
+# over each row's valid keys and applies the invalid-location mask itself, so no mask tensor, no
+# second band and one pass through memory (each row, a few KiB, stays in L1 across its passes).
+
+
+@T.macro
+def _row_span(first, stop, i, d, w, n, band):
+    """The row's valid band columns [first, stop): key i + d (j - w) inside [0, n)."""
+    first[0] = T.max(w - i // d, T.int64(0))
+    stop[0] = T.min(w + (n - T.int64(1) - i) // d + T.int64(1), band)
+
+
+def _row_vectors(first, stop, lanes):
+    """Whole vectors of the span [first, stop), and where its scalar tail begins."""
+    return (stop - first) // T.int64(lanes), first + (stop - first) // T.int64(lanes) * T.int64(lanes)
+
+
+def softmax(dtype: str, autoregressive: bool, vector_bits: int):
+    """In place: each row of ``band [b, n, h, c]`` becomes the softmax of its scores over the row's
+    valid keys (exactly 0 at the others), and ``lse [b, n, h]`` (accumulation dtype) gets the row's
+    log-sum-exp. ``key_bias [b, n]`` (accumulation dtype; read only when ``with_bias`` is nonzero)
+    is added to the scores of each key first: -inf removes the key (padding). A row with no key
+    left (every score -inf) gets 0 and lse -inf, not NaN. Per row: a max pass (adding the bias and
+    storing the biased scores, exact for 0 and -inf), a pass storing exp(score - max) and summing
+    it, and a pass scaling by 1 / sum. Half types recompute the exponential in the last pass
+    instead of storing it, so that they round once (a row stays in L1 across its passes either way).
+    """
+    acc_dtype = accumulation_dtype(dtype)
+    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
+    causal = 1 if autoregressive else 0
+    minus_inf = tirx.const(float("-inf"), acc_dtype)
+    store_exp = dtype == acc_dtype
+
+    @T.prim_func
+    def main(band_handle: T.handle, key_bias_handle: T.handle, with_bias: T.int64, dilation_handle: T.handle,
+             lse_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        width = T.int64()
+        scores = T.match_buffer(band_handle, (batch, n, heads, width), dtype)
+        key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
+        w: T.let = T.int64(causal) * (width - T.int64(1)) + T.int64(1 - causal) * ((width - T.int64(1)) // T.int64(2))
+        for bi in T.parallel(batch * n):
+            b: T.let = bi // n
+            i: T.let = bi % n
+            partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            row_max = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            total = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            first = T.alloc_local((1,), "int64", annotations=_ON_STACK)
+            stop = T.alloc_local((1,), "int64", annotations=_ON_STACK)
+            for h in range(heads):
+                d: T.let = T.Cast("int64", dilation[h])
+                _row_span(first, stop, i, d, w, n, width)
+                if with_bias != T.int64(0):
+                    for j in range(first[0], stop[0]):
+                        scores[b, i, h, j] = T.Cast(dtype, T.Cast(acc_dtype, scores[b, i, h, j]) + key_bias[b, i + d * (j - w)])
+                vectors, tail = _row_vectors(first[0], stop[0], lanes)
+                for lane in T.vectorized(lanes):
+                    partial[lane] = minus_inf
+                for vector in range(vectors):
+                    for lane in T.vectorized(lanes):
+                        partial[lane] = T.max(partial[lane], T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]))
+                row_max[0] = minus_inf
+                for lane in range(lanes):
+                    row_max[0] = T.max(row_max[0], partial[lane])
+                for j in range(tail, stop[0]):
+                    row_max[0] = T.max(row_max[0], T.Cast(acc_dtype, scores[b, i, h, j]))
+                if row_max[0] == minus_inf:  # no key left: exp gives 0 everywhere, no NaN from -inf - -inf
+                    row_max[0] = T.Cast(acc_dtype, 0)
+                for lane in T.vectorized(lanes):
+                    partial[lane] = T.Cast(acc_dtype, 0)
+                if store_exp:  # the band holds the accumulation dtype: keep each exp, rescale it below
+                    for vector in range(vectors):
+                        for lane in T.vectorized(lanes):
+                            scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _exp(
+                                scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] - row_max[0], acc_dtype)
+                            partial[lane] = partial[lane] + scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]
+                else:
+                    for vector in range(vectors):
+                        for lane in T.vectorized(lanes):
+                            partial[lane] = partial[lane] + _exp(
+                                T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
+                total[0] = T.Cast(acc_dtype, 0)
+                for lane in range(lanes):
+                    total[0] = total[0] + partial[lane]
+                for j in range(tail, stop[0]):
+                    if store_exp:
+                        scores[b, i, h, j] = _exp(scores[b, i, h, j] - row_max[0], acc_dtype)
+                        total[0] = total[0] + scores[b, i, h, j]
+                    else:
+                        total[0] = total[0] + _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype)
+                lse[b, i, h] = row_max[0] + T.log(total[0])  # log(0) = -inf: a row with no key
+                total[0] = T.Select(total[0] > T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / total[0], T.Cast(acc_dtype, 0))
+                if store_exp:
+                    for vector in range(vectors):
+                        for lane in T.vectorized(lanes):
+                            scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = \
+                                scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] * total[0]
+                    for j in range(tail, stop[0]):
+                        scores[b, i, h, j] = scores[b, i, h, j] * total[0]
+                else:
+                    for vector in range(vectors):
+                        for lane in T.vectorized(lanes):
+                            scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = T.Cast(dtype, _exp(
+                                T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0],
+                                acc_dtype) * total[0])
+                    for j in range(tail, stop[0]):
+                        scores[b, i, h, j] = T.Cast(dtype, _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype) * total[0])
+                for j in range(first[0]):
+                    scores[b, i, h, j] = T.Cast(dtype, 0)
+                for j in range(stop[0], width):
+                    scores[b, i, h, j] = T.Cast(dtype, 0)
+
+    return main
+
+
+def softmax_backward(dtype: str, autoregressive: bool, vector_bits: int):
+    """The gradient of :func:`softmax`'s scores: ``out = P * (dP - rowsum(dP * P) + dlse)`` at each
+    row's valid keys (d lse / d score = P), 0 at the others. Arguments: probs ``P`` and ``grad``
+    ``dP`` ``[b, n, h, c]``, ``grad_lse [b, n, h]`` (accumulation dtype), dilation, out
+    ``[b, n, h, c]`` (not aliasing the others)."""
+    acc_dtype = accumulation_dtype(dtype)
+    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
+    causal = 1 if autoregressive else 0
+
+    @T.prim_func
+    def main(probs_handle: T.handle, grad_handle: T.handle, grad_lse_handle: T.handle, dilation_handle: T.handle,
+             out_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        width = T.int64()
+        probs = T.match_buffer(probs_handle, (batch, n, heads, width), dtype)
+        grad = T.match_buffer(grad_handle, (batch, n, heads, width), dtype)
+        grad_lse = T.match_buffer(grad_lse_handle, (batch, n, heads), acc_dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        out = T.match_buffer(out_handle, (batch, n, heads, width), dtype)
+        w: T.let = T.int64(causal) * (width - T.int64(1)) + T.int64(1 - causal) * ((width - T.int64(1)) // T.int64(2))
+        for bi in T.parallel(batch * n):
+            b: T.let = bi // n
+            i: T.let = bi % n
+            partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            shift = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            first = T.alloc_local((1,), "int64", annotations=_ON_STACK)
+            stop = T.alloc_local((1,), "int64", annotations=_ON_STACK)
+            for h in range(heads):
+                d: T.let = T.Cast("int64", dilation[h])
+                _row_span(first, stop, i, d, w, n, width)
+                vectors, tail = _row_vectors(first[0], stop[0], lanes)
+                for lane in T.vectorized(lanes):
+                    partial[lane] = T.Cast(acc_dtype, 0)
+                for vector in range(vectors):
+                    for lane in T.vectorized(lanes):
+                        partial[lane] = partial[lane] + T.Cast(acc_dtype, probs[b, i, h, first[0] + vector * T.int64(lanes) + lane]) * T.Cast(
+                            acc_dtype, grad[b, i, h, first[0] + vector * T.int64(lanes) + lane])
+                shift[0] = T.Cast(acc_dtype, 0) - grad_lse[b, i, h]
+                for lane in range(lanes):
+                    shift[0] = shift[0] + partial[lane]
+                for j in range(tail, stop[0]):
+                    shift[0] = shift[0] + T.Cast(acc_dtype, probs[b, i, h, j]) * T.Cast(acc_dtype, grad[b, i, h, j])
+                for vector in range(vectors):
+                    for lane in T.vectorized(lanes):
+                        out[b, i, h, first[0] + vector * T.int64(lanes) + lane] = T.Cast(dtype, T.Cast(
+                            acc_dtype, probs[b, i, h, first[0] + vector * T.int64(lanes) + lane]) * (T.Cast(
+                                acc_dtype, grad[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - shift[0]))
+                for j in range(tail, stop[0]):
+                    out[b, i, h, j] = T.Cast(dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
+                for j in range(first[0]):
+                    out[b, i, h, j] = T.Cast(dtype, 0)
+                for j in range(stop[0], width):
+                    out[b, i, h, j] = T.Cast(dtype, 0)
+
+    return main

@@ -1,0 +1,48 @@
+"""Register tiles and loop choices per x86 vector ISA: the one place where the AVX2 and AVX-512
+builds of the CPU kernels differ. The kernels ask :func:`tiles_for` with their target's vector
+width and test no ISA themselves; a new ISA (AMX, AVX512-BF16) is a new entry here plus the
+kernels that use it. The measurements behind each choice are in bench/NOTES.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tiles:
+    # Q.K^T (also inside the fused kernels): rows x vectors of accumulators.
+    qk_rows: int
+    qk_vectors: int
+    # probs.V and transposed (also the fused kernels' context and dQ): rows x 2 vectors.
+    band_rows: int
+    # Half types, probs.V and transposed, head_dim a multiple of 4 vectors: 4 rows x 4 vectors.
+    wide_half_tile: bool
+    # probs.V and transposed, direct path: steps per chunk, every feature tile of a chunk before
+    # the next (0: the whole band in one chunk).
+    chunk_steps: int
+    # Half types, same path: a chunk's weights converted once into a buffer (else at each use).
+    stage_half_weights: bool
+    # The fused backward's dK/dV update: rows x 2 vectors.
+    key_update_rows: int
+
+
+# AVX-512 (32 zmm registers). Q.K^T 16 x 1: the tile then advances by exactly one key block, so
+# every tile's band starts on a block boundary (528 columns computed per 513; 12 x 2: ~557).
+# probs.V / transposed 8 x 2 (12 rows: no faster for probs.V, 1.5x slower for transposed); half
+# types 4 x 4, because a half weight costs a broadcast and a convert per use (float32's broadcast
+# rides in the FMA) and that tile uses each weight for 4 FMAs instead of 2.
+AVX512 = Tiles(qk_rows=16, qk_vectors=1, band_rows=8, wide_half_tile=True, chunk_steps=0,
+               stage_half_weights=False, key_update_rows=8)
+
+# AVX2 (16 ymm registers, 32 KiB L1 on the EPYCs measured): 6 x 2 accumulators + 1 load + 1
+# broadcast fill the register file. The direct probs.V / transposed loop runs in chunks of 32
+# steps so that the band lines a chunk reads are read again from L1 by its other feature tiles
+# (transposed reads a new band row every step), and half types convert a chunk's weights once:
+# no room for a wider tile.
+AVX2 = Tiles(qk_rows=6, qk_vectors=2, band_rows=6, wide_half_tile=False, chunk_steps=32,
+             stage_half_weights=True, key_update_rows=4)
+
+
+def tiles_for(vector_bits: int) -> Tiles:
+    return AVX512 if vector_bits >= 512 else AVX2
