@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from longformer_ops._output_cache import new_output
 from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.layer import LongformerSelfAttention, PoolingformerSelfAttention
 
@@ -31,6 +32,13 @@ _ACTIVATIONS = {  # Hugging Face's names (ACT2FN) -> a fresh module
     "silu": nn.SiLU,
     "swish": nn.SiLU,
     "tanh": nn.Tanh,
+}
+# The same activations in place (inference only: autograd needs their inputs).
+_ACTIVATE_IN_PLACE = {
+    nn.GELU: lambda act, h: torch.ops.aten.gelu_(h, approximate=act.approximate),
+    nn.ReLU: lambda act, h: h.relu_(),
+    nn.SiLU: lambda act, h: nn.functional.silu(h, inplace=True),
+    nn.Tanh: lambda act, h: h.tanh_(),
 }
 
 
@@ -112,7 +120,10 @@ class _DenseResidualNorm(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(x + self.dropout(self.dense(h)))
+        y = self.dropout(self.dense(h))
+        # Without autograd the residual goes into the dense output, a tensor of our own: one
+        # hidden-size temporary fewer per block.
+        return self.LayerNorm(y.add_(x) if not torch.is_grad_enabled() else x + y)
 
 
 class LongformerAttention(nn.Module):
@@ -134,7 +145,15 @@ class LongformerIntermediate(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]()
 
     def forward(self, x):
-        return self.act(self.dense(x))  # [b, n, intermediate]
+        if torch.is_grad_enabled() or type(self.act) not in _ACTIVATE_IN_PLACE or self.dense.bias is None:
+            return self.act(self.dense(x))  # [b, n, intermediate]
+        # Inference: the activation (4 x hidden: at n = 4096 in float32 48 MiB, past malloc's mmap
+        # threshold, so fresh pages on every call) goes into recycled memory and the activation
+        # runs in place there (n = 4096 GELU: 35 ms into a fresh tensor, 12 ms in place).
+        h = new_output(x, (*x.shape[:-1], self.dense.out_features))
+        torch.addmm(self.dense.bias, x.reshape(-1, x.shape[-1]), self.dense.weight.t(),
+                    out=h.view(-1, h.shape[-1]))
+        return _ACTIVATE_IN_PLACE[type(self.act)](self.act, h)
 
 
 class LongformerLayer(nn.Module):

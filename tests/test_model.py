@@ -302,3 +302,21 @@ def test_masked_lm_loss_dtype(dtype):
     expected = torch.nn.functional.cross_entropy(scores.reshape(-1, scores.shape[-1]), batch["labels"].reshape(-1))
     assert out.loss.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
     assert torch.equal(out.loss, expected)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "relu", "silu", "tanh"])
+def test_inference_path_equals_autograd_path(act):
+    """Without autograd the FFN's activation runs in place in recycled memory (an intermediate of
+    >= 1 MiB here, so the output cache serves it) and the residuals are added in place: the same
+    numbers, bit for bit, as the autograd path, twice in a row (the second call reuses memory)."""
+    torch.manual_seed(0)
+    config = LongformerConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=256,
+                              attention_window=16, hidden_act=act, max_position_embeddings=1100)
+    model = LongformerModel(config).eval()
+    ids = torch.randint(5, 100, (1, 1024))
+    expected = model(input_ids=ids).last_hidden_state
+    assert expected.requires_grad  # (the autograd path ran)
+    for _ in range(2):
+        with torch.no_grad():
+            got = model(input_ids=ids).last_hidden_state
+        assert torch.equal(got, expected), (got - expected).abs().max()
