@@ -356,6 +356,11 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
     """
     acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
     keys_per_update = tiles_for(vector_bits).key_update_rows  # rows of the dK/dV register tile (x 2 vectors)
+    # The update walks a tile's key span (whole packed blocks of ``cols`` keys) in groups of
+    # ``keys_per_update``: a group size that does not divide the block would drop keys silently.
+    if cols % keys_per_update:
+        raise ValueError(f"tiles.py: key_update_rows {keys_per_update} must divide the Q.K^T block of "
+                         f"{cols} keys ({acc_dtype}, {vector_bits}-bit vectors)")
 
     @T.prim_func
     def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
