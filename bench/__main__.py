@@ -70,7 +70,7 @@ def parse_args(argv):
     parser.add_argument("--dilated-ops", type=_names(methods.ALL_OPS), default=list(methods.OPS),
                         help="ops that also run the dilated configurations (others run dilation 1 only)")
     parser.add_argument("--backward-ops", type=_names(methods.ALL_OPS),
-                        default=["local_attention", "layer", "poolingformer", "model"],
+                        default=["local_attention", "layer", "poolingformer", *methods.MODEL_OPS],
                         help="ops that also run forward+backward when --passes has it (others: forward only)")
     parser.add_argument("--dilated-passes", type=_names(("forward", "forward+backward")), default=["forward"],
                         help="passes that also run the dilated configurations")

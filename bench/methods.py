@@ -19,6 +19,8 @@ Levels (``op``):
   = heads x head_dim, FFN 4 x hidden), from random input embeddings ``[b, n, hidden]`` (the
   embedding lookup is negligible), token 0 global; ``layer``'s modes, forward in eval mode,
   forward+backward in training mode. Not in the default ``--ops``.
+- ``model_checkpointed``: ``model`` with gradient checkpointing (``gradient_checkpointing_enable``):
+  its training step keeps one layer's activations instead of all twelve. Not in the default ``--ops``.
 
 Methods: ``tvm`` (ours; local attention is :func:`longformer_ops.sliding_window_attention`: the
 fused kernels on CPU, for inference and for training; the layer in its ``tvm`` mode), ``tvm_out`` (ours, forward only,
@@ -52,7 +54,8 @@ METHODS = ("tvm", "tvm_out", "full", "sdpa", "sliding_chunks", "flex")
 OURS = ("tvm", "tvm_out")
 COMPILES_PER_SHAPE = {"flex"}  # its first call at a new length compiles
 OPS = ("qk_band", "pv_band", "transposed_band", "local_attention")  # the default --ops
-ALL_OPS = OPS + ("layer", "poolingformer", "model")
+MODEL_OPS = ("model", "model_checkpointed")
+ALL_OPS = OPS + ("layer", "poolingformer") + MODEL_OPS
 MODEL_LAYERS = 12
 # The original API's three calls (band, softmax, band): with our band softmax, and with
 # mask_invalid_locations and torch.softmax. Not in the default --methods.
@@ -70,7 +73,7 @@ def default_methods(ops) -> list[str]:
 
 
 def unsupported_reason(method: str, op: str, backward: bool, dilation: tuple[int, ...], device: str) -> str | None:
-    if op in ("layer", "model") and method not in LAYER_METHODS:
+    if op in ("layer", *MODEL_OPS) and method not in LAYER_METHODS:
         return f"the {op}'s attention modes are {', '.join(LAYER_METHODS)}"
     if op == "poolingformer" and method not in POOLINGFORMER_METHODS:
         return f"the Poolingformer layer is compared as {', '.join(POOLINGFORMER_METHODS)}"
@@ -107,7 +110,8 @@ def useful_flops(op: str, backward: bool, batch, seq_len, heads, head_dim, w) ->
     flops = band_flops(batch, seq_len, heads, head_dim, w) * products
     if op in ("layer", "poolingformer"):
         flops += 5 * 2.0 * batch * seq_len * (heads * head_dim) ** 2
-    if op == "model":  # per layer: two band products, five projections, the output dense and the 4x FFN
+    if op in MODEL_OPS:  # per layer: two band products, five projections, the output dense and the 4x FFN
+        # (checkpointed: the same useful work; its recomputation is overhead)
         flops = MODEL_LAYERS * (2 * flops + (5 + 1 + 8) * 2.0 * batch * seq_len * (heads * head_dim) ** 2)
     if op == "poolingformer":  # level 2: three more projections and two products over its band of pools
         flops += 3 * 2.0 * batch * seq_len * (heads * head_dim) ** 2
@@ -311,22 +315,25 @@ def poolingformer(method: str, x, w: int, dilation, buffers=None):
 
 @functools.lru_cache(maxsize=2)
 def _model(method: str, heads: int, head_dim: int, w: int, dilation: tuple[int, ...], seq_len: int, dtype, device: str,
-           training: bool) -> LongformerModel:
+           training: bool, checkpointed: bool) -> LongformerModel:
     torch.manual_seed(0)
     hidden = heads * head_dim
     config = LongformerConfig(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=MODEL_LAYERS,
                               intermediate_size=4 * hidden, max_position_embeddings=seq_len + 2, attention_window=w,
                               attention_dilation=[list(dilation)] * MODEL_LAYERS,
                               attention_mode=LAYER_METHODS[method])
-    return LongformerModel(config).to(dtype=dtype, device=device).train(training)
+    encoder = LongformerModel(config).to(dtype=dtype, device=device).train(training)
+    if checkpointed:
+        encoder.gradient_checkpointing_enable()
+    return encoder
 
 
-def model(method: str, x, w: int, dilation, buffers=None):
+def model(method: str, x, w: int, dilation, buffers=None, checkpointed: bool = False):
     """The encoder's last hidden states ``[b, n, hidden]`` from input embeddings ``x``, token 0 global;
     training mode when ``x`` requires grad."""
     heads = len(dilation)
     module = _model(method, heads, x.shape[-1] // heads, w, tuple(dilation), x.shape[1], x.dtype, x.device.type,
-                    x.requires_grad)
+                    x.requires_grad, checkpointed)
     is_global = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
     is_global[:, 0] = 1
     return module(inputs_embeds=x, global_attention_mask=is_global).last_hidden_state
@@ -341,7 +348,7 @@ def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requ
 
     if op == "qk_band":
         return tensor(batch, seq_len, heads, head_dim), tensor(batch, seq_len, heads, head_dim)
-    if op in ("layer", "poolingformer", "model"):
+    if op in ("layer", "poolingformer", *MODEL_OPS):
         return (tensor(batch, seq_len, heads * head_dim),)
     if op in ("pv_band", "transposed_band"):
         probs = torch.softmax(torch.randn(batch, seq_len, heads, 2 * w + 1, generator=generator), -1)
@@ -353,7 +360,7 @@ def runner(op: str, method: str, inputs, w: int, dilation, backward: bool):
     """A no-argument callable doing one forward (and backward) of ``op`` with ``method``."""
     function = {"qk_band": qk_band, "pv_band": pv_band, "transposed_band": transposed_band,
                 "local_attention": local_attention, "layer": layer, "poolingformer": poolingformer,
-                "model": model}[op]
+                "model": model, "model_checkpointed": functools.partial(model, checkpointed=True)}[op]
 
     buffers = {} if method == "tvm_out" else None
 

@@ -12,12 +12,16 @@ which ``torch.compile`` and ``torch.export`` trace. Plain-PyTorch references liv
 from longformer_ops._loader import KernelNotAvailableError, StaleKernelError
 from longformer_ops._output_cache import empty_cache
 from longformer_ops.attention import sliding_window_attention
+from longformer_ops.checkpoint import from_hf_pretrained
 from longformer_ops.config import AttentionMode, LongformerConfig, PoolingConfig
 from longformer_ops.diagonaled import band_softmax_, diagonaled_mm, mask_invalid_locations
 from longformer_ops.layer import LongformerSelfAttention, PoolingformerSelfAttention
-from longformer_ops.model import LongformerForMaskedLM, LongformerModel, from_hf_pretrained
+from longformer_ops.model import LongformerModel
+from longformer_ops.tasks import (LongformerForMaskedLM, LongformerForMultipleChoice, LongformerForQuestionAnswering,
+                                  LongformerForSequenceClassification, LongformerForTokenClassification)
 
 __all__ = ["diagonaled_mm", "mask_invalid_locations", "band_softmax_", "sliding_window_attention", "empty_cache", "KernelNotAvailableError",
            "StaleKernelError", "LongformerConfig", "PoolingConfig", "AttentionMode", "LongformerSelfAttention",
-           "PoolingformerSelfAttention", "LongformerModel",
-           "LongformerForMaskedLM", "from_hf_pretrained"]
+           "PoolingformerSelfAttention", "LongformerModel", "LongformerForMaskedLM",
+           "LongformerForSequenceClassification", "LongformerForTokenClassification", "LongformerForQuestionAnswering",
+           "LongformerForMultipleChoice", "from_hf_pretrained"]

@@ -21,6 +21,8 @@ from typing import Any
 
 # Activations the feed-forward block accepts (Hugging Face's names; "gelu" is the exact erf form).
 HIDDEN_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh")
+# Losses of sequence classification (transformers' names); None: chosen from the labels.
+PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 # How Poolingformer's second level compresses keys and values (longformer_ops.pooling.pool_sequence).
 POOLING_KINDS = ("mean", "max", "ldconv")
 
@@ -87,7 +89,7 @@ class PoolingConfig:
 
 @dataclass
 class LongformerConfig:
-    """Configuration of :class:`LongformerModel` / :class:`LongformerForMaskedLM`.
+    """Configuration of :class:`LongformerModel` and the task models (:mod:`longformer_ops.tasks`).
 
     After construction ``attention_window`` is a list with one ONE-SIDED window per
     layer and ``attention_dilation`` a list with one entry per layer (an int, or a
@@ -110,6 +112,13 @@ class LongformerConfig:
     pad_token_id: int = 1
     initializer_range: float = 0.02
     tie_word_embeddings: bool = True
+    # Task heads (longformer_ops.tasks): classes of the classifiers (2 for question answering: start
+    # and end), the loss of sequence classification (None: inferred from the labels on the first
+    # call, as transformers does), and the separator id that places question answering's and
+    # multiple choice's default global tokens.
+    num_labels: int = 2
+    problem_type: str | None = None
+    sep_token_id: int = 2
     # Longformer
     attention_window: int | list[int] = 256          # one-sided: each token sees w left, itself, w right
     attention_dilation: int | list[int | list[int]] = 1
@@ -130,6 +139,13 @@ class LongformerConfig:
         if not _is_int(self.pad_token_id) or not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id must be an int in [0, vocab_size={self.vocab_size}), "
                              f"got {self.pad_token_id!r}")
+        if not _is_int(self.num_labels) or self.num_labels < 1:
+            raise ValueError(f"num_labels must be a positive int, got {self.num_labels!r}")
+        if self.problem_type not in PROBLEM_TYPES:
+            raise ValueError(f"problem_type must be one of {PROBLEM_TYPES}, got {self.problem_type!r}")
+        if not _is_int(self.sep_token_id) or not 0 <= self.sep_token_id < self.vocab_size:
+            raise ValueError(f"sep_token_id must be an int in [0, vocab_size={self.vocab_size}), "
+                             f"got {self.sep_token_id!r}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
@@ -213,7 +229,8 @@ class LongformerConfig:
     # ------------------------------------------------------------------ Hugging Face
     _HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                   "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
-                  "type_vocab_size", "layer_norm_eps", "pad_token_id", "initializer_range", "tie_word_embeddings")
+                  "type_vocab_size", "layer_norm_eps", "pad_token_id", "initializer_range", "tie_word_embeddings",
+                  "problem_type", "sep_token_id")
 
     @classmethod
     def from_hf(cls, hf_config: Any, **overrides) -> LongformerConfig:
@@ -224,6 +241,11 @@ class LongformerConfig:
         """
         hf = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         kwargs = {name: hf[name] for name in cls._HF_FIELDS if name in hf and hf[name] is not None}
+        # transformers keeps the number of labels as the length of id2label (num_labels in older files)
+        if hf.get("id2label"):
+            kwargs["num_labels"] = len(hf["id2label"])
+        elif hf.get("num_labels") is not None:
+            kwargs["num_labels"] = hf["num_labels"]
         layers = kwargs.get("num_hidden_layers", cls.num_hidden_layers)
         windows = _per_layer("attention_window", hf.get("attention_window", 512), layers)
         for i, w in enumerate(windows):
@@ -252,5 +274,5 @@ class LongformerConfig:
         import transformers  # lazily: only this conversion needs it
 
         kwargs = {name: getattr(self, name) for name in self._HF_FIELDS}
-        return transformers.LongformerConfig(attention_window=[2 * w for w in self.attention_window], **kwargs)
+        return transformers.LongformerConfig(num_labels=self.num_labels, attention_window=[2 * w for w in self.attention_window], **kwargs)
 

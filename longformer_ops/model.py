@@ -1,23 +1,21 @@
 """A thin Longformer encoder on the banded kernels, weight-compatible with Hugging Face.
 
-``LongformerModel`` (embeddings -> encoder -> pooler) and ``LongformerForMaskedLM`` have
-exactly the ``state_dict()`` key names of ``transformers``' classes of the same names, so
+``LongformerModel`` (embeddings -> encoder -> pooler) has exactly the ``state_dict()`` key names
+of ``transformers``' class of the same name, so
 
     model = LongformerModel(LongformerConfig.from_hf(hf_model.config))
     model.load_state_dict(hf_model.state_dict(), strict=True)
 
-works, and :func:`from_hf_pretrained` loads a local checkpoint directory without
-``transformers`` or network access. Outputs follow Hugging Face's shapes and meaning.
+works. The task models on top of it are in :mod:`longformer_ops.tasks`, checkpoint loading in
+:mod:`longformer_ops.checkpoint`. Outputs follow Hugging Face's shapes and meaning.
 """
 
 from __future__ import annotations
 
-import json
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from longformer_ops._output_cache import new_output
@@ -51,17 +49,6 @@ class LongformerModelOutput:
 
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
-    global_attentions: tuple[torch.Tensor, ...] | None = None
-
-
-@dataclass
-class MaskedLMOutput:
-    """``logits [b, n, vocab]``; ``loss`` (mean cross-entropy over labels != -100) when labels are given."""
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
     global_attentions: tuple[torch.Tensor, ...] | None = None
@@ -172,11 +159,19 @@ class LongformerEncoder(nn.Module):
     def __init__(self, config: LongformerConfig):
         super().__init__()
         self.layer = nn.ModuleList(LongformerLayer(config, i) for i in range(config.num_hidden_layers))
+        self.gradient_checkpointing = False  # see _PreTrained.gradient_checkpointing_enable
+        self.checkpoint_kwargs: dict = {}
 
     def forward(self, x, attention_mask, output_attentions=False, output_hidden_states=False):
         hidden_states, attentions, global_attentions = [x], [], []
+        # As transformers: only in training with autograd on (eval and no_grad keep nothing to recompute).
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layer:
-            x, a, ga = layer(x, attention_mask, output_attentions)
+            if checkpointing:  # the layer's activations are recomputed in the backward, dropout masks included
+                x, a, ga = torch.utils.checkpoint.checkpoint(layer, x, attention_mask, output_attentions,
+                                                             **self.checkpoint_kwargs)
+            else:
+                x, a, ga = layer(x, attention_mask, output_attentions)
             hidden_states.append(x)
             attentions.append(a)
             global_attentions.append(ga)
@@ -203,9 +198,35 @@ class LongformerPooler(nn.Module):
 
 # --------------------------------------------------------------------------- models
 class _PreTrained(nn.Module):
-    """Hugging Face's initialisation: normal(0, initializer_range) weights, zero biases."""
+    """Hugging Face's initialisation (normal(0, initializer_range) weights, zero biases) and its
+    gradient checkpointing switches."""
 
     config: LongformerConfig
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
+        """Keep only each layer's input in the forward and recompute the layer in the backward:
+        the activations of a training step shrink from all layers' to about one layer's, for about
+        one more forward of compute (``bench/results/*-checkpointing.*``). Same gradients; the
+        dropout masks are replayed (torch's RNG state is saved per layer). ``gradient_checkpointing_kwargs``
+        go to ``torch.utils.checkpoint.checkpoint`` (default ``use_reentrant=False``)."""
+        for module in self.modules():
+            if isinstance(module, LongformerEncoder):
+                module.gradient_checkpointing = True
+                module.checkpoint_kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+
+    def gradient_checkpointing_disable(self):
+        for module in self.modules():
+            if isinstance(module, LongformerEncoder):
+                module.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return any(m.gradient_checkpointing for m in self.modules() if isinstance(m, LongformerEncoder))
+
+    # transformers 5 renames these (the old names are deprecated there); both work here.
+    activation_checkpointing_enable = gradient_checkpointing_enable
+    activation_checkpointing_disable = gradient_checkpointing_disable
+    is_activation_checkpointing = is_gradient_checkpointing
 
     def _init_weights(self, module: nn.Module):
         std = self.config.initializer_range
@@ -269,136 +290,4 @@ class LongformerModel(_PreTrained):
         return out
 
 
-class LongformerLMHead(nn.Module):
-    """dense -> gelu -> LayerNorm -> decoder (tied to the word embeddings) + bias."""
-
-    def __init__(self, config: LongformerConfig):
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
-        self.decoder.bias = self.bias  # one tensor under two names, as in Hugging Face
-
-    def forward(self, x):
-        x = self.layer_norm(nn.functional.gelu(self.dense(x)))
-        return self.decoder(x)  # [b, n, vocab]
-
-
-class LongformerForMaskedLM(_PreTrained):
-    """``longformer`` (a :class:`LongformerModel` without pooler) and ``lm_head``."""
-
-    def __init__(self, config: LongformerConfig):
-        super().__init__()
-        self.config = config
-        self.longformer = LongformerModel(config, add_pooling_layer=False)
-        self.lm_head = LongformerLMHead(config)
-        self.apply(self._init_weights)
-        if config.tie_word_embeddings:
-            self.lm_head.decoder.weight = self.longformer.embeddings.word_embeddings.weight
-
-    def forward(self, input_ids=None, attention_mask=None, global_attention_mask=None, token_type_ids=None,
-                position_ids=None, inputs_embeds=None, labels=None, output_attentions=False,
-                output_hidden_states=False) -> MaskedLMOutput:
-        out = self.longformer(input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids,
-                              inputs_embeds, output_attentions, output_hidden_states)
-        logits = self.lm_head(out.last_hidden_state)  # [b, n, vocab]
-        loss = None
-        if labels is not None:
-            # Half types in float32 (a softmax over the vocabulary); float32 and float64 as they are.
-            scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-            loss = nn.functional.cross_entropy(scores.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                              attentions=out.attentions, global_attentions=out.global_attentions)
-
-
-# --------------------------------------------------------------------------- loading
-_TIED = (("lm_head.decoder.weight", "longformer.embeddings.word_embeddings.weight"),
-         ("lm_head.decoder.bias", "lm_head.bias"))
-_IGNORED_SUFFIXES = ("embeddings.position_ids",)  # a buffer some older checkpoints saved
-_LEVEL2_PARAMETERS = ("query2", "key2", "value2", "ldconv")  # PoolingformerSelfAttention's own modules
-
-
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face checkpoint directory (safetensors or .bin, sharded or not)."""
-    for single, index, kind in (("model.safetensors", "model.safetensors.index.json", "safetensors"),
-                                ("pytorch_model.bin", "pytorch_model.bin.index.json", "bin")):
-        if (directory / index).is_file():
-            files = sorted(set(json.loads((directory / index).read_text())["weight_map"].values()))
-        elif (directory / single).is_file():
-            files = [single]
-        else:
-            continue
-        state: dict[str, torch.Tensor] = {}
-        for name in files:
-            if kind == "safetensors":
-                try:
-                    from safetensors.torch import load_file
-                except ImportError:
-                    raise ImportError(f"{directory / name} is a safetensors file: `pip install safetensors` "
-                                      f"to read it") from None
-                state.update(load_file(str(directory / name), device="cpu"))
-            else:
-                state.update(torch.load(directory / name, map_location="cpu", weights_only=True))
-        return state
-    raise FileNotFoundError(f"no weights in {directory}: expected model.safetensors or pytorch_model.bin "
-                            f"(or a sharded *.index.json)")
-
-
-def from_hf_pretrained(path, model_class: type | None = None, *, dtype: torch.dtype | None = None,
-                       **config_overrides):
-    """Load a local Hugging Face Longformer checkpoint directory (config.json + weights); no network.
-
-    ``model_class`` is :class:`LongformerModel` or :class:`LongformerForMaskedLM`; by default
-    the MaskedLM when the checkpoint has an ``lm_head``. A base model can be loaded from a MaskedLM
-    checkpoint (its pooler, absent there, keeps a fresh initialisation, with a warning).
-    ``config_overrides`` change config fields, e.g. ``attention_mode="sliding_chunks"``;
-    the default mode is the TVM kernels. With ``pooling=PoolingConfig(...)`` (or its dict) a
-    Longformer checkpoint loads into a Poolingformer: its layers keep their Longformer weights and
-    the second level's (``query2``, ``key2``, ``value2``, ``ldconv``) start fresh, named in a
-    warning. Returns the model in eval mode.
-    """
-    directory = Path(path)
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in {directory} (expected a Hugging Face checkpoint directory)")
-    hf_config = json.loads(config_file.read_text())
-    if hf_config.get("model_type", "longformer") != "longformer":
-        raise ValueError(f"{config_file} has model_type={hf_config['model_type']!r}, expected 'longformer'")
-    config = LongformerConfig.from_hf(hf_config, **config_overrides)
-
-    state = {k: v for k, v in _read_weights(directory).items() if not k.endswith(_IGNORED_SUFFIXES)}
-    is_mlm_checkpoint = any(k.startswith("lm_head.") for k in state)
-    if model_class is None:
-        model_class = LongformerForMaskedLM if is_mlm_checkpoint else LongformerModel
-    if model_class not in (LongformerModel, LongformerForMaskedLM):
-        raise TypeError(f"model_class must be LongformerModel or LongformerForMaskedLM, got {model_class!r}")
-
-    model = model_class(config)
-    if model_class is LongformerModel and any(k.startswith("longformer.") for k in state):
-        state = {k.removeprefix("longformer."): v for k, v in state.items() if k.startswith("longformer.")}
-    for alias, source in _TIED:  # safetensors stores one name per shared tensor
-        if alias not in state and source in state:
-            state[alias] = state[source]
-
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    fresh_pooler = [k for k in missing if k.startswith("pooler.")]
-    # Poolingformer layers on a Longformer checkpoint: level 2 starts fresh, as in the paper.
-    fresh_level2 = [k for k in missing if ".attention.self." in k and k.split(".")[-2] in _LEVEL2_PARAMETERS]
-    missing = [k for k in missing if k not in fresh_pooler and k not in fresh_level2]
-    if missing or unexpected:
-        raise RuntimeError(f"checkpoint {directory} does not match {model_class.__name__}: "
-                           f"missing {missing}, unexpected {unexpected}")
-    if fresh_pooler:
-        warnings.warn(f"{directory} has no pooler weights (a MaskedLM checkpoint?): pooler left at its "
-                      f"initialisation", stacklevel=2)
-    if fresh_level2:
-        warnings.warn(f"Some weights of {model_class.__name__} were not in the checkpoint {directory} and are newly "
-                      f"initialized (Poolingformer's level 2; train them before use): {fresh_level2}", stacklevel=2)
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.eval()
-
-
-__all__ = ["AttentionMode", "LongformerConfig", "LongformerModel", "LongformerForMaskedLM", "LongformerModelOutput",
-           "MaskedLMOutput", "from_hf_pretrained"]
+__all__ = ["LongformerModel", "LongformerModelOutput", "layer_attention_mask"]

@@ -177,7 +177,7 @@ def test_from_hf_pretrained(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no config.json"):
         from_hf_pretrained(tmp_path / "missing")
-    with pytest.raises(TypeError, match="model_class must be LongformerModel or LongformerForMaskedLM"):
+    with pytest.raises(TypeError, match="model_class must be one of LongformerModel, LongformerForMaskedLM"):
         from_hf_pretrained(tmp_path / "mlm", torch.nn.Linear)
 
 
