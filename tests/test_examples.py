@@ -1,9 +1,11 @@
-"""The fine-tuning example: its task needs global attention, and a tiny run writes its curves."""
+"""The examples: the fine-tuning task needs global attention; the character LM is causal, reaches exactly as
+far back as its windows and dilations say, and splits its corpus by file; tiny runs of both write their curves."""
 
 from __future__ import annotations
 
 import torch
 
+from examples import char_lm
 from examples import long_document_classification as example
 from hf_helpers import randomize_
 
@@ -42,3 +44,47 @@ def test_a_tiny_run_writes_its_curves(tmp_path):
     assert (tmp_path / "long_document_classification.png").stat().st_size > 10_000
     table = (tmp_path / "long_document_classification.md").read_text()
     assert "global attention on <s>" in table and "sliding window only" in table
+
+
+def test_char_lm_corpus_split_is_by_file_deterministic_and_about_one_in_twenty():
+    root, train, held_out = char_lm.corpus_files()
+    assert held_out and train and not set(train) & set(held_out)
+    assert 0.02 < len(held_out) / (len(train) + len(held_out)) < 0.09
+    assert (root, train, held_out) == char_lm.corpus_files()
+    assert all("site-packages" not in p.parts for p in train + held_out)
+
+
+def test_char_lm_is_causal_and_reaches_exactly_its_receptive_field():
+    """A byte's logits never depend on later bytes (else the LM would read its answer) and depend on a byte
+    ``receptive_field`` positions back, not one further: the dilated model reaches beyond the short one."""
+    args = char_lm.parse_args(["--context", "160", "--windows", "4,8", "--short-window", "4", "--hidden", "32",
+                               "--heads", "4"])
+    ids = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(2))
+    last = ids.shape[1] - 1
+    for variant, reach in (("longformer", 4 * 4 + 8 * 4), ("short", 4 + 4)):
+        assert char_lm.receptive_field(args, variant) == reach
+        model = randomize_(char_lm.build_model(args, variant), 0).eval()
+
+        def logits_after_changing(position):
+            changed = ids.clone()
+            changed[0, position] = (changed[0, position] + 1) % 256
+            with torch.no_grad():
+                return model(changed).logits
+
+        with torch.no_grad():
+            logits = model(ids).logits
+        later = logits_after_changing(100)
+        assert torch.equal(logits[:, :100], later[:, :100]) and not torch.equal(logits[:, 100], later[:, 100])
+        assert (logits[0, last] - logits_after_changing(last - reach)[0, last]).abs().max() > 1e-6, variant
+        assert torch.equal(logits[0, last], logits_after_changing(last - reach - 1)[0, last]), variant
+
+
+def test_a_tiny_char_lm_run_writes_its_curves(tmp_path):
+    runs = char_lm.main(["--minutes", "0.03", "--context", "64", "--windows", "4,8", "--short-window", "4",
+                         "--hidden", "16", "--heads", "4", "--batch-size", "2", "--held-out", "4", "--eval-every", "3",
+                         "--out", str(tmp_path)])
+    for curves in runs.values():
+        assert curves["steps"] >= 1 and curves["eval_bpc"] and all(0 < b < 12 for b in curves["eval_bpc"])
+    assert (tmp_path / "char_lm.png").stat().st_size > 10_000
+    table = (tmp_path / "char_lm.md").read_text()
+    assert "| longformer | [4, 8] |" in table and "| short | [4, 4] |" in table
