@@ -102,21 +102,26 @@ def _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, value):
 
 
 @T.macro
-def _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, with_bias):
+def _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, sub_rows, cols, acc_dtype,
+                           with_bias):
     """scores[r, c] = queries[r] . packed key (block0 * cols + c) (+ that key's bias), for the key
-    blocks [tile_blocks[0], tile_blocks[1]) (relative to block0)."""
-    for block in range(tile_blocks[0], tile_blocks[1]):
-        _zero_tile(acc, rows, cols, acc_dtype)
-        for f in range(head_dim):
-            for r in T.unroll(rows):
+    blocks [tile_blocks[0], tile_blocks[1]) (relative to block0), ``sub_rows`` rows (the register
+    tile ``acc``) at a time."""
+    for sub in range(rows // sub_rows):
+        row0: T.let = sub * T.int64(sub_rows)
+        for block in range(tile_blocks[0], tile_blocks[1]):
+            _zero_tile(acc, sub_rows, cols, acc_dtype)
+            for f in range(head_dim):
+                for r in T.unroll(sub_rows):
+                    for lane in T.vectorized(cols):
+                        acc[r, lane] = acc[r, lane] + queries[row0 + T.int64(r), f] * keys[block0 + block, f, lane]
+            for r in T.unroll(sub_rows):
                 for lane in T.vectorized(cols):
-                    acc[r, lane] = acc[r, lane] + queries[r, f] * keys[block0 + block, f, lane]
-        for r in T.unroll(rows):
-            for lane in T.vectorized(cols):
-                if with_bias:
-                    scores[r, block * T.int64(cols) + lane] = acc[r, lane] + biases[(block0 + block) * T.int64(cols) + lane]
-                else:
-                    scores[r, block * T.int64(cols) + lane] = acc[r, lane]
+                    if with_bias:
+                        scores[row0 + T.int64(r), block * T.int64(cols) + lane] = (
+                            acc[r, lane] + biases[(block0 + block) * T.int64(cols) + lane])
+                    else:
+                        scores[row0 + T.int64(r), block * T.int64(cols) + lane] = acc[r, lane]
 
 
 @T.macro
@@ -326,7 +331,8 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
                 _attention_tile_rows(query, begin, end, queries, q, row_of, b, h, n, head_dim, p0, w, d, band, base,
                                      scale, rows, lanes, acc_dtype)
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
-                _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, True)
+                _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, rows, cols,
+                                       acc_dtype, True)
                 _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, tile_blocks, rows, cols,
                                         lanes, acc_dtype, minus_inf)
                 for r in range(rows):
@@ -354,8 +360,14 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
     micro-kernel); dS = P * (dP - delta); dQ = scale * dS . K (the probs.V micro-kernel);
     dV += P^T dO and dK += dS^T (scale Q) over the keys the tile touches.
     """
-    acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
+    acc_dtype, lanes, qk_rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
     keys_per_update = tiles_for(vector_bits).key_update_rows  # rows of the dK/dV register tile (x 2 vectors)
+    # Queries per tile: the dK/dV update sums over them in registers, so a taller tile loads and
+    # stores its accumulators fewer times per FMA; Q.K^T and dQ run over it in register tiles.
+    rows = tiles_for(vector_bits).backward_tile_rows
+    if rows % qk_rows or rows % group:
+        raise ValueError(f"tiles.py: backward_tile_rows {rows} must be a multiple of qk_rows {qk_rows} and "
+                         f"band_rows {group}")
     # The update walks a tile's key span (whole packed blocks of ``cols`` keys) in groups of
     # ``keys_per_update``: a group size that does not divide the block would drop keys silently.
     if cols % keys_per_update:
@@ -414,7 +426,7 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
             partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
             span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             tile_blocks = T.alloc_local((2,), "int64", annotations=_ON_STACK)
-            acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
+            acc = T.alloc_local((qk_rows, cols), acc_dtype, annotations=_ON_STACK)
             out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
             key_acc = T.alloc_local((keys_per_update, features), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
@@ -441,13 +453,15 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
                 start: T.let = tile_blocks[0] * T.int64(cols)  # the computed columns: [start, start + width)
                 width: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols)
-                _attention_tile_scores(probs, acc, queries, keys_k, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, True)
+                _attention_tile_scores(probs, acc, queries, keys_k, biases, block0, tile_blocks, head_dim, rows, qk_rows, cols,
+                                       acc_dtype, True)
                 _attention_tile_probs(probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, minus_inf)
                 _attention_tile_rows(query, begin, end, grad_rows, grad, row_of, b, h, n, head_dim, p0, w, d, band, base,
                                      T.float64(1), rows, lanes, acc_dtype)
                 _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows,
                                        lanes, acc_dtype)
-                _attention_tile_scores(grads, acc, grad_rows, keys_v, biases, block0, tile_blocks, head_dim, rows, cols, acc_dtype, False)
+                _attention_tile_scores(grads, acc, grad_rows, keys_v, biases, block0, tile_blocks, head_dim, rows, qk_rows, cols,
+                                       acc_dtype, False)
                 if dropout > T.float64(0):  # the forward's mask Z: dP = (dO . V^T) * Z, dV from P * Z
                     for r in range(rows):
                         _fill_run(kept, r, start, start + width, T.Cast(acc_dtype, 0), lanes)
