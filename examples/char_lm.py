@@ -1,6 +1,6 @@
 """Longformer's first experiment in miniature: an autoregressive character LM on our causal, dilated kernels.
 
-    python -m examples.char_lm                        # 2 x 10 minutes of training on 2 cores, then the report
+    python -m examples.char_lm                        # 3 x 10 minutes of training on 2 cores, then the report
     python -m examples.char_lm --minutes 0.2 --context 256 --out /tmp/quick
 
 Longformer was first shown on text8 and enwik8: character-level language models whose attention
@@ -10,18 +10,21 @@ library's own source files (``sysconfig``'s ``stdlib``, every ``*.py`` outside `
 sorted order, read as bytes). A file is held out when the CRC-32 of its path relative to the library
 is 0 mod 20 (about 5%): a split by file that does not depend on the order of the listing.
 
-Two models of the same size (same parameters: windows and dilations change no weights), each
+Three runs of one model size (the same parameters: windows and dilations change no weights), each
 trained for the same wall-clock budget (``--minutes``) from the same seed on random contexts of
 ``--context`` bytes, causal attention:
 
 - ``longformer``: one-sided windows growing with depth (``--windows``, default 32, 64, 128, 256) and
   dilation on two heads of each of the upper two layers (2 and 4): a byte's prediction can depend on
   the 1632 bytes before it (``receptive_field``);
-- ``short``: the same model with every window 32 and no dilation (128 bytes).
+- ``short``: the same model with every window 32 and no dilation (128 bytes);
+- ``staged``: the paper's staged training in two phases: ``short`` for the first half of the budget
+  (the same steps as ``short`` up to there: same seed, same contexts), then ``longformer``'s windows and
+  dilations on the same weights (windows and dilations change no weights).
 
 Held-out bits per character: fixed contexts spread over the held-out files, scored on the second
 half of each context (every scored byte has at least ``context / 2`` bytes before it). Writes
-``<out>/char_lm.{png,md}`` with the curves of both, the corpus' size and the Python version (the
+``<out>/char_lm.{png,md}`` with the curves of each, the corpus' size and the Python version (the
 corpus is that Python's library, so numbers compare within one Python version).
 """
 
@@ -39,9 +42,10 @@ import torch
 from tqdm import tqdm
 
 from bench.__main__ import cpu_results_name, source_commit
-from longformer_ops import LongformerConfig, LongformerForMaskedLM
+from longformer_ops import LongformerConfig, LongformerForMaskedLM, LongformerSelfAttention
 
 NAME = "char_lm"
+VARIANTS = ("longformer", "short", "staged")
 PAD = 256  # bytes are 0..255; one more id for padding (never in the data)
 HELD_OUT_MODULUS = 20
 
@@ -63,7 +67,7 @@ def read_bytes(files: list[Path]) -> torch.Tensor:
 
 def build_model(args, variant: str) -> LongformerForMaskedLM:
     layers = len(args.windows)
-    if variant == "longformer":
+    if variant in ("longformer", "staged"):
         windows = args.windows
         # The paper's recipe: dilation on some heads of the upper layers only.
         dilation = [1] * max(0, layers - 2) + [[1] * (args.heads - 2) + [2, 4]] * min(2, layers)
@@ -75,6 +79,13 @@ def build_model(args, variant: str) -> LongformerForMaskedLM:
                               attention_dilation=dilation, autoregressive=True, hidden_dropout_prob=0.0,
                               attention_probs_dropout_prob=0.0)
     return LongformerForMaskedLM(config)
+
+
+def set_attention_span(model, config: LongformerConfig) -> None:
+    """Give every attention layer of ``model`` the windows and dilations of ``config``."""
+    layers = [m for m in model.modules() if isinstance(m, LongformerSelfAttention)]
+    for i, layer in enumerate(layers):
+        layer.window, layer.dilation = config.attention_window[i], config.layer_dilation(i)
 
 
 def receptive_field(args, variant: str) -> int:
@@ -110,14 +121,19 @@ def bits_per_character(model, contexts: torch.Tensor, batch_size: int) -> float:
 def train(variant: str, args, train_data: torch.Tensor, held_out: torch.Tensor) -> dict:
     torch.manual_seed(args.seed)
     model = build_model(args, variant).train()
+    if variant == "staged":  # phase 1 attends as the short model does
+        set_attention_span(model, build_model(args, "short").config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     sampler = torch.Generator().manual_seed(args.seed + 1)  # the same contexts, in order, for both variants
     budget = args.minutes * 60
-    curves = {"train_bpc": [], "eval_minutes": [], "eval_bpc": [], "steps": 0}
+    curves = {"train_bpc": [], "eval_minutes": [], "eval_bpc": [], "steps": 0, "widened_at": None}
     trained = 0.0  # seconds spent training (evaluations do not count against the budget)
     bar = tqdm(total=budget, desc=f"{variant:>10}", file=sys.stderr,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of training{postfix}")
     while trained < budget:
+        if variant == "staged" and curves["widened_at"] is None and trained >= budget / 2:
+            set_attention_span(model, model.config)  # phase 2: the longformer windows and dilations
+            curves["widened_at"] = trained / 60
         started = time.perf_counter()
         # Warm-up over the first steps, then linear decay to 0 over the time budget.
         for group in optimizer.param_groups:
@@ -158,7 +174,9 @@ def write_results(runs: dict, args, corpus: dict, out: Path) -> None:
         line, = axis.plot(minutes, smooth, alpha=0.45, linewidth=1)
         axis.plot(curves["eval_minutes"], curves["eval_bpc"], marker="o", markersize=3, color=line.get_color(),
                   label=f"{variant}: held-out (training: faint)")
-    axis.set(xlabel="training minutes (2 cores)", ylabel="bits per character", ylim=(0, 6),
+        if curves["widened_at"] is not None:
+            axis.axvline(curves["widened_at"], color=line.get_color(), linestyle=":", linewidth=1)
+    axis.set(xlabel="training minutes (2 cores)", ylabel="bits per character", ylim=(2, 5),
              title=f"Character LM on the Python {sys.version.split()[0]} standard library, context {args.context}")
     axis.grid(alpha=0.3)
     axis.legend()
@@ -179,8 +197,10 @@ def write_results(runs: dict, args, corpus: dict, out: Path) -> None:
              "| model | windows (one-sided) | dilation | reach (bytes back) | steps in the budget | held-out bits/char "
              "| best |", "|---|---|---|---:|---:|---:|---:|"]
     for variant, curves in runs.items():
-        windows = args.windows if variant == "longformer" else [args.short_window] * len(args.windows)
-        dilation = "2 and 4 on two heads of the top 2 layers" if variant == "longformer" else "none"
+        short, wide = [args.short_window] * len(args.windows), args.windows
+        windows = {"longformer": wide, "short": short, "staged": f"{short}, then {wide}"}[variant]
+        dilation = {"longformer": "2 and 4 on two heads of the top 2 layers", "short": "none",
+                    "staged": "none, then as longformer"}[variant]
         lines.append(f"| {variant} | {windows} | {dilation} | {receptive_field(args, variant)} | {curves['steps']} | "
                      f"{curves['eval_bpc'][-1]:.3f} | "
                      f"{min(curves['eval_bpc']):.3f} |")
@@ -202,15 +222,15 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=30, help="steps of linear learning-rate warm-up")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     parser.add_argument("--held-out", type=int, default=32, help="held-out contexts")
-    parser.add_argument("--variants", default="longformer,short")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--stdlib", type=Path, default=None, help="the corpus' root (default: this Python's library)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     args.windows = [int(w) for w in args.windows.split(",")]
     args.variants = args.variants.split(",")
-    if any(v not in ("longformer", "short") for v in args.variants):
-        parser.error(f"--variants: expected some of longformer,short, got {args.variants}")
+    if any(v not in VARIANTS for v in args.variants):
+        parser.error(f"--variants: expected some of {','.join(VARIANTS)}, got {args.variants}")
     if args.heads < 3:
         parser.error("--heads must be >= 3 (two dilated heads and at least one undilated)")
     if args.minutes <= 0 or args.context < 16:

@@ -79,8 +79,27 @@ def test_char_lm_is_causal_and_reaches_exactly_its_receptive_field():
         assert torch.equal(logits[0, last], logits_after_changing(last - reach - 1)[0, last]), variant
 
 
+def test_char_lm_staged_model_attends_as_short_then_as_longformer():
+    """Staged training changes only the windows and dilations: with the short span the model is the
+    short one (same seed, same weights, same logits), widened it is the longformer one."""
+    args = char_lm.parse_args(["--context", "160", "--windows", "4,8", "--short-window", "4", "--hidden", "32",
+                               "--heads", "4"])
+    ids = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(3))
+    models = {}
+    for variant in ("short", "longformer", "staged"):
+        torch.manual_seed(5)
+        models[variant] = char_lm.build_model(args, variant).eval()
+    staged = models["staged"]
+    with torch.no_grad():
+        char_lm.set_attention_span(staged, models["short"].config)
+        assert torch.equal(staged(ids).logits, models["short"](ids).logits)
+        char_lm.set_attention_span(staged, staged.config)
+        assert torch.equal(staged(ids).logits, models["longformer"](ids).logits)
+        assert not torch.equal(staged(ids).logits, models["short"](ids).logits)
+
+
 def test_a_tiny_char_lm_run_writes_its_curves(tmp_path):
-    runs = char_lm.main(["--minutes", "0.03", "--context", "64", "--windows", "4,8", "--short-window", "4",
+    runs = char_lm.main(["--minutes", "0.05", "--context", "64", "--windows", "4,8", "--short-window", "4",
                          "--hidden", "16", "--heads", "4", "--batch-size", "2", "--held-out", "4", "--eval-every", "3",
                          "--out", str(tmp_path)])
     for curves in runs.values():
@@ -88,3 +107,4 @@ def test_a_tiny_char_lm_run_writes_its_curves(tmp_path):
     assert (tmp_path / "char_lm.png").stat().st_size > 10_000
     table = (tmp_path / "char_lm.md").read_text()
     assert "| longformer | [4, 8] |" in table and "| short | [4, 4] |" in table
+    assert "| staged | [4, 4], then [4, 8] |" in table and runs["staged"]["widened_at"] is not None
