@@ -19,7 +19,7 @@ trained for the same wall-clock budget (``--minutes``) from the same seed on ran
   the 1632 bytes before it (``receptive_field``);
 - ``short``: the same model with every window 32 and no dilation (128 bytes);
 - ``staged``: the paper's staged training in two phases: ``short`` for the first half of the budget
-  (the same steps as ``short`` up to there: same seed, same contexts), then ``longformer``'s windows and
+  (the same initial weights and the same contexts in the same order as ``short``), then ``longformer``'s windows and
   dilations on the same weights (windows and dilations change no weights).
 
 Held-out bits per character: fixed contexts spread over the held-out files, scored on the second
@@ -65,7 +65,7 @@ def read_bytes(files: list[Path]) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
-def build_model(args, variant: str) -> LongformerForMaskedLM:
+def build_config(args, variant: str) -> LongformerConfig:
     layers = len(args.windows)
     if variant in ("longformer", "staged"):
         windows = args.windows
@@ -73,12 +73,15 @@ def build_model(args, variant: str) -> LongformerForMaskedLM:
         dilation = [1] * max(0, layers - 2) + [[1] * (args.heads - 2) + [2, 4]] * min(2, layers)
     else:
         windows, dilation = [args.short_window] * layers, 1
-    config = LongformerConfig(vocab_size=PAD + 1, pad_token_id=PAD, hidden_size=args.hidden, num_hidden_layers=layers,
-                              num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
-                              max_position_embeddings=args.context + PAD + 1, attention_window=windows,
-                              attention_dilation=dilation, autoregressive=True, hidden_dropout_prob=0.0,
-                              attention_probs_dropout_prob=0.0)
-    return LongformerForMaskedLM(config)
+    return LongformerConfig(vocab_size=PAD + 1, pad_token_id=PAD, hidden_size=args.hidden, num_hidden_layers=layers,
+                            num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
+                            max_position_embeddings=args.context + PAD + 1, attention_window=windows,
+                            attention_dilation=dilation, autoregressive=True, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
+
+
+def build_model(args, variant: str) -> LongformerForMaskedLM:
+    return LongformerForMaskedLM(build_config(args, variant))
 
 
 def set_attention_span(model, config: LongformerConfig) -> None:
@@ -90,7 +93,7 @@ def set_attention_span(model, config: LongformerConfig) -> None:
 
 def receptive_field(args, variant: str) -> int:
     """How many bytes back a prediction can look: each layer adds its window times its largest dilation."""
-    config = build_model(args, variant).config  # per-layer lists; a layer's dilation an int or per head
+    config = build_config(args, variant)  # per-layer lists; a layer's dilation an int or per head
     return sum(w * max(d if isinstance(d, list) else [d])
                for w, d in zip(config.attention_window, config.attention_dilation, strict=True))
 
@@ -112,21 +115,23 @@ def held_out_contexts(data: torch.Tensor, count: int, context: int) -> torch.Ten
 def bits_per_character(model, contexts: torch.Tensor, batch_size: int) -> float:
     model.eval()
     half = (contexts.shape[1] - 1) // 2
-    losses = [next_byte_loss(model, contexts[i:i + batch_size], half).item()
-              for i in range(0, len(contexts), batch_size)]
+    # Every context scores the same number of bytes: weigh each batch's mean by its contexts.
+    total = sum(next_byte_loss(model, contexts[i:i + batch_size], half).item() * len(contexts[i:i + batch_size])
+                for i in range(0, len(contexts), batch_size))
     model.train()
-    return sum(losses) / len(losses) / math.log(2)
+    return total / len(contexts) / math.log(2)
 
 
 def train(variant: str, args, train_data: torch.Tensor, held_out: torch.Tensor) -> dict:
     torch.manual_seed(args.seed)
     model = build_model(args, variant).train()
     if variant == "staged":  # phase 1 attends as the short model does
-        set_attention_span(model, build_model(args, "short").config)
+        set_attention_span(model, build_config(args, "short"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    sampler = torch.Generator().manual_seed(args.seed + 1)  # the same contexts, in order, for both variants
+    sampler = torch.Generator().manual_seed(args.seed + 1)  # the same contexts, in order, for every variant
     budget = args.minutes * 60
-    curves = {"train_bpc": [], "eval_minutes": [], "eval_bpc": [], "steps": 0, "widened_at": None}
+    curves = {"train_bpc": [], "eval_minutes": [], "eval_bpc": [], "steps": 0, "widened_at": None,
+              "parameters": sum(p.numel() for p in model.parameters())}
     trained = 0.0  # seconds spent training (evaluations do not count against the budget)
     bar = tqdm(total=budget, desc=f"{variant:>10}", file=sys.stderr,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of training{postfix}")
@@ -252,7 +257,6 @@ def main(argv=None) -> dict:
     runs = {}
     for variant in args.variants:
         runs[variant] = train(variant, args, train_data, held_out)
-        runs[variant]["parameters"] = sum(p.numel() for p in build_model(args, variant).parameters())
     write_results(runs, args, corpus, args.out)
     for variant, curves in runs.items():
         print(f"{variant}: held-out {curves['eval_bpc'][-1]:.3f} bits/char after {curves['steps']} steps")

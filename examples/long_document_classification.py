@@ -82,7 +82,7 @@ def train(variant: str, args, held_out) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # Linear warm-up, then linear decay to 0 (transformers' default schedule for fine-tuning).
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min((step + 1) / args.warmup, max(0.0, (args.steps - step) / (args.steps - args.warmup))))
+        optimizer, lambda step: min((step + 1) / args.warmup, (args.steps - step) / (args.steps - args.warmup)))
     data = torch.Generator().manual_seed(args.seed + 1)  # the same training documents for both variants
     curves = {"loss": [], "eval_steps": [], "accuracy": []}
     started = time.perf_counter()
@@ -182,6 +182,9 @@ def parse_args(argv=None):
         parser.error(f"--variants: unknown {unknown}, expected some of {list(VARIANTS)}")
     if args.seq_len < 8 or args.classes < 2 or args.vocab < FIRST_FILLER + args.classes + 1:
         parser.error("--seq-len must be >= 8, --classes >= 2, --vocab > classes + 3")
+    if not 1 <= args.warmup < args.steps:
+        parser.error(f"--warmup must be in [1, --steps) (the learning rate rises over it, then decays to 0), "
+                     f"got {args.warmup} with --steps {args.steps}")
     if not 1 <= args.markers <= args.seq_len - 1 - args.seq_len // 2:
         parser.error(f"--markers must be in [1, {args.seq_len - 1 - args.seq_len // 2}] (the second half's positions)")
     return args

@@ -7,8 +7,10 @@ A checkpoint is a directory with ``config.json`` and the weights (``model.safete
 ``pytorch_model.bin``, sharded or not), as ``save_pretrained`` writes it. Without ``model_class``
 the class is the one ``config.json``'s ``architectures`` names. Any of our model classes loads
 from any Longformer checkpoint, as in transformers: the encoder must match exactly, a head the
-checkpoint lacks (a classifier on a pretrained encoder) starts fresh, and one it has but the class
-does not (the MLM head under a classifier) is dropped; both are named in a warning.
+checkpoint lacks (a classifier on a pretrained encoder), or has with another shape (another number
+of labels), starts fresh, and one it has but the class does not (the MLM head under a classifier)
+is dropped; all are named in a warning (transformers would raise on a shape, unless told
+``ignore_mismatched_sizes``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from longformer_ops.config import LongformerConfig
 from longformer_ops.model import LongformerModel
-from longformer_ops.tasks import TASK_MODELS, LongformerForMaskedLM
+from longformer_ops.tasks import TASK_MODELS, LongformerForMaskedLM, LongformerForQuestionAnswering
 
 # transformers' class names (config.json "architectures") -> ours
 ARCHITECTURES = {cls.__name__: cls for cls in (LongformerModel, *TASK_MODELS)}
@@ -72,13 +74,16 @@ def _class_of(hf_config: dict, config_file: Path, state: dict) -> type:
     return ARCHITECTURES[name]
 
 
-def _encoder_keys_for(model_class: type, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's key names as ``model_class`` has them: a base model's checkpoint has no
-    ``longformer.`` prefix, a task model's has."""
+def _encoder_keys_for(model_class: type, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The checkpoint's key names as ``model_class`` has them (a base model's checkpoint has no
+    ``longformer.`` prefix, a task model's has), and the keys of the heads a base model drops."""
     prefixed = any(k.startswith(_ENCODER) for k in state)
-    if model_class is LongformerModel:
-        return {k.removeprefix(_ENCODER): v for k, v in state.items() if k.startswith(_ENCODER)} if prefixed else state
-    return state if prefixed else {_ENCODER + k: v for k, v in state.items()}
+    if model_class is LongformerModel and prefixed:
+        return ({k.removeprefix(_ENCODER): v for k, v in state.items() if k.startswith(_ENCODER)},
+                [k for k in state if not k.startswith(_ENCODER)])
+    if model_class is LongformerModel or prefixed:
+        return state, []
+    return {_ENCODER + k: v for k, v in state.items()}, []
 
 
 def from_hf_pretrained(path, model_class: type | None = None, *, dtype: torch.dtype | None = None,
@@ -88,8 +93,10 @@ def from_hf_pretrained(path, model_class: type | None = None, *, dtype: torch.dt
     ``model_class``: :class:`LongformerModel` or one of the task models
     (:mod:`longformer_ops.tasks`); by default the class named in ``config.json``'s
     ``architectures`` (for files without it: the masked LM when the weights have an ``lm_head``,
-    else the base model). Heads the checkpoint lacks start fresh and heads it has that the class
-    does not are dropped, with a warning naming them; the encoder must match. A base model loaded
+    else the base model). Heads the checkpoint lacks, or has with another shape, start fresh and
+    heads it has that the class does not are dropped, with a warning naming them; the encoder must
+    match. Question answering gets its two outputs (start, end) whatever labels the checkpoint
+    had, unless ``num_labels`` is given. A base model loaded
     from a checkpoint without pooler weights (a masked LM's) keeps a fresh pooler, with a warning.
     ``config_overrides`` change config fields, e.g. ``attention_mode="sliding_chunks"`` or
     ``num_labels=5`` for a new classifier; the default mode is the TVM kernels. With
@@ -112,21 +119,28 @@ def from_hf_pretrained(path, model_class: type | None = None, *, dtype: torch.dt
     if model_class not in ARCHITECTURES.values():
         raise TypeError(f"model_class must be one of {', '.join(ARCHITECTURES)}, got {model_class!r}")
 
+    if model_class is LongformerForQuestionAnswering and "num_labels" not in config_overrides:
+        config = config.replace(num_labels=2)  # start and end, whatever labels another task's checkpoint had
     model = model_class(config)
-    state = _encoder_keys_for(model_class, state)
-    expected = model.state_dict().keys()
+    state, dropped_head = _encoder_keys_for(model_class, state)
+    expected = model.state_dict()
     for alias, source in _TIED:  # safetensors stores one name per shared tensor
         if alias in expected and alias not in state and source in state:
             state[alias] = state[source]
+    is_encoder = (lambda k: True) if model_class is LongformerModel else (lambda k: k.startswith(_ENCODER))
+    # Another task's head of the same name but another shape (labels) starts fresh too.
+    resized_head = {k: (tuple(v.shape), tuple(expected[k].shape)) for k, v in state.items()
+                    if k in expected and not is_encoder(k) and v.shape != expected[k].shape}
+    state = {k: v for k, v in state.items() if k not in resized_head}
 
     missing, unexpected = model.load_state_dict(state, strict=False)
-    is_encoder = (lambda k: True) if model_class is LongformerModel else (lambda k: k.startswith(_ENCODER))
     fresh_pooler = [k for k in missing if k.removeprefix(_ENCODER).startswith("pooler.")]
     # Poolingformer layers on a Longformer checkpoint: level 2 starts fresh, as in the paper.
     fresh_level2 = [k for k in missing if ".attention.self." in k and k.split(".")[-2] in _LEVEL2_PARAMETERS]
-    fresh_head = [k for k in missing if not is_encoder(k)]
-    unused_head = [k for k in unexpected if not is_encoder(k) or k.removeprefix(_ENCODER).startswith("pooler.")]
-    missing = [k for k in missing if k not in fresh_pooler + fresh_level2 + fresh_head]
+    fresh_head = [k for k in missing if not is_encoder(k) and k not in resized_head]
+    unused_head = dropped_head + [k for k in unexpected
+                                  if not is_encoder(k) or k.removeprefix(_ENCODER).startswith("pooler.")]
+    missing = [k for k in missing if k not in [*fresh_pooler, *fresh_level2, *fresh_head, *resized_head]]
     unexpected = [k for k in unexpected if k not in unused_head]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {directory} does not match {model_class.__name__}'s encoder: "
@@ -134,6 +148,9 @@ def from_hf_pretrained(path, model_class: type | None = None, *, dtype: torch.dt
     if fresh_pooler:
         warnings.warn(f"{directory} has no pooler weights (a MaskedLM checkpoint?): pooler left at its "
                       f"initialisation", stacklevel=2)
+    if resized_head:
+        warnings.warn(f"Some weights of {model_class.__name__} have another shape in the checkpoint {directory} "
+                      f"(checkpoint -> model) and are newly initialized: {resized_head}", stacklevel=2)
     for fresh, what in ((fresh_head, "the task head"), (fresh_level2, "Poolingformer's level 2")):
         if fresh:
             warnings.warn(f"Some weights of {model_class.__name__} were not in the checkpoint {directory} and are "

@@ -91,8 +91,9 @@ def question_global_mask(input_ids: torch.Tensor, sep_token_id: int) -> torch.Te
 
 
 def choice_global_mask(input_ids: torch.Tensor, sep_token_id: int) -> torch.Tensor:
-    """``[b, choices, n]``: 1 on every token after the first two separators of each choice (the
-    choice's text, its closing separator and any padding after it), multiple choice's default."""
+    """``[b, choices, n]``: 1 on every token from the second after the first separator of each
+    choice (with the question closed by two separators, ``</s></s>``: the choice's text, its closing
+    separator and any padding after it), multiple choice's default, transformers' rule."""
     rows = input_ids.reshape(-1, input_ids.shape[-1])
     positions = torch.arange(rows.shape[-1], device=rows.device)
     return (positions > _first_separator(rows, sep_token_id)[:, None] + 1).long().reshape(input_ids.shape)

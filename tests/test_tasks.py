@@ -252,6 +252,32 @@ def test_task_model_from_a_pretrained_encoder_and_from_another_task(tmp_path):
                      ATOL, "encoder from a base model")
 
 
+def test_a_head_of_another_shape_starts_fresh_and_a_base_model_names_the_heads_it_drops(tmp_path):
+    """A 3-label tagger's checkpoint: multiple choice has a 1-output ``classifier`` of the same name
+    (fresh, named with both shapes), QA has two outputs whatever the labels, the base model drops
+    the classifier (named); the encoder carries over each time."""
+    tagger, cfg = hf_task("LongformerForTokenClassification", 61, num_labels=3)
+    tagger.save_pretrained(tmp_path)
+    inputs = task_batch("LongformerForTokenClassification", 61, cfg.vocab_size, 3)
+    inputs.pop("labels")
+    ref, real = hf_run(tagger, **inputs).hidden_states[-1], real_rows(inputs)
+    for model_class, message in (
+            (LongformerForMultipleChoice, "have another shape in the checkpoint"),
+            (LongformerForMultipleChoice, "'classifier.weight': ((3, 32), (1, 32))"),
+            (LongformerForQuestionAnswering, "newly initialized (the task head; train them before use): "
+                                             "['qa_outputs.weight'"),
+            (LongformerForQuestionAnswering, "not used by LongformerForQuestionAnswering (another task's head or "
+                                             "pooler): ['classifier.weight'"),
+            (LongformerModel, "not used by LongformerModel (another task's head or pooler): ['classifier.weight'")):
+        with pytest.warns(UserWarning) as caught:
+            model = from_hf_pretrained(tmp_path, model_class)
+        messages = [str(w.message) for w in caught]
+        assert any(message in m for m in messages), (model_class, messages)
+        encoder = model if model_class is LongformerModel else model.longformer
+        with torch.no_grad():
+            assert_close(encoder(**inputs).last_hidden_state[real], ref[real], ATOL, model_class.__name__)
+
+
 def test_from_hf_pretrained_refuses_unknown_architectures_and_mismatched_encoders(tmp_path):
     hf, cfg = hf_task("LongformerForTokenClassification", 51)
     hf.save_pretrained(tmp_path)
