@@ -146,8 +146,8 @@ def from_hf_pretrained(path, model_class: type | None = None, *, dtype: torch.dt
         raise RuntimeError(f"checkpoint {directory} does not match {model_class.__name__}'s encoder: "
                            f"missing {missing}, unexpected {unexpected}")
     if fresh_pooler:
-        warnings.warn(f"{directory} has no pooler weights (a MaskedLM checkpoint?): pooler left at its "
-                      f"initialisation", stacklevel=2)
+        warnings.warn(f"{directory} has no pooler weights (transformers' masked LM, token classifier and QA have "
+                      f"none): pooler left at its initialisation", stacklevel=2)
     if resized_head:
         warnings.warn(f"Some weights of {model_class.__name__} have another shape in the checkpoint {directory} "
                       f"(checkpoint -> model) and are newly initialized: {resized_head}", stacklevel=2)

@@ -267,8 +267,9 @@ def test_a_head_of_another_shape_starts_fresh_and_a_base_model_names_the_heads_i
             (LongformerForQuestionAnswering, "newly initialized (the task head; train them before use): "
                                              "['qa_outputs.weight'"),
             (LongformerForQuestionAnswering, "not used by LongformerForQuestionAnswering (another task's head or "
-                                             "pooler): ['classifier.weight'"),
-            (LongformerModel, "not used by LongformerModel (another task's head or pooler): ['classifier.weight'")):
+                                             "pooler): ['classifier.bias', 'classifier.weight']"),
+            (LongformerModel, "not used by LongformerModel (another task's head or pooler): ['classifier.bias', "
+                              "'classifier.weight']")):
         with pytest.warns(UserWarning) as caught:
             model = from_hf_pretrained(tmp_path, model_class)
         messages = [str(w.message) for w in caught]
