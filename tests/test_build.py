@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +13,6 @@ from longformer_ops import _loader, _manifest
 from longformer_ops.reference import diagonaled_mm_reference
 from tvm_kernels import variants
 from tvm_kernels.cuda_toolchain import device_code_in
-from tvm_kernels.schedules.cpu import tiles
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
@@ -82,10 +78,18 @@ def test_fatbin_reader_sees_a_fresh_nvcc_fatbin(tmp_path):
     (dict(key_update_rows=3), "key_update_rows 3 must divide the Q.K^T block of 16 keys"),
     (dict(backward_tile_rows=9), "backward_tile_rows 9 must be a multiple of qk_rows 6 and band_rows 6"),
 ])
-def test_fused_backward_refuses_tiles_that_would_drop_keys_or_rows(monkeypatch, change, message):
+def test_fused_backward_refuses_tiles_that_would_drop_keys_or_rows(change, message):
     """A tile table whose update group does not divide the key block, or whose backward tile is not
-    made of whole register tiles, would skip keys or queries silently: the build says so instead."""
-    attention = importlib.import_module("tvm_kernels.schedules.cpu.attention")  # (the package exports a function of that name)
-    monkeypatch.setattr(attention, "tiles_for", lambda bits: dataclasses.replace(tiles.AVX2, **change))
-    with pytest.raises(ValueError, match=re.escape(message)):
-        attention.attention_backward("float32", False, 256)
+    made of whole register tiles, would skip keys or queries silently: the build says so instead.
+    (In a fresh process: the TVM compiler must not share one with the prebuilt runtime.)"""
+    code = (
+        "import dataclasses, importlib\n"
+        "attention = importlib.import_module('tvm_kernels.schedules.cpu.attention')\n"
+        "from tvm_kernels.schedules.cpu import tiles\n"
+        f"attention.tiles_for = lambda bits: dataclasses.replace(tiles.AVX2, **{change!r})\n"
+        "try:\n"
+        "    attention.attention_backward('float32', False, 256)\n"
+        "except ValueError as error:\n"
+        "    print(error)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=_manifest.REPO_ROOT)
+    assert run.returncode == 0 and message in run.stdout, run.stdout + run.stderr
