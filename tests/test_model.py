@@ -149,9 +149,13 @@ def test_from_hf_pretrained(tmp_path):
     with torch.no_grad():
         assert_close(mlm(**inputs).logits[real], ref.logits[real], ATOL, "safetensors MaskedLM")
 
-    # 2. The base model out of the MaskedLM checkpoint (no pooler there: warned), another mode.
-    with pytest.warns(UserWarning, match="no pooler weights"):
+    # 2. The base model out of the MaskedLM checkpoint (no pooler there, the LM head dropped: both
+    # warned), another mode.
+    with pytest.warns(UserWarning) as caught:
         base = from_hf_pretrained(tmp_path / "mlm", LongformerModel, attention_mode="sliding_chunks")
+    messages = [str(w.message) for w in caught]
+    assert any("no pooler weights" in m for m in messages), messages
+    assert any("not used by LongformerModel" in m and "'lm_head.dense.weight'" in m for m in messages), messages
     with torch.no_grad():
         out = base(**inputs, output_hidden_states=True)
     assert_close(out.last_hidden_state[real], ref.hidden_states[-1][real], ATOL, "base from MaskedLM checkpoint")
