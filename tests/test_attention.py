@@ -310,24 +310,26 @@ def test_cuda_key_padding_mask_matches_reference(size, dtype, autoregressive):
 def test_three_step_dropout_matches_reference(monkeypatch, device, size, autoregressive):
     """The three steps (CUDA's path; forced on CPU) drop with torch's dropout on the [b, n, h, c]
     probabilities: the same mask drawn again from the same seed gives the reference, values and
-    gradients (float64: the dtypes' bounds are the tests above)."""
+    gradients (float64, float32 on CUDA, which has no float64 library: the dtypes' bounds are the
+    tests above)."""
     monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
-    q, k, v, w, d, mask, _ = _masked_case(size, torch.float64, autoregressive, "three-step dropout", device=device)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    q, k, v, w, d, mask, _ = _masked_case(size, dtype, autoregressive, "three-step dropout", device=device)
     b, n, h, _ = q.shape
     torch.manual_seed(77)
-    factor = torch.nn.functional.dropout(torch.ones(b, n, h, band_width(w, autoregressive), dtype=torch.float64,
+    factor = torch.nn.functional.dropout(torch.ones(b, n, h, band_width(w, autoregressive), dtype=dtype,
                                                     device=device), 0.3)
     inputs = [x.requires_grad_() for x in (q, k, v)]
     torch.manual_seed(77)
     out = sliding_window_attention(*inputs, w, d, autoregressive, key_padding_mask=mask, dropout_p=0.3)
-    exact = [x.detach().cpu().requires_grad_() for x in (q, k, v)]
-    ref = sliding_window_attention_reference(*exact, w, d, autoregressive, None, mask.cpu(), factor.cpu())
-    assert_normwise_close(out, ref, torch.float64, "result", zero_scale=1.0)
+    exact = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
+    ref = sliding_window_attention_reference(*exact, w, d, autoregressive, None, mask.cpu(), factor.cpu().double())
+    assert_normwise_close(out, ref, dtype, "result", zero_scale=1.0)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    got = torch.autograd.grad(out, inputs, grad.to(device))
+    got = torch.autograd.grad(out, inputs, grad.to(device, dtype))
     want = torch.autograd.grad(ref, exact, grad)
     for name, x, y in zip("qkv", got, want, strict=True):
-        assert_normwise_close(x, y, torch.float64, f"d{name}", zero_scale=1.0, gradients=True)
+        assert_normwise_close(x, y, dtype, f"d{name}", zero_scale=1.0, gradients=True)
 
 
 def test_dropout_mask_statistics_and_reproducibility(cpu_library):
