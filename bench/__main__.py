@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import re
@@ -156,6 +157,8 @@ def _predicted_limit(measured, method: str, seq_len: int, budget: float, max_sec
         return None
     n0, seconds, peak = measured
     factor = _scale(method, seq_len, n0)
+    if peak == math.inf:
+        return f"out of memory: already at n={n0}"
     if peak is not None and peak * factor > budget:
         return (f"out of memory: predicted {peak * factor / 2**30:.1f} GiB (from {peak / 2**20:.0f} MiB at n={n0}) "
                 f"> budget {budget / 2**30:.1f} GiB")
@@ -170,11 +173,11 @@ def _gemm_range(rows: list[dict]) -> str:
     return f"{min(rates):.0f}-{max(rates):.0f} GFLOP/s across cases" if rates else "no case timed"
 
 
-def _case_rows(case: Case, float32_case: Case | None, args, skipped: dict, samples: dict, flops: float, last: dict,
-               progress) -> list[dict]:
+def _case_rows(case: Case, float32_case: Case | None, args, skipped: dict, samples: dict, failures: dict,
+               flops: float, last: dict, progress) -> list[dict]:
     """One result row per method of ``case``: its timing from the case's rounds (``samples``, from
     :func:`time_interleaved`) and, unless --no-memory, its peak memory and first call in a fresh
-    process; or why it was skipped. Updates ``last``.
+    process; or why it was skipped, or why its timing failed (``failures``). Updates ``last``.
 
     The share of the GEMM and the ratio to float32 (``float32_case``, timed in the same rounds) are
     medians of per-round ratios: this VM changes speed for seconds at a time, and a ratio within a
@@ -185,6 +188,12 @@ def _case_rows(case: Case, float32_case: Case | None, args, skipped: dict, sampl
         row = dict(op=op, method=method, seq_len=seq_len, window=args.window, dilation=_dilation_label(dilation),
                    heads=args.heads, head_dim=args.head_dim, batch=args.batch, dtype=dtype,
                    device=args.device, **{"pass": case.pass_name})
+        if (case, method) in failures:  # ran out of memory while timed: so will every longer length
+            last[(op, backward, dilation, dtype, method)] = (seq_len, math.inf, math.inf)
+            rows.append(dict(row, status="skipped", reason=failures[(case, method)]))
+            progress.write(f"  {op:15s} {case.pass_name:16s} d={_dilation_label(dilation):24s} n={seq_len:<6d} "
+                           f"{dtype:9s} {method:15s} {'out of memory':>13s}")
+            continue
         if (case, method) in skipped:
             reason = skipped[(case, method)]
             measured = last.get((op, backward, dilation, dtype, method))
@@ -215,6 +224,8 @@ def _case_rows(case: Case, float32_case: Case | None, args, skipped: dict, sampl
             probe = probe_in_fresh_process(case, method, timeout_s=120 + 20 * seconds)
             if "error" in probe:
                 row.update(reason=probe["error"])
+                if "OutOfMemoryError" in probe["error"]:  # timed, but not more: skip longer lengths
+                    peak = math.inf
             else:
                 peak = probe["peak_mib"] * 2**20
                 row.update(peak_mib=probe["peak_mib"], first_call_ms=probe["first_call_ms"])
@@ -260,11 +271,12 @@ def main(argv=None) -> int:
                     (skipped.__setitem__((case, method), reason) if reason else runnable.append((case, method)))
             expected = {(case, m): _expected_seconds(last.get((op, backward, dilation, case.dtype, m)), m, seq_len)
                         for case, m in runnable}
-            samples = time_interleaved(runnable, args.repeats, expected) if runnable else {}
+            failures = {}
+            samples = time_interleaved(runnable, args.repeats, expected, failures) if runnable else {}
             flops = methods.useful_flops(op, backward, args.batch, seq_len, args.heads, args.head_dim, args.window)
             float32_case = next((c for c in cases if c.dtype == "float32"), None)
             for case in cases:
-                rows.extend(_case_rows(case, float32_case, args, skipped, samples, flops, last, progress))
+                rows.extend(_case_rows(case, float32_case, args, skipped, samples, failures, flops, last, progress))
                 progress.update()
     progress.close()
 

@@ -61,7 +61,8 @@ def gemm_runner(device: str):
 
 
 def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
-                     expected_seconds: dict[tuple[Case, str], float] | None = None) -> dict[object, list[float]]:
+                     expected_seconds: dict[tuple[Case, str], float] | None = None,
+                     failures: dict[tuple[Case, str], str] | None = None) -> dict[object, list[float]]:
     """Seconds per call of each (case, method) entry and of the reference GEMM (key :data:`GEMM`),
     one per round (sample i of every entry from round i): warm-up, then ``repeats`` rounds of all
     of them, each round in its own shuffled order (seeded).
@@ -77,6 +78,8 @@ def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
     The warm-up round is skipped for an entry expected (from a shorter length) to take over a
     second per call, unless its method compiles per shape (FlexAttention): the median of the timed
     rounds already discounts one slow first call, and a sweep's long calls dominate its time.
+    An entry that runs out of GPU memory leaves the rounds: it has no samples, and ``failures``
+    (when given) says why, so that one dense method at its limit does not end the whole sweep.
     """
     expected_seconds = expected_seconds or {}
     inputs = {case: case.inputs() for case in dict.fromkeys(case for case, _ in entries)}
@@ -93,13 +96,27 @@ def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
             run, run_inputs = runs[name]
             if round_index == 0 and name not in warm_up:
                 continue
+            if name not in samples:  # ran out of memory in an earlier round
+                continue
             _clear_grads(run_inputs)
             synchronize(first.device)
             started = time.perf_counter()
-            run()
-            synchronize(first.device)
+            try:
+                run()
+                synchronize(first.device)
+            except torch.OutOfMemoryError as error:
+                del samples[name]
+                if failures is not None:
+                    failures[name] = f"out of memory while timing: {str(error).splitlines()[0][:160]}"
+                continue
             if round_index:  # round 0 is the warm-up
                 samples[name].append(time.perf_counter() - started)
+    if first.device.startswith("cuda"):
+        # Hand the blocks cached by these rounds back, so that the memory probes' fresh processes
+        # (and the next case) find the GPU as free as it was: on an H100 the probes of the dense
+        # methods at n = 16384 failed for the 54 GiB this process still held.
+        del runs, inputs, run, run_inputs
+        torch.cuda.empty_cache()
     return samples
 
 

@@ -191,7 +191,8 @@ def _flex_block_mask(seq_len: int, w: int, dilation: tuple[int, ...], device: st
 
     # FlexAttention's best configuration we found on this CPU (n = 4096, same process): with one
     # dilation, a mask without the per-head lookup (77 vs 88 ms), and 64-token blocks rather
-    # than the default 128 (72 vs 76 ms; equal with per-head dilations).
+    # than the default 128 (72 vs 76 ms; equal with per-head dilations). On CUDA its default 128:
+    # its GPU kernels' tiles must divide the mask's blocks, and 64 failed to lower on an H100.
     if len(set(dilation)) == 1:
         d = dilation[0]
 
@@ -207,7 +208,7 @@ def _flex_block_mask(seq_len: int, w: int, dilation: tuple[int, ...], device: st
             return (offset.abs() <= per_head[h] * w) & (offset % per_head[h] == 0)
         heads = len(dilation)
     return create_block_mask(sliding_window, B=None, H=heads, Q_LEN=seq_len, KV_LEN=seq_len, device=device,
-                             BLOCK_SIZE=64, _compile=True)
+                             BLOCK_SIZE=64 if device == "cpu" else 128, _compile=True)
 
 
 @functools.lru_cache(maxsize=1)

@@ -139,6 +139,30 @@ def test_cases_timed_together_share_every_round(monkeypatch):
     assert len({tuple(map(str, order)) for order in rounds}) > 1, "the order should change between rounds"
 
 
+def test_a_method_out_of_gpu_memory_is_skipped_not_fatal(tmp_path, monkeypatch):
+    """A dense method that runs out of (GPU) memory while timed is recorded as skipped with the
+    reason, and not tried at longer lengths; the other methods' sweep goes on."""
+    real_runner = methods.runner
+
+    def runner(op, method, inputs, *rest):
+        if method == "full" and inputs[0].shape[1] >= 128:
+            def out_of_memory():
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB.")
+            return out_of_memory
+        return real_runner(op, method, inputs, *rest)
+    monkeypatch.setattr(methods, "runner", runner)
+    main(["--seq-lens", "64,128,256", "--window", "8", "--heads", "2", "--head-dim", "16", "--ops", "qk_band",
+          "--methods", "tvm,full", "--dilation", "1", "--repeats", "2", "--no-memory",
+          "--out", str(tmp_path), "--name", "oom"])
+    rows = {(r["method"], int(r["seq_len"])): r for r in csv.DictReader(open(tmp_path / "oom.csv"))}
+    assert all(rows[("tvm", n)]["status"] == "ok" for n in (64, 128, 256))
+    assert rows[("full", 64)]["status"] == "ok"
+    assert rows[("full", 128)]["status"] == "skipped"
+    assert rows[("full", 128)]["reason"].startswith("out of memory while timing: CUDA out of memory")
+    assert rows[("full", 256)]["status"] == "skipped"
+    assert rows[("full", 256)]["reason"] == "out of memory: already at n=128"
+
+
 def test_paired_ratio_compares_round_by_round():
     """A slow round slows both entries of it: the ratio within rounds sees through it, medians do not."""
     assert measure.paired_ratio([1.0, 10.0, 11.0], [1.0, 10.0, 1.0]) == 1.0
@@ -146,7 +170,7 @@ def test_paired_ratio_compares_round_by_round():
 
 def test_shares_and_dtype_ratios_are_taken_round_by_round(tmp_path, monkeypatch):
     """Round 2 is slow for everything timed in it; per-round ratios see through it."""
-    def fake_rounds(entries, repeats, expected=None):
+    def fake_rounds(entries, repeats, expected=None, failures=None):
         samples = {measure.GEMM: [1.0, 10.0, 1.0]}
         for case, method in entries:
             samples[(case, method)] = [0.5, 5.0, 5.0] if case.dtype == "bfloat16" else [1.0, 10.0, 10.0]
