@@ -25,9 +25,9 @@ cast, and for Q.K^T the padding value at invalid positions). Keeping the
 condition out of the reduction is what TE requires, and it lets schedules
 fuse the two stages freely.
 
-The CPU kernels are written directly in TIR instead (the ``tvm_kernels/schedules/cpu`` package):
-these definitions are the specification they implement, and what the CUDA schedules
-take. The CPU's fused local-attention kernels compose them (Q.K^T, a softmax over the
+The CPU and CUDA kernels are written directly in TIR instead (``tvm_kernels/schedules/``):
+these definitions are the specification they implement (and what a target without
+hand-written kernels would schedule). The CPU's fused local-attention kernels compose them (Q.K^T, a softmax over the
 band, probs.V; their backward likewise); their reference is
 ``longformer_ops.reference.sliding_window_attention_reference``.
 """

@@ -2,13 +2,13 @@
 
 A module either schedules the definitions of :mod:`tvm_kernels.compute` with
 ``schedule(op, func) -> tvm.IRModule`` (loop structure, parallelism and
-vectorisation only, never the math; ``cuda.py``), or, where schedule primitives
-cannot express the loop nest it needs, writes an op's kernel directly in TIR:
-``HAND_WRITTEN`` maps an op to a function of ``(dtype, autoregressive,
-vector_bits)`` returning a PrimFunc with the same arguments and results as the
-definition (the ``cpu`` package, one module per kernel family and one of shared
+vectorisation only, never the math), or, where schedule primitives cannot express
+the loop nest it needs, writes an op's kernel directly in TIR: ``HAND_WRITTEN``
+maps an op to a function of ``(dtype, autoregressive, vector_bits)`` returning a
+PrimFunc with the same arguments and results as the definition. Both targets do the
+latter today: the ``cpu`` package (one module per kernel family and one of shared
 micro-kernel macros; there also the fused local-attention ops, which compose the
-definitions). ``FEATURE_MULTIPLE`` is the module's contract on
+definitions) and ``cuda.py`` (shared-memory tiles of the three products). ``FEATURE_MULTIPLE`` is the module's contract on
 head_dim (the runtime zero-pads to it); optional ``PASS_CONFIG`` holds TVM pass
 options for compiling the module's kernels.
 """

@@ -1,28 +1,293 @@
-"""CUDA schedules: one thread per output element, 256 threads per block.
+"""CUDA kernels: the three banded products as shared-memory tiles with register blocking,
+hand-written in TIR (TVMScript), for any dilation.
 
-Every output element (b, i, h, j) or (b, i, h, f) is flattened into one index
-and spread over blocks of 256 threads; each thread keeps its accumulator in a
-register and loops over the reduction (head_dim for qk, the band for pv and
-transposed). Consecutive threads write consecutive outputs, so stores are
-coalesced. "Correct first": tiling through shared memory is a later step.
+Why hand-written (as on the CPU, ``schedules/cpu``): the reuse that makes a product fast
+comes from tiles of queries that share their keys, and with a per-head runtime dilation
+only *residue-major* order has that: with rows r, r+d, r+2d, ... of each residue class
+r = 0..d-1 laid end to end ("packed" positions), every query's band is a run of
+consecutive packed rows, for any dilation. Schedule primitives cannot express that order
+(the region a dilated tile reads has a size that depends on d), and the first, scheduled
+kernels (one thread per output element) ran at ~1% of an H100's float32 GEMM
+(bench/NOTES.md).
+
+One thread block computes a tile of ``TILE_ROWS`` consecutive packed rows, 256 threads,
+each a 4 x 4 register tile (rows x columns of the block's 64 x 64 sub-product):
+
+- qk: the tile's queries against the ``TILE_ROWS + c - 1`` packed keys their bands span,
+  in chunks of 64 keys; per chunk a dense 64 x 64 product over the features (16 at a time
+  through shared memory), whose entries inside a query's band are stored into its band
+  row (``padding`` where the key lies outside the query's residue class or the sequence).
+  The dense chunks do ``(64 + c - 1) / c`` times the useful work (1.12x at w = 256).
+- pv / transposed: per chunk of 32 packed rows, the band weights of the tile's rows for
+  them are gathered into shared memory (zero where invalid) and multiplied with those
+  rows' features; the output features stay in registers across all chunks.
+
+Packed position p of a head with dilation d belongs to class r at index s of that class;
+classes r < n % d hold n // d + 1 rows, the rest n // d (:func:`_packed_row`). A band
+column of packed query p (index s, class size m) is valid when its key's class index
+s + j - w lies in [0, m).
+
+Every sum runs in float32 in the same order for every dtype; inputs are converted when they
+are staged. ``head_dim`` must be a multiple of ``FEATURE_MULTIPLE`` (the runtime
+zero-pads), feature blocks past it are guarded.
 """
 
 from __future__ import annotations
 
-import tvm
-from tvm import s_tir
+from tvm.script import tirx as T
 
-THREADS_PER_BLOCK = 256
-FEATURE_MULTIPLE = 1  # no constraint on head_dim
+from tvm_kernels.compute import accumulation_dtype
+
+FEATURE_MULTIPLE = 16  # qk stages features 16 at a time, unguarded
+THREADS = 256
+TILE_ROWS = 64      # packed rows per thread block
+QK_KEYS = 64        # qk: keys per chunk
+QK_FEATURES = 16    # qk: features per shared-memory stage
+INNER = 32          # pv / transposed: packed rows per chunk
+OUT_FEATURES = 64   # pv / transposed: output features per pass over the chunks
+# Shared-memory row strides, 4 floats past the row: the staging stores spread over more banks,
+# and rows keep the 16-byte alignment of the compute loop's 4-float reads.
+Q_STRIDE = TILE_ROWS + 4
+K_STRIDE = QK_KEYS + 4
+F_STRIDE = OUT_FEATURES + 4
 
 
-def schedule(op: str, func: tvm.tirx.PrimFunc) -> tvm.IRModule:
-    sch = s_tir.Schedule(tvm.IRModule({"main": func}))
-    acc, out = sch.get_sblock("acc"), sch.get_sblock("out")
-    sch.set_scope(acc, 0, "local")
-    element = sch.fuse(*sch.get_loops(out))
-    block, thread = sch.split(element, [None, THREADS_PER_BLOCK])
-    sch.bind(block, "blockIdx.x")
-    sch.bind(thread, "threadIdx.x")
-    sch.compute_at(acc, thread)
-    return sch.mod
+def _packed_row(p, n, d):
+    """(sequence row, index in its residue class, class size) of packed position ``p`` in
+    ``[0, n)`` for dilation ``d`` >= 1, as int64 (a plain Python helper building the expressions).
+    The divisions run in int32 (a sequence is shorter than 2^31 rows; a GPU divides int64 in
+    software, several times slower), so they cost the staging little."""
+    p, n, d = (T.Cast("int32", x) for x in (p, n, d))
+    per_class = n // d
+    big_classes = n % d  # classes 0 .. n % d - 1 hold one row more
+    in_big = p < big_classes * (per_class + 1)
+    rest = p - big_classes * (per_class + 1)
+    small = T.max(per_class, 1)  # no division by zero where every class is big
+    r = T.Select(in_big, p // (per_class + 1), big_classes + rest // small)
+    s = T.Select(in_big, p % (per_class + 1), rest % small)
+    m = T.Select(in_big, per_class + 1, per_class)
+    return T.Cast("int64", r + d * s), T.Cast("int64", s), T.Cast("int64", m)
+
+
+def _windows(band, autoregressive: bool):
+    """(w, w_upper) of a band of width ``band`` (see :mod:`tvm_kernels.compute`)."""
+    if autoregressive:
+        return band - T.int64(1), T.int64(0)
+    return (band - T.int64(1)) // T.int64(2), (band - T.int64(1)) // T.int64(2)
+
+
+def qk(dtype: str, autoregressive: bool, vector_bits: int = 0):
+    """The Q.K^T PrimFunc; same arguments as :func:`tvm_kernels.compute.qk`."""
+    acc_dtype = accumulation_dtype(dtype)
+    span = THREADS // 16  # threads along each tile axis: 16 x 16 threads of 4 x 4 results
+
+    @T.prim_func
+    def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, padding: T.float64,
+             out_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        band = T.int64()
+        t1 = T.match_buffer(t1_handle, (batch, n, heads, head_dim), dtype)
+        t2 = T.match_buffer(t2_handle, (batch, n, heads, head_dim), dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        out = T.match_buffer(out_handle, (batch, n, heads, band), dtype)
+        for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
+            for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
+                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    queries = T.alloc_buffer((QK_FEATURES * Q_STRIDE,), acc_dtype, scope="shared")  # [feature, row]
+                    keys = T.alloc_buffer((QK_FEATURES * K_STRIDE,), acc_dtype, scope="shared")  # [feature, key]
+                    query_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
+                    valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                    valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                    key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                    acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    b: T.let = bh // heads
+                    h: T.let = bh % heads
+                    d: T.let = T.Cast("int64", dilation[h])
+                    w: T.let = _windows(band, autoregressive)[0]
+                    p0: T.let = tile * T.int64(TILE_ROWS)
+                    ty: T.let = tx // span
+                    tc: T.let = tx % span
+                    if tx < TILE_ROWS:
+                        # Query tx of the tile: its row and its valid band columns [valid_from, valid_to).
+                        query_row[tx] = T.int64(-1)
+                        if p0 + tx < n:
+                            row, index, size = _packed_row(p0 + tx, n, d)
+                            query_row[tx] = row
+                            valid_from[tx] = T.max(w - index, T.int64(0))
+                            valid_to[tx] = T.min(w + size - index, band)
+                    T.tvm_storage_sync("shared")
+                    # Chunk k covers packed keys p0 - w + 64k + [0, 64): band column j of tile row a
+                    # is packed key p0 + a + j - w, i.e. chunk column 64k + kk = a + j.
+                    for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
+                        if tx < QK_KEYS:
+                            key_row[tx] = T.int64(-1)
+                            if p0 - w + chunk * T.int64(QK_KEYS) + tx >= T.int64(0) and p0 - w + chunk * T.int64(QK_KEYS) + tx < n:
+                                key_row[tx] = _packed_row(p0 - w + chunk * T.int64(QK_KEYS) + tx, n, d)[0]
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                acc[i, u] = T.Cast(acc_dtype, 0)
+                        T.tvm_storage_sync("shared")
+                        for f0 in range(head_dim // T.int64(QK_FEATURES)):
+                            # Stage 16 features of the tile's queries and of the chunk's keys, feature-major.
+                            for v in T.unroll(TILE_ROWS * QK_FEATURES // THREADS):
+                                a: T.let = (tx + v * THREADS) // QK_FEATURES
+                                f: T.let = (tx + v * THREADS) % QK_FEATURES
+                                queries[f * Q_STRIDE + a] = T.Select(
+                                    query_row[a] >= T.int64(0),
+                                    T.Cast(acc_dtype, t1[b, T.max(query_row[a], T.int64(0)), h, f0 * T.int64(QK_FEATURES) + f]),
+                                    T.Cast(acc_dtype, 0))
+                            for v in T.unroll(QK_KEYS * QK_FEATURES // THREADS):
+                                k: T.let = (tx + v * THREADS) // QK_FEATURES
+                                f: T.let = (tx + v * THREADS) % QK_FEATURES
+                                keys[f * K_STRIDE + k] = T.Select(
+                                    key_row[k] >= T.int64(0),
+                                    T.Cast(acc_dtype, t2[b, T.max(key_row[k], T.int64(0)), h, f0 * T.int64(QK_FEATURES) + f]),
+                                    T.Cast(acc_dtype, 0))
+                            T.tvm_storage_sync("shared")
+                            for f in T.unroll(QK_FEATURES):
+                                for i in T.unroll(4):
+                                    for u in T.unroll(4):
+                                        acc[i, u] = acc[i, u] + queries[f * Q_STRIDE + ty * 4 + i] * keys[f * K_STRIDE + tc + u * span]
+                            T.tvm_storage_sync("shared")
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                a: T.let = ty * 4 + i
+                                j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", tc + u * span - a)
+                                # (Shared memory may not be read in an if's condition: TVM's ThreadSync.)
+                                row: T.let = query_row[a]
+                                if row >= T.int64(0) and j >= T.int64(0) and j < band:
+                                    out[b, row, h, j] = T.Select(
+                                        j >= valid_from[a] and j < valid_to[a], T.Cast(dtype, acc[i, u]),
+                                        T.Cast(dtype, padding))
+
+    return main
+
+
+def _weight_row(e, transposed: bool):
+    """The tile row whose weight thread-element ``e`` stages: consecutive threads read consecutive
+    band columns (probs.V: along the inner rows of one band row; transposed: along the tile rows)."""
+    return e % TILE_ROWS if transposed else e // INNER
+
+
+def _weight_inner(e, transposed: bool):
+    return e // TILE_ROWS if transposed else e % INNER
+
+
+def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool):
+    acc_dtype = accumulation_dtype(dtype)
+    span = THREADS // 16
+    side = 1 if transposed else 0  # the inner rows start w_upper (transposed) or w (probs.V) before the tile
+
+    @T.prim_func
+    def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, out_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        band = T.int64()
+        t1 = T.match_buffer(t1_handle, (batch, n, heads, band), dtype)
+        t2 = T.match_buffer(t2_handle, (batch, n, heads, head_dim), dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
+        for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
+            for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
+                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    weights = T.alloc_buffer((INNER * Q_STRIDE,), acc_dtype, scope="shared")  # [inner row, tile row]
+                    rows = T.alloc_buffer((INNER * F_STRIDE,), acc_dtype, scope="shared")  # [inner row, feature]
+                    out_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
+                    valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                    valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                    inner_row = T.alloc_buffer((INNER,), "int64", scope="shared")  # -1 outside the sequence
+                    acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    b: T.let = bh // heads
+                    h: T.let = bh % heads
+                    d: T.let = T.Cast("int64", dilation[h])
+                    p0: T.let = tile * T.int64(TILE_ROWS)
+                    # The tile's inner packed rows: x = 0, 1, ... is packed row p0 - before + x.
+                    # probs.V: keys of tile row a at band column j = x - a. Transposed: output
+                    # row a (a key) receives from query x at that query's band column w + w_upper + a - x.
+                    before: T.let = _windows(band, autoregressive)[side]
+                    ty: T.let = tx // span
+                    tc: T.let = tx % span
+                    if tx < TILE_ROWS:
+                        # Output row tx: its sequence row and the inner rows x (as x - tx) with a valid weight.
+                        out_row[tx] = T.int64(-1)
+                        if p0 + tx < n:
+                            row, index, size = _packed_row(p0 + tx, n, d)
+                            out_row[tx] = row
+                            # Valid: the other row's class index index + x - tx - before in [0, size),
+                            # and the band column inside the band.
+                            valid_from[tx] = T.max(before - index, T.int64(0))
+                            valid_to[tx] = T.min(before + size - index, band)
+                    T.tvm_storage_sync("shared")
+                    for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                acc[i, u] = T.Cast(acc_dtype, 0)
+                        for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(INNER - 1)) // T.int64(INNER)):
+                            x0: T.let = chunk * T.int64(INNER)
+                            if tx < INNER:
+                                inner_row[tx] = T.int64(-1)
+                                if p0 - before + x0 + tx >= T.int64(0) and p0 - before + x0 + tx < n:
+                                    inner_row[tx] = _packed_row(p0 - before + x0 + tx, n, d)[0]
+                            T.tvm_storage_sync("shared")
+                            for v in T.unroll(INNER * TILE_ROWS // THREADS):
+                                # Weights, inner-major, zero where invalid.
+                                e: T.let = tx + v * THREADS
+                                a: T.let = _weight_row(e, transposed)
+                                x: T.let = _weight_inner(e, transposed)
+                                offset: T.let = x0 + x - a  # the band-column distance: valid in [valid_from, valid_to)
+                                ok: T.let = out_row[a] >= T.int64(0) and offset >= valid_from[a] and offset < valid_to[a]
+                                if transposed:
+                                    weights[x * Q_STRIDE + a] = T.Select(
+                                        ok and inner_row[x] >= T.int64(0),
+                                        T.Cast(acc_dtype, t1[b, T.max(inner_row[x], T.int64(0)), h,
+                                                             T.max(T.min(band - T.int64(1) - offset, band - T.int64(1)), T.int64(0))]),
+                                        T.Cast(acc_dtype, 0))
+                                else:
+                                    weights[x * Q_STRIDE + a] = T.Select(
+                                        ok,
+                                        T.Cast(acc_dtype, t1[b, T.max(out_row[a], T.int64(0)), h,
+                                                             T.max(T.min(offset, band - T.int64(1)), T.int64(0))]),
+                                        T.Cast(acc_dtype, 0))
+                            for v in T.unroll(INNER * OUT_FEATURES // THREADS):
+                                x: T.let = (tx + v * THREADS) // OUT_FEATURES
+                                f: T.let = (tx + v * THREADS) % OUT_FEATURES
+                                rows[x * F_STRIDE + f] = T.Select(
+                                    inner_row[x] >= T.int64(0) and f0 * T.int64(OUT_FEATURES) + f < head_dim,
+                                    T.Cast(acc_dtype, t2[b, T.max(inner_row[x], T.int64(0)), h,
+                                                         T.min(f0 * T.int64(OUT_FEATURES) + f, head_dim - T.int64(1))]),
+                                    T.Cast(acc_dtype, 0))
+                            T.tvm_storage_sync("shared")
+                            for x in T.unroll(INNER):
+                                for i in T.unroll(4):
+                                    for u in T.unroll(4):
+                                        acc[i, u] = acc[i, u] + weights[x * Q_STRIDE + ty * 4 + i] * rows[x * F_STRIDE + tc + u * span]
+                            T.tvm_storage_sync("shared")
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                a: T.let = ty * 4 + i
+                                f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * span)
+                                row: T.let = out_row[a]
+                                if row >= T.int64(0) and f < head_dim:
+                                    out[b, row, h, f] = T.Cast(dtype, acc[i, u])
+
+    return main
+
+
+def pv(dtype: str, autoregressive: bool, vector_bits: int = 0):
+    """The probs.V PrimFunc; same arguments as :func:`tvm_kernels.compute.pv`."""
+    return _band_times_rows(dtype, autoregressive, transposed=False)
+
+
+def transposed(dtype: str, autoregressive: bool, vector_bits: int = 0):
+    """The transposed (backward) PrimFunc; same arguments as :func:`tvm_kernels.compute.transposed`."""
+    return _band_times_rows(dtype, autoregressive, transposed=True)
+
+
+HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed}

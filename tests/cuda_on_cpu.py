@@ -1,0 +1,102 @@
+"""The CUDA kernels' generated source, run on the CPU: so that CI, which has no GPU, checks their
+logic (tiles, packed rows, staging, synchronisation) against the references.
+
+TVM lowers ``tvm_kernels/schedules/cuda.py`` to CUDA C++; :func:`build` compiles that source with
+the host C++ compiler and a small shim: each CUDA thread of a block is a ``std::thread``, the
+block's ``__shared__`` arrays are statics (blocks run one after another), ``__syncthreads`` is a
+barrier of the block's threads. float32 only (the kernels' logic does not depend on the dtype; the
+half types' conversions are TVM's). What it cannot show: speed, and races between threads that
+the barrier happens to order (``make gpu-check``'s racecheck covers those on a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+SHIM = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <thread>
+#include <vector>
+struct Dim3 { unsigned x = 0, y = 0, z = 0; };
+thread_local Dim3 threadIdx, blockIdx;
+static std::barrier<>* block_barrier;
+#define __global__
+#define __launch_bounds__(x)
+#define __restrict__
+#define __shared__ static
+#define __syncthreads() block_barrier->arrive_and_wait()
+template <class A, class B> auto max(A a, B b) { return a > b ? a : (decltype(a + b))b; }
+template <class A, class B> auto min(A a, B b) { return a < b ? a : (decltype(a + b))b; }
+// Blocks (x fastest) one after another, each by `threads` threads.
+static void launch(int64_t grid_x, int64_t grid_y, unsigned threads, const std::function<void()>& kernel) {
+  std::barrier<> barrier(threads);
+  block_barrier = &barrier;
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      threadIdx.x = t;
+      for (int64_t y = 0; y < grid_y; ++y)
+        for (int64_t x = 0; x < grid_x; ++x) {
+          blockIdx.x = x; blockIdx.y = y;
+          kernel();
+          barrier.arrive_and_wait();  // the block's statics are free for the next block
+        }
+    });
+  for (auto& thread : pool) thread.join();
+}
+"""
+
+# Every argument a kernel may take, in the order of the C entry points written below.
+_ARGUMENTS = [("dilation", "int*"), ("out", "float*"), ("t1", "float*"), ("t2", "float*"), ("band", "int64_t"),
+              ("batch", "int64_t"), ("head_dim", "int64_t"), ("heads", "int64_t"), ("n", "int64_t"),
+              ("padding", "double")]
+
+_GENERATE = """
+import json, sys
+import tvm
+from tvm_kernels.schedules import cuda
+functions = {f"{op}_{'causal' if a else 'symmetric'}": cuda.HAND_WRITTEN[op]("float32", a).with_attr(
+    "global_symbol", f"{op}_{'causal' if a else 'symmetric'}") for op in cuda.HAND_WRITTEN for a in (False, True)}
+target = tvm.target.Target({"kind": "cuda", "arch": "sm_80"}, host={"kind": "llvm"})
+source = tvm.compile(tvm.IRModule(functions), target=target).mod.imports[0].inspect_source()
+json.dump({"source": source, "threads": cuda.THREADS, "tile_rows": cuda.TILE_ROWS}, open(sys.argv[1], "w"))
+"""
+
+
+def cxx_compiler() -> str | None:
+    return shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def build(directory: Path) -> tuple[Path, dict]:
+    """Generates the kernels' CUDA source (in a fresh process: the TVM compiler must stay out of the
+    test process) and compiles it for the CPU; returns the library and the launch geometry."""
+    generated = directory / "generated.json"
+    subprocess.run([sys.executable, "-c", _GENERATE, str(generated)], cwd=REPO, check=True)
+    info = json.loads(generated.read_text())
+    source = info["source"]
+    body = source[source.index('extern "C" __global__'):]
+    body = body.replace("__shared__ alignas(64)", "alignas(64) __shared__")  # attribute order C++ accepts
+    wrappers = []
+    for name, parameters in re.findall(r'__global__ void __launch_bounds__\(\d+\) (\w+)_kernel\(([^)]*)\) \{', body):
+        passed = [p.split()[-1].removesuffix("_ptr") for p in parameters.split(",")]
+        signature = ", ".join(f"{ctype} {arg}" for arg, ctype in _ARGUMENTS)
+        call = ", ".join(f"{arg}" for arg in passed)
+        wrappers.append(f'extern "C" void run_{name}({signature}) {{\n'
+                        f'  launch((n + {info["tile_rows"]} - 1) / {info["tile_rows"]}, batch * heads, {info["threads"]},\n'
+                        f'         [&] {{ {name}_kernel({call}); }});\n}}\n')
+    (directory / "kernels.cpp").write_text(SHIM + body + "\n".join(wrappers))
+    library = directory / "kernels.so"
+    subprocess.run([cxx_compiler(), "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread",
+                    str(directory / "kernels.cpp"), "-o", str(library)], check=True)
+    return library, info
