@@ -4,13 +4,13 @@
 (Q.K^T mode, ``padding=-inf``), a softmax over the band and ``diagonaled_mm`` (probs.V mode). Two
 paths, one result, each a few custom ops of :mod:`longformer_ops.kernels`:
 
-- on a library with the fused kernels (the CPU libraries), one op computes scores, softmax and
-  context per tile of queries, so the ``[b, n, h, 2w+1]`` band never exists in memory (at
-  n = 4096, 12 heads, w = 256: 100 MiB not allocated, faulted in and written;
-  ``bench/NOTES.md``); it also gives each row's log-sum-exp, from which its backward op
+- on a library with the fused kernels (the CPU libraries; on CUDA the forward only), one op
+  computes scores, softmax and context per tile of queries, so the ``[b, n, h, 2w+1]`` band
+  never exists in memory (at n = 4096, 12 heads, w = 256: 100 MiB not allocated, faulted in and
+  written; ``bench/NOTES.md``); it also gives each row's log-sum-exp, from which its backward op
   recomputes each tile's probabilities and gives dQ, dK and dV (FlashAttention's backward): no
   band in training either;
-- otherwise (a library without them: CUDA) the three steps above, differentiable through the
+- otherwise (a library without them: CUDA in training) the three steps above, differentiable through the
   band ops' own autograd, the softmax in place on the one band (:func:`longformer_ops.band_softmax_`).
 """
 
@@ -41,7 +41,7 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     Differentiable in ``q``, ``k``, ``v`` (once). Where the library has the fused kernels (CPU),
     neither inference nor training keeps a band in memory (the backward recomputes each tile's
-    probabilities from the rows' log-sum-exp).
+    probabilities from the rows' log-sum-exp); on CUDA, inference.
     ``dropout_p``: attention dropout, as ``torch.nn.functional.dropout`` on the probabilities
     (each zeroed with probability ``dropout_p``, the rest scaled by ``1 / (1 - dropout_p)``);
     pass 0 outside training. On the fused kernels the mask comes from a counter-based generator

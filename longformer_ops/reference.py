@@ -170,7 +170,7 @@ def dropout_factor_reference(seed: int, batch: int, seq_len: int, heads: int, ba
     """The fused kernels' dropout mask as factors ``[b, n, h, c]`` in float64: ``1 / (1 - p)`` where band
     column j of query i in head h of example b is kept, else 0. Each row's key is murmur3's finaliser
     chained over (seed, b * heads + h, i); column j is kept when the top 24 bits of
-    mix(key + j * 0x9E3779B9) are >= int(p * 2^24) (``tvm_kernels/schedules/cpu/attention.py``, ``_dropout_factor``)."""
+    mix(key + j * 0x9E3779B9) are >= int(p * 2^24) (``tvm_kernels/compute.py``, ``dropout_factor``)."""
     bh = (torch.arange(batch)[:, None] * heads + torch.arange(heads)[None, :])[:, None, :]          # [b, 1, h]
     row = torch.arange(seq_len)[None, :, None]                                                     # [1, n, 1]
     key = _mix32((seed & _UINT32) ^ _mix32(((bh * _GOLDEN) & _UINT32) ^ _mix32(row)))              # [b, n, h]

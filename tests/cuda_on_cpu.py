@@ -36,6 +36,7 @@ static std::barrier<>* block_barrier;
 #define __restrict__
 #define __shared__ static
 #define __syncthreads() block_barrier->arrive_and_wait()
+#define CUDART_INF_F INFINITY
 template <class A, class B> auto max(A a, B b) { return a > b ? a : (decltype(a + b))b; }
 template <class A, class B> auto min(A a, B b) { return a < b ? a : (decltype(a + b))b; }
 // Blocks (x fastest) one after another, each by `threads` threads.
@@ -57,10 +58,13 @@ static void launch(int64_t grid_x, int64_t grid_y, unsigned threads, const std::
 }
 """
 
-# Every argument a kernel may take, in the order of the C entry points written below.
-_ARGUMENTS = [("dilation", "int*"), ("out", "float*"), ("t1", "float*"), ("t2", "float*"), ("band", "int64_t"),
-              ("batch", "int64_t"), ("head_dim", "int64_t"), ("heads", "int64_t"), ("n", "int64_t"),
-              ("padding", "double")]
+# Every argument a kernel may take, in the order of the C entry points ``run_<kernel>`` written below
+# (each passes its kernel the ones it takes).
+ARGUMENTS = [("dilation", "int*"), ("out", "float*"), ("t1", "float*"), ("t2", "float*"), ("q", "float*"),
+             ("k", "float*"), ("v", "float*"), ("key_bias", "float*"), ("lse", "float*"), ("band", "int64_t"),
+             ("batch", "int64_t"), ("head_dim", "int64_t"), ("heads", "int64_t"), ("n", "int64_t"),
+             ("padding", "double"), ("window", "int64_t"), ("scale", "double"), ("dropout", "double"),
+             ("seed", "int64_t")]
 
 _GENERATE = """
 import json, sys
@@ -90,7 +94,7 @@ def build(directory: Path) -> tuple[Path, dict]:
     wrappers = []
     for name, parameters in re.findall(r'__global__ void __launch_bounds__\(\d+\) (\w+)_kernel\(([^)]*)\) \{', body):
         passed = [p.split()[-1].removesuffix("_ptr") for p in parameters.split(",")]
-        signature = ", ".join(f"{ctype} {arg}" for arg, ctype in _ARGUMENTS)
+        signature = ", ".join(f"{ctype} {arg}" for arg, ctype in ARGUMENTS)
         call = ", ".join(f"{arg}" for arg in passed)
         wrappers.append(f'extern "C" void run_{name}({signature}) {{\n'
                         f'  launch((n + {info["tile_rows"]} - 1) / {info["tile_rows"]}, batch * heads, {info["threads"]},\n'

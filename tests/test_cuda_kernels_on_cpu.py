@@ -1,4 +1,5 @@
-"""The CUDA band products' generated code, run on the CPU (``cuda_on_cpu``), against the references:
+"""The CUDA kernels' generated code (the band products and the fused attention forward), run on the
+CPU (``cuda_on_cpu``), against the references:
 odd lengths, a window near and past the sequence length, several dilations (one larger than the
 sequence), both window kinds, head_dim not a multiple of the output feature block, batch 2.
 On a GPU the same kernels run in ``test_diagonaled_mm`` and under compute-sanitizer."""
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 import cuda_on_cpu
-from conftest import assert_close_to_reference, stable_seed
-from longformer_ops.reference import diagonaled_mm_reference
+from conftest import assert_close_to_reference, assert_normwise_close, stable_seed
+from longformer_ops.reference import (band_width, diagonaled_mm_reference, dropout_factor_reference,
+                                      sliding_window_attention_reference, sliding_window_lse_reference)
 
 pytestmark = pytest.mark.skipif(cuda_on_cpu.cxx_compiler() is None, reason="no C++ compiler to build the CUDA code for the CPU")
 
@@ -35,13 +37,24 @@ def kernels(tmp_path_factory):
     return ctypes.CDLL(str(library))
 
 
+def _call(kernels, name, shape, **arguments):
+    """run_<name> with ``arguments`` (tensors by pointer, the rest by value) and ``shape``'s sizes."""
+    batch, n, heads, head_dim = shape
+    arguments = dict(dict(batch=batch, n=n, heads=heads, head_dim=head_dim), **arguments)
+    converted = []
+    for argument, ctype in cuda_on_cpu.ARGUMENTS:
+        value = arguments.get(argument, 0)
+        if ctype.endswith("*"):
+            converted.append(ctypes.c_void_p(value.data_ptr() if isinstance(value, torch.Tensor) else 0))
+        else:
+            converted.append((ctypes.c_double if ctype == "double" else ctypes.c_int64)(value))
+    getattr(kernels, f"run_{name}")(*converted)
+
+
 def _run(kernels, name, t1, t2, dilation, band, padding, out_shape):
     out = torch.full(out_shape, float("nan"))
-    d = torch.tensor(dilation, dtype=torch.int32)
-    batch, n, heads, head_dim = t2.shape
-    pointer = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
-    getattr(kernels, f"run_{name}")(pointer(d), pointer(out), pointer(t1), pointer(t2), *map(ctypes.c_int64, (
-        band, batch, head_dim, heads, n)), ctypes.c_double(padding))
+    _call(kernels, name, t2.shape, dilation=torch.tensor(dilation, dtype=torch.int32), out=out, t1=t1, t2=t2,
+          band=band, padding=padding)
     return out
 
 
@@ -73,5 +86,39 @@ def test_cuda_kernel_code_matches_reference(kernels, op, case):
     scale = reference(first.double().abs(), second.double().abs())  # 0 at padding: it must be exact
     try:
         assert_close_to_reference(got, ref, scale, torch.float32)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+def test_cuda_attention_code_matches_reference(kernels, case, dropout):
+    """The fused forward: result and log-sum-exp, with masked keys (one row's keys all masked
+    where the window allows), and its dropout mask the CPU kernels' (the reference re-implements it)."""
+    batch, n, heads, head_dim, w, dilation, autoregressive = case
+    seed = stable_seed("cuda_on_cpu attention", str(case), dropout)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, n, heads, head_dim, generator=g) for _ in range(3))
+    mask = torch.rand(batch, n, generator=g) < 0.2
+    mask[0, : min(n, 3)] = True  # (with w < 3 and no dilation, row 1 sees no key)
+    scale = 0.3
+    key_bias = torch.zeros(batch, n).masked_fill_(mask, float("-inf"))
+    out, lse = torch.full_like(q, float("nan")), torch.full((batch, n, heads), float("nan"))
+    _call(kernels, f"attention_{'causal' if autoregressive else 'symmetric'}", q.shape, q=q, k=k, v=v,
+          key_bias=key_bias, dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=scale,
+          dropout=dropout, seed=1234, out=out, lse=lse)
+    factor = (dropout_factor_reference(1234, batch, n, heads, band_width(w, autoregressive), dropout)
+              if dropout else None)
+    exact = [x.double() for x in (q, k, v)]
+    ref = sliding_window_attention_reference(*exact, w, dilation, autoregressive, scale, mask, factor)
+    ref_lse = sliding_window_lse_reference(*exact[:2], w, dilation, autoregressive, scale, mask)
+    try:
+        assert not out.isnan().any() and not lse.isnan().any()
+        terms = float((v.double().abs().amax() * (factor.amax() if dropout else 1)) * n ** 0.5)
+        assert_normwise_close(out.double(), ref, torch.float32, "result", zero_scale=terms)
+        finite = ref_lse.isfinite()
+        assert torch.equal(lse.isfinite(), finite), "rows with no key: lse must be -inf exactly there"
+        assert_normwise_close(lse.double()[finite], ref_lse[finite], torch.float32, "lse",
+                              zero_scale=float(ref_lse[finite].norm()))
     except AssertionError as error:
         raise AssertionError(f"seed {seed}: {error}") from None

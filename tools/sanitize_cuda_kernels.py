@@ -1,4 +1,5 @@
-"""Run every CUDA kernel (each mode, dtype, symmetric/causal, mixed dilation) once at an awkward size.
+"""Run every CUDA kernel (each band product and the fused attention forward; each dtype,
+symmetric/causal, mixed dilation) once at an awkward size.
 
 Meant to run under NVIDIA's compute-sanitizer on a GPU machine (`make gpu-check`):
 
@@ -14,8 +15,8 @@ import sys
 
 import torch
 
-from longformer_ops import diagonaled_mm
-from longformer_ops.reference import diagonaled_mm_reference
+from longformer_ops import diagonaled_mm, sliding_window_attention
+from longformer_ops.reference import diagonaled_mm_reference, sliding_window_attention_reference
 
 
 def main() -> int:
@@ -37,12 +38,17 @@ def main() -> int:
             torch.cuda.synchronize()
             ref_s = diagonaled_mm_reference(q.double(), k.double(), w, d, False, 0, autoregressive)
             ref_o = diagonaled_mm_reference(p.double(), k.double(), w, d, True, 0, autoregressive)
+            v = torch.randn(b, n, h, f, device="cuda", dtype=dtype)
+            mask = torch.rand(b, n, device="cuda") < 0.2  # key padding: the fused kernel's key bias
+            with torch.no_grad():  # inference: the fused forward
+                a = sliding_window_attention(q, k, v, w, d, autoregressive, 0.5, key_padding_mask=mask)
+            ref_a = sliding_window_attention_reference(q.double(), k.double(), v.double(), w, d, autoregressive, 0.5, mask)
             tol = 1e-3 if dtype == torch.float32 else 0.1
-            for name, got, ref in (("qk", s, ref_s), ("pv", o, ref_o)):
+            for name, got, ref in (("qk", s, ref_s), ("pv", o, ref_o), ("attention", a, ref_a)):
                 error = (got.double() - ref).abs().max().item()
                 ok = error <= tol * (1 + ref.abs().max().item())
                 failures += not ok
-                print(f"{name:3s} {str(dtype):15s} autoregressive={autoregressive!s:5s} max error {error:.2e} {'ok' if ok else 'FAIL'}")
+                print(f"{name:9s} {str(dtype):15s} autoregressive={autoregressive!s:5s} max error {error:.2e} {'ok' if ok else 'FAIL'}")
     return 1 if failures else 0
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvm import te, tirx
+from tvm.script import tirx as T
 
 def accumulation_dtype(dtype: str) -> str:
     """Half types accumulate in float32; float32/float64 in themselves."""
@@ -160,6 +161,43 @@ def transposed(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
     ``dV = transposed(P, dO)``. Arguments as for :func:`pv`.
     """
     return _band_times_rows(dtype, autoregressive, transposed=True)
+
+
+# Attention dropout without generator state, so that the backward regenerates the forward's mask:
+# each row's key is murmur3's 32-bit finaliser chained over (seed, batch * heads + head, query row);
+# band column j of that row is kept when the top 24 bits of mix(key + j * golden) are >= p * 2^24.
+# longformer_ops.reference.dropout_factor_reference computes the same mask in PyTorch. Here, with
+# the math, because every target's fused kernels must draw the same mask.
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32(x, bind: bool):
+    """murmur3's fmix32 of a uint32 expression (a plain Python helper building the expression).
+    ``bind``: each step's value is bound to a variable (a ``Let``) instead of repeated where the next
+    step uses it twice: C source prints an expression as a tree, and three chained finalisers
+    repeated that way grow by 8^3 (CUDA lines of 240,000 characters); LLVM sees the same DAG either way."""
+    def step(value, rest):
+        if not bind:
+            return rest(value)
+        var = tirx.Var("mixed", "uint32")
+        return tirx.Let(var, value, rest(var))
+
+    return step(x, lambda x: step((x ^ T.shift_right(x, T.uint32(16))) * T.uint32(0x85EBCA6B),
+                                  lambda y: step((y ^ T.shift_right(y, T.uint32(13))) * T.uint32(0xC2B2AE35),
+                                                 lambda z: z ^ T.shift_right(z, T.uint32(16)))))
+
+
+def dropout_row_key(seed, bh, row, bind: bool = False):
+    """The dropout key of one row (``bind``: see :func:`_mix32`)."""
+    return _mix32(T.Cast("uint32", seed) ^ _mix32(T.Cast("uint32", bh) * T.uint32(_GOLDEN)
+                                                  ^ _mix32(T.Cast("uint32", row), bind), bind), bind)
+
+
+def dropout_factor(key, column, dropout, acc_dtype, bind: bool = False):
+    """1 / (1 - p) if band column ``column`` of the row with ``key`` is kept, else 0."""
+    bits = T.shift_right(_mix32(key + T.Cast("uint32", column) * T.uint32(_GOLDEN), bind), T.uint32(8))
+    return T.Select(bits >= T.Cast("uint32", dropout * T.float64(1 << 24)),
+                    T.Cast(acc_dtype, T.float64(1) / (T.float64(1) - dropout)), T.Cast(acc_dtype, 0))
 
 
 DEFINITIONS = {"qk": qk, "pv": pv, "transposed": transposed}

@@ -19,7 +19,8 @@ from longformer_ops._manifest import function_name  # noqa: F401  (the naming co
 OPS = ("qk", "pv", "transposed")  # the three banded products, see tvm_kernels.compute
 # Fused local attention (qk, softmax, pv per tile, see tvm_kernels/schedules/cpu/attention.py) and its
 # backward (dQ, dK, dV from the forward's row log-sum-exp): no band in memory either way.
-# CPU targets only; the runtime runs the three products where a library lacks them.
+# CPU targets both, CUDA the forward; the runtime runs the three products where a library lacks
+# them (on CUDA: training).
 FUSED_ATTENTION = ("attention", "attention_backward")
 # The band softmax of the unfused path (in place, with the invalid-location mask) and its backward.
 # CPU targets only; elsewhere the runtime masks and softmaxes with torch ops.
@@ -84,6 +85,7 @@ TARGETS: dict[str, KernelTarget] = {
             schedule_module="cuda",
             dtypes=("float32", "float16", "bfloat16"),
             cuda_archs=CUDA_ARCHS,
+            ops=OPS + FUSED_ATTENTION[:1],
             extra_sources=("cuda_toolchain.py",),
         ),
     )

@@ -34,9 +34,10 @@ zero-pads), feature blocks past it are guarded.
 
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 
-from tvm_kernels.compute import accumulation_dtype
+from tvm_kernels.compute import accumulation_dtype, dropout_factor, dropout_row_key
 
 FEATURE_MULTIPLE = 16  # qk stages features 16 at a time, unguarded
 THREADS = 256
@@ -50,6 +51,7 @@ OUT_FEATURES = 64   # pv / transposed: output features per pass over the chunks
 Q_STRIDE = TILE_ROWS + 4
 K_STRIDE = QK_KEYS + 4
 F_STRIDE = OUT_FEATURES + 4
+S_STRIDE = QK_KEYS + 4  # attention: the chunk's scores, [row, key]
 
 
 def _packed_row(p, n, d):
@@ -290,4 +292,192 @@ def transposed(dtype: str, autoregressive: bool, vector_bits: int = 0):
     return _band_times_rows(dtype, autoregressive, transposed=True)
 
 
-HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed}
+def attention(dtype: str, autoregressive: bool, vector_bits: int = 0):
+    """Fused local attention forward; same arguments and results as the CPU's
+    (:func:`tvm_kernels.schedules.cpu.attention`): ``out = softmax(scale * Q.K^T + key_bias on the
+    band) . V`` (dropout after the softmax's sum), and each row's log-sum-exp, with no band in memory.
+
+    Per tile of 64 packed queries, FlashAttention's online softmax over the qk kernel's chunks of
+    64 packed keys: the chunk's scores (the qk micro-kernel) go to shared memory, masked to -inf
+    outside each row's band; four threads per row update its running maximum and sum and turn the
+    scores into probabilities; the 64 output features in registers are rescaled and accumulate
+    probabilities times the chunk's values. A head_dim over 64 takes one such pass per 64 features.
+    """
+    acc_dtype = accumulation_dtype(dtype)
+    causal = 1 if autoregressive else 0
+    span = THREADS // 16
+    parts = THREADS // TILE_ROWS  # threads per row in the softmax
+    per_part = QK_KEYS // parts
+    minus_inf = tirx.const(float("-inf"), acc_dtype)
+
+    @T.prim_func
+    def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
+             dilation_handle: T.handle, window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64,
+             out_handle: T.handle, lse_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
+        lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
+        for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
+            for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
+                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    queries = T.alloc_buffer((QK_FEATURES * Q_STRIDE,), acc_dtype, scope="shared")  # [feature, row]
+                    keys = T.alloc_buffer((QK_FEATURES * K_STRIDE,), acc_dtype, scope="shared")  # [feature, key]
+                    scores = T.alloc_buffer((TILE_ROWS * S_STRIDE,), acc_dtype, scope="shared")  # [row, key]
+                    values = T.alloc_buffer((QK_KEYS * OUT_FEATURES,), acc_dtype, scope="shared")  # [key, feature]
+                    query_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
+                    valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                    valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                    key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                    row_max = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
+                    row_sum = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
+                    rescale = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
+                    part_max = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
+                    part_sum = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
+                    acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    context = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    b: T.let = bh // heads
+                    h: T.let = bh % heads
+                    d: T.let = T.Cast("int64", dilation[h])
+                    w: T.let = window
+                    band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                    p0: T.let = tile * T.int64(TILE_ROWS)
+                    ty: T.let = tx // span
+                    tc: T.let = tx % span
+                    mine: T.let = tx // parts  # the softmax's row of this thread, and its part of the chunk
+                    part: T.let = tx % parts
+                    if tx < TILE_ROWS:
+                        query_row[tx] = T.int64(-1)
+                        if p0 + tx < n:
+                            row, index, size = _packed_row(p0 + tx, n, d)
+                            query_row[tx] = row
+                            valid_from[tx] = T.max(w - index, T.int64(0))
+                            valid_to[tx] = T.min(w + size - index, band)
+                    for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
+                        T.tvm_storage_sync("shared")
+                        if tx < TILE_ROWS:
+                            row_max[tx] = minus_inf
+                            row_sum[tx] = T.Cast(acc_dtype, 0)
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                context[i, u] = T.Cast(acc_dtype, 0)
+                        for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
+                            if tx < QK_KEYS:
+                                key_row[tx] = T.int64(-1)
+                                if p0 - w + chunk * T.int64(QK_KEYS) + tx >= T.int64(0) and p0 - w + chunk * T.int64(QK_KEYS) + tx < n:
+                                    key_row[tx] = _packed_row(p0 - w + chunk * T.int64(QK_KEYS) + tx, n, d)[0]
+                            for i in T.unroll(4):
+                                for u in T.unroll(4):
+                                    acc[i, u] = T.Cast(acc_dtype, 0)
+                            T.tvm_storage_sync("shared")
+                            for g in range(head_dim // T.int64(QK_FEATURES)):  # the qk kernel's loop
+                                for e in T.unroll(TILE_ROWS * QK_FEATURES // THREADS):
+                                    a: T.let = (tx + e * THREADS) // QK_FEATURES
+                                    f: T.let = (tx + e * THREADS) % QK_FEATURES
+                                    queries[f * Q_STRIDE + a] = T.Select(
+                                        query_row[a] >= T.int64(0),
+                                        T.Cast(acc_dtype, q[b, T.max(query_row[a], T.int64(0)), h, g * T.int64(QK_FEATURES) + f]),
+                                        T.Cast(acc_dtype, 0))
+                                for e in T.unroll(QK_KEYS * QK_FEATURES // THREADS):
+                                    kk: T.let = (tx + e * THREADS) // QK_FEATURES
+                                    f: T.let = (tx + e * THREADS) % QK_FEATURES
+                                    keys[f * K_STRIDE + kk] = T.Select(
+                                        key_row[kk] >= T.int64(0),
+                                        T.Cast(acc_dtype, k[b, T.max(key_row[kk], T.int64(0)), h, g * T.int64(QK_FEATURES) + f]),
+                                        T.Cast(acc_dtype, 0))
+                                T.tvm_storage_sync("shared")
+                                for f in T.unroll(QK_FEATURES):
+                                    for i in T.unroll(4):
+                                        for u in T.unroll(4):
+                                            acc[i, u] = acc[i, u] + queries[f * Q_STRIDE + ty * 4 + i] * keys[f * K_STRIDE + tc + u * span]
+                                T.tvm_storage_sync("shared")
+                            for i in T.unroll(4):
+                                for u in T.unroll(4):
+                                    # Band column j of row a is chunk column a + j (see qk).
+                                    a: T.let = ty * 4 + i
+                                    j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", tc + u * span - a)
+                                    scores[a * S_STRIDE + tc + u * span] = T.Select(
+                                        j >= valid_from[a] and j < valid_to[a],
+                                        acc[i, u] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[tc + u * span], T.int64(0))],
+                                        minus_inf)
+                            for e in T.unroll(QK_KEYS * OUT_FEATURES // THREADS):
+                                kk: T.let = (tx + e * THREADS) // OUT_FEATURES
+                                f: T.let = (tx + e * THREADS) % OUT_FEATURES
+                                values[kk * OUT_FEATURES + f] = T.Select(
+                                    key_row[kk] >= T.int64(0) and f0 * T.int64(OUT_FEATURES) + f < head_dim,
+                                    T.Cast(acc_dtype, v[b, T.max(key_row[kk], T.int64(0)), h,
+                                                        T.min(f0 * T.int64(OUT_FEATURES) + f, head_dim - T.int64(1))]),
+                                    T.Cast(acc_dtype, 0))
+                            T.tvm_storage_sync("shared")
+                            # Online softmax: each row's new maximum over its four parts of the chunk,
+                            # then its probabilities (in place) and their sum; -inf rows stay at 0.
+                            top = T.alloc_buffer((1,), acc_dtype, scope="local")
+                            top[0] = minus_inf
+                            for x in range(per_part):
+                                top[0] = T.max(top[0], scores[mine * S_STRIDE + part * per_part + x])
+                            part_max[tx] = top[0]
+                            T.tvm_storage_sync("shared")
+                            old_max: T.let = row_max[mine]
+                            new_max: T.let = T.max(T.max(T.max(old_max, part_max[mine * parts]), T.max(part_max[mine * parts + 1], part_max[mine * parts + 2])),
+                                               part_max[mine * parts + 3])
+                            shift: T.let = T.Select(new_max == minus_inf, T.Cast(acc_dtype, 0), new_max)
+                            total = T.alloc_buffer((1,), acc_dtype, scope="local")
+                            kept = T.alloc_buffer((per_part,), acc_dtype, scope="local")
+                            total[0] = T.Cast(acc_dtype, 0)
+                            for x in T.unroll(per_part):
+                                kept[x] = T.exp(scores[mine * S_STRIDE + part * per_part + x] - shift)
+                                total[0] = total[0] + kept[x]
+                            my_row: T.let = query_row[mine]
+                            if dropout > T.float64(0):
+                                # The same mask as the CPU's (band column j = chunk column - row), after
+                                # the sum. (Registers only in here: TVM cannot place a sync in a branch.)
+                                row_key: T.let = dropout_row_key(seed, bh, my_row, bind=True)
+                                for x in T.unroll(per_part):
+                                    # (Columns off the band, where the probability is 0, clamped to 0.)
+                                    kept[x] = kept[x] * dropout_factor(
+                                        row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", part * per_part + x - mine), T.int64(0)),
+                                        dropout, acc_dtype, bind=True)
+                            for x in T.unroll(per_part):
+                                scores[mine * S_STRIDE + part * per_part + x] = kept[x]
+                            part_sum[tx] = total[0]
+                            T.tvm_storage_sync("shared")
+                            if part == 0:
+                                rescale[mine] = T.exp(old_max - shift)
+                                row_sum[mine] = row_sum[mine] * T.exp(old_max - shift) + (
+                                    part_sum[tx] + part_sum[tx + 1] + part_sum[tx + 2] + part_sum[tx + 3])
+                                row_max[mine] = new_max
+                            T.tvm_storage_sync("shared")
+                            for i in T.unroll(4):
+                                for u in T.unroll(4):
+                                    context[i, u] = context[i, u] * rescale[ty * 4 + i]
+                            for kk in T.unroll(QK_KEYS):
+                                for i in T.unroll(4):
+                                    for u in T.unroll(4):
+                                        context[i, u] = context[i, u] + scores[(ty * 4 + i) * S_STRIDE + kk] * values[kk * OUT_FEATURES + tc + u * span]
+                            T.tvm_storage_sync("shared")
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                a: T.let = ty * 4 + i
+                                f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * span)
+                                row: T.let = query_row[a]
+                                total_a: T.let = row_sum[a]
+                                if row >= T.int64(0) and f < head_dim:
+                                    out[b, row, h, f] = T.Cast(dtype, T.Select(total_a > T.Cast(acc_dtype, 0), context[i, u] / total_a,
+                                                                              T.Cast(acc_dtype, 0)))
+                        if tx < TILE_ROWS:
+                            row: T.let = query_row[tx]
+                            if row >= T.int64(0):
+                                lse[b, row, h] = T.Select(row_sum[tx] > T.Cast(acc_dtype, 0), row_max[tx] + T.log(row_sum[tx]), minus_inf)
+
+    return main
+
+
+HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": attention}

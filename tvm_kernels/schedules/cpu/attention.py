@@ -6,7 +6,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvm_kernels.compute import accumulation_dtype
+from tvm_kernels.compute import accumulation_dtype, dropout_factor, dropout_row_key
 from tvm_kernels.schedules.cpu.microkernels import (
     _BITS,
     _ON_STACK,
@@ -20,45 +20,18 @@ from tvm_kernels.schedules.cpu.microkernels import (
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
-# Attention dropout without generator state, so that the backward regenerates the forward's mask:
-# each row's key is murmur3's 32-bit finaliser chained over (seed, batch * heads + head, query row);
-# band column j of that row is kept when the top 24 bits of mix(key + j * golden) are >= p * 2^24.
-# longformer_ops.reference.dropout_factor_reference computes the same mask in PyTorch.
-_GOLDEN = 0x9E3779B9
-
-
-def _mix32(x):
-    """murmur3's fmix32 of a uint32 expression (a plain Python helper building the expression)."""
-    x = x ^ T.shift_right(x, T.uint32(16))
-    x = x * T.uint32(0x85EBCA6B)
-    x = x ^ T.shift_right(x, T.uint32(13))
-    x = x * T.uint32(0xC2B2AE35)
-    return x ^ T.shift_right(x, T.uint32(16))
-
-
-def _dropout_row_key(seed, bh, row):
-    return _mix32(T.Cast("uint32", seed) ^ _mix32(T.Cast("uint32", bh) * T.uint32(_GOLDEN) ^ _mix32(T.Cast("uint32", row))))
-
-
-def _dropout_factor(key, column, dropout, acc_dtype):
-    """1 / (1 - p) if band column ``column`` of the row with ``key`` is kept, else 0."""
-    bits = T.shift_right(_mix32(key + T.Cast("uint32", column) * T.uint32(_GOLDEN)), T.uint32(8))
-    return T.Select(bits >= T.Cast("uint32", dropout * T.float64(1 << 24)),
-                    T.Cast(acc_dtype, T.float64(1) / (T.float64(1) - dropout)), T.Cast(acc_dtype, 0))
-
-
 @T.macro
 def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype):
     """kept[r, c] = scores[r, c] * (1/(1-p) or 0) at each row's valid columns [begin, end) (its other
     columns are left as they are); ``kept`` may be ``scores`` itself (in place)."""
     for r in range(rows):
-        key: T.let = _dropout_row_key(seed, bh, query[r])
+        key: T.let = dropout_row_key(seed, bh, query[r])
         for vector in range((end[r] - begin[r]) // T.int64(lanes)):
             for lane in T.vectorized(lanes):
-                kept[r, begin[r] + vector * T.int64(lanes) + lane] = scores[r, begin[r] + vector * T.int64(lanes) + lane] * _dropout_factor(
+                kept[r, begin[r] + vector * T.int64(lanes) + lane] = scores[r, begin[r] + vector * T.int64(lanes) + lane] * dropout_factor(
                     key, begin[r] + vector * T.int64(lanes) + lane - base - T.int64(r), dropout, acc_dtype)
         for c in range(begin[r] + (end[r] - begin[r]) // T.int64(lanes) * T.int64(lanes), end[r]):
-            kept[r, c] = scores[r, c] * _dropout_factor(key, c - base - T.int64(r), dropout, acc_dtype)
+            kept[r, c] = scores[r, c] * dropout_factor(key, c - base - T.int64(r), dropout, acc_dtype)
 
 
 @T.macro
