@@ -52,6 +52,7 @@ Q_STRIDE = TILE_ROWS + 4
 K_STRIDE = QK_KEYS + 4
 F_STRIDE = OUT_FEATURES + 4
 S_STRIDE = QK_KEYS + 4  # attention: the chunk's scores, [row, key]
+SPAN = 16  # threads along each axis of a 64 x 64 sub-product: 16 x 16 threads of 4 x 4 results
 
 
 def _packed_row(p, n, d):
@@ -78,10 +79,63 @@ def _windows(band, autoregressive: bool):
     return (band - T.int64(1)) // T.int64(2), (band - T.int64(1)) // T.int64(2)
 
 
+@T.macro
+def _tile_rows(row_of, valid_from, valid_to, tx, p0, n, d, before, band):
+    """Tile row tx (packed p0 + tx): its sequence row (-1 past the end) and the band-column
+    distances x - tx with a valid partner, [valid_from, valid_to): the other row's class index
+    index + x - tx - before must lie in [0, size), the band column in [0, band)."""
+    if tx < TILE_ROWS:
+        row_of[tx] = T.int64(-1)
+        if p0 + tx < n:
+            row, index, size = _packed_row(p0 + tx, n, d)
+            row_of[tx] = row
+            valid_from[tx] = T.max(before - index, T.int64(0))
+            valid_to[tx] = T.min(before + size - index, band)
+
+
+@T.macro
+def _chunk_rows(row_of, count, tx, first, n, d):
+    """row_of[x] = the sequence row of packed position first + x, -1 outside the sequence (x < count)."""
+    if tx < count:
+        row_of[tx] = T.int64(-1)
+        if first + tx >= T.int64(0) and first + tx < n:
+            row_of[tx] = _packed_row(first + tx, n, d)[0]
+
+
+@T.macro
+def _qk_chunk(acc, queries, keys, t1, t2, query_row, key_row, b, h, head_dim, tx, acc_dtype):
+    """acc = the 4 x 4 results of this thread in the tile's queries . the chunk's keys^T, the
+    features staged 16 at a time (feature-major; rows and keys of -1 give 0)."""
+    for i in T.unroll(4):
+        for u in T.unroll(4):
+            acc[i, u] = T.Cast(acc_dtype, 0)
+    T.tvm_storage_sync("shared")
+    for g in range(head_dim // T.int64(QK_FEATURES)):
+        for e in T.unroll(TILE_ROWS * QK_FEATURES // THREADS):
+            a: T.let = (tx + e * THREADS) // QK_FEATURES
+            f: T.let = (tx + e * THREADS) % QK_FEATURES
+            queries[f * Q_STRIDE + a] = T.Select(
+                query_row[a] >= T.int64(0),
+                T.Cast(acc_dtype, t1[b, T.max(query_row[a], T.int64(0)), h, g * T.int64(QK_FEATURES) + f]),
+                T.Cast(acc_dtype, 0))
+        for e in T.unroll(QK_KEYS * QK_FEATURES // THREADS):
+            kk: T.let = (tx + e * THREADS) // QK_FEATURES
+            f: T.let = (tx + e * THREADS) % QK_FEATURES
+            keys[f * K_STRIDE + kk] = T.Select(
+                key_row[kk] >= T.int64(0),
+                T.Cast(acc_dtype, t2[b, T.max(key_row[kk], T.int64(0)), h, g * T.int64(QK_FEATURES) + f]),
+                T.Cast(acc_dtype, 0))
+        T.tvm_storage_sync("shared")
+        for f in T.unroll(QK_FEATURES):
+            for i in T.unroll(4):
+                for u in T.unroll(4):
+                    acc[i, u] = acc[i, u] + queries[f * Q_STRIDE + tx // SPAN * 4 + i] * keys[f * K_STRIDE + tx % SPAN + u * SPAN]
+        T.tvm_storage_sync("shared")
+
+
 def qk(dtype: str, autoregressive: bool, vector_bits: int = 0):
     """The Q.K^T PrimFunc; same arguments as :func:`tvm_kernels.compute.qk`."""
     acc_dtype = accumulation_dtype(dtype)
-    span = THREADS // 16  # threads along each tile axis: 16 x 16 threads of 4 x 4 results
 
     @T.prim_func
     def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, padding: T.float64,
@@ -111,54 +165,19 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int = 0):
                     d: T.let = T.Cast("int64", dilation[h])
                     w: T.let = _windows(band, autoregressive)[0]
                     p0: T.let = tile * T.int64(TILE_ROWS)
-                    ty: T.let = tx // span
-                    tc: T.let = tx % span
-                    if tx < TILE_ROWS:
-                        # Query tx of the tile: its row and its valid band columns [valid_from, valid_to).
-                        query_row[tx] = T.int64(-1)
-                        if p0 + tx < n:
-                            row, index, size = _packed_row(p0 + tx, n, d)
-                            query_row[tx] = row
-                            valid_from[tx] = T.max(w - index, T.int64(0))
-                            valid_to[tx] = T.min(w + size - index, band)
+                    ty: T.let = tx // SPAN
+                    tc: T.let = tx % SPAN
+                    _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
                     T.tvm_storage_sync("shared")
                     # Chunk k covers packed keys p0 - w + 64k + [0, 64): band column j of tile row a
                     # is packed key p0 + a + j - w, i.e. chunk column 64k + kk = a + j.
                     for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
-                        if tx < QK_KEYS:
-                            key_row[tx] = T.int64(-1)
-                            if p0 - w + chunk * T.int64(QK_KEYS) + tx >= T.int64(0) and p0 - w + chunk * T.int64(QK_KEYS) + tx < n:
-                                key_row[tx] = _packed_row(p0 - w + chunk * T.int64(QK_KEYS) + tx, n, d)[0]
-                        for i in T.unroll(4):
-                            for u in T.unroll(4):
-                                acc[i, u] = T.Cast(acc_dtype, 0)
-                        T.tvm_storage_sync("shared")
-                        for f0 in range(head_dim // T.int64(QK_FEATURES)):
-                            # Stage 16 features of the tile's queries and of the chunk's keys, feature-major.
-                            for v in T.unroll(TILE_ROWS * QK_FEATURES // THREADS):
-                                a: T.let = (tx + v * THREADS) // QK_FEATURES
-                                f: T.let = (tx + v * THREADS) % QK_FEATURES
-                                queries[f * Q_STRIDE + a] = T.Select(
-                                    query_row[a] >= T.int64(0),
-                                    T.Cast(acc_dtype, t1[b, T.max(query_row[a], T.int64(0)), h, f0 * T.int64(QK_FEATURES) + f]),
-                                    T.Cast(acc_dtype, 0))
-                            for v in T.unroll(QK_KEYS * QK_FEATURES // THREADS):
-                                k: T.let = (tx + v * THREADS) // QK_FEATURES
-                                f: T.let = (tx + v * THREADS) % QK_FEATURES
-                                keys[f * K_STRIDE + k] = T.Select(
-                                    key_row[k] >= T.int64(0),
-                                    T.Cast(acc_dtype, t2[b, T.max(key_row[k], T.int64(0)), h, f0 * T.int64(QK_FEATURES) + f]),
-                                    T.Cast(acc_dtype, 0))
-                            T.tvm_storage_sync("shared")
-                            for f in T.unroll(QK_FEATURES):
-                                for i in T.unroll(4):
-                                    for u in T.unroll(4):
-                                        acc[i, u] = acc[i, u] + queries[f * Q_STRIDE + ty * 4 + i] * keys[f * K_STRIDE + tc + u * span]
-                            T.tvm_storage_sync("shared")
+                        _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
+                        _qk_chunk(acc, queries, keys, t1, t2, query_row, key_row, b, h, head_dim, tx, acc_dtype)
                         for i in T.unroll(4):
                             for u in T.unroll(4):
                                 a: T.let = ty * 4 + i
-                                j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", tc + u * span - a)
+                                j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", tc + u * SPAN - a)
                                 # (Shared memory may not be read in an if's condition: TVM's ThreadSync.)
                                 row: T.let = query_row[a]
                                 if row >= T.int64(0) and j >= T.int64(0) and j < band:
@@ -181,7 +200,6 @@ def _weight_inner(e, transposed: bool):
 
 def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool):
     acc_dtype = accumulation_dtype(dtype)
-    span = THREADS // 16
     side = 1 if transposed else 0  # the inner rows start w_upper (transposed) or w (probs.V) before the tile
 
     @T.prim_func
@@ -214,18 +232,9 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool):
                     # probs.V: keys of tile row a at band column j = x - a. Transposed: output
                     # row a (a key) receives from query x at that query's band column w + w_upper + a - x.
                     before: T.let = _windows(band, autoregressive)[side]
-                    ty: T.let = tx // span
-                    tc: T.let = tx % span
-                    if tx < TILE_ROWS:
-                        # Output row tx: its sequence row and the inner rows x (as x - tx) with a valid weight.
-                        out_row[tx] = T.int64(-1)
-                        if p0 + tx < n:
-                            row, index, size = _packed_row(p0 + tx, n, d)
-                            out_row[tx] = row
-                            # Valid: the other row's class index index + x - tx - before in [0, size),
-                            # and the band column inside the band.
-                            valid_from[tx] = T.max(before - index, T.int64(0))
-                            valid_to[tx] = T.min(before + size - index, band)
+                    ty: T.let = tx // SPAN
+                    tc: T.let = tx % SPAN
+                    _tile_rows(out_row, valid_from, valid_to, tx, p0, n, d, before, band)
                     T.tvm_storage_sync("shared")
                     for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
                         for i in T.unroll(4):
@@ -233,10 +242,7 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool):
                                 acc[i, u] = T.Cast(acc_dtype, 0)
                         for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(INNER - 1)) // T.int64(INNER)):
                             x0: T.let = chunk * T.int64(INNER)
-                            if tx < INNER:
-                                inner_row[tx] = T.int64(-1)
-                                if p0 - before + x0 + tx >= T.int64(0) and p0 - before + x0 + tx < n:
-                                    inner_row[tx] = _packed_row(p0 - before + x0 + tx, n, d)[0]
+                            _chunk_rows(inner_row, INNER, tx, p0 - before + x0, n, d)
                             T.tvm_storage_sync("shared")
                             for v in T.unroll(INNER * TILE_ROWS // THREADS):
                                 # Weights, inner-major, zero where invalid.
@@ -269,12 +275,12 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool):
                             for x in T.unroll(INNER):
                                 for i in T.unroll(4):
                                     for u in T.unroll(4):
-                                        acc[i, u] = acc[i, u] + weights[x * Q_STRIDE + ty * 4 + i] * rows[x * F_STRIDE + tc + u * span]
+                                        acc[i, u] = acc[i, u] + weights[x * Q_STRIDE + ty * 4 + i] * rows[x * F_STRIDE + tc + u * SPAN]
                             T.tvm_storage_sync("shared")
                         for i in T.unroll(4):
                             for u in T.unroll(4):
                                 a: T.let = ty * 4 + i
-                                f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * span)
+                                f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * SPAN)
                                 row: T.let = out_row[a]
                                 if row >= T.int64(0) and f < head_dim:
                                     out[b, row, h, f] = T.Cast(dtype, acc[i, u])
@@ -305,7 +311,6 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int = 0):
     """
     acc_dtype = accumulation_dtype(dtype)
     causal = 1 if autoregressive else 0
-    span = THREADS // 16
     parts = THREADS // TILE_ROWS  # threads per row in the softmax
     per_part = QK_KEYS // parts
     minus_inf = tirx.const(float("-inf"), acc_dtype)
@@ -350,17 +355,11 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int = 0):
                     w: T.let = window
                     band: T.let = T.int64(2 - causal) * window + T.int64(1)
                     p0: T.let = tile * T.int64(TILE_ROWS)
-                    ty: T.let = tx // span
-                    tc: T.let = tx % span
+                    ty: T.let = tx // SPAN
+                    tc: T.let = tx % SPAN
                     mine: T.let = tx // parts  # the softmax's row of this thread, and its part of the chunk
                     part: T.let = tx % parts
-                    if tx < TILE_ROWS:
-                        query_row[tx] = T.int64(-1)
-                        if p0 + tx < n:
-                            row, index, size = _packed_row(p0 + tx, n, d)
-                            query_row[tx] = row
-                            valid_from[tx] = T.max(w - index, T.int64(0))
-                            valid_to[tx] = T.min(w + size - index, band)
+                    _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
                     for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
                         T.tvm_storage_sync("shared")
                         if tx < TILE_ROWS:
@@ -370,43 +369,16 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int = 0):
                             for u in T.unroll(4):
                                 context[i, u] = T.Cast(acc_dtype, 0)
                         for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
-                            if tx < QK_KEYS:
-                                key_row[tx] = T.int64(-1)
-                                if p0 - w + chunk * T.int64(QK_KEYS) + tx >= T.int64(0) and p0 - w + chunk * T.int64(QK_KEYS) + tx < n:
-                                    key_row[tx] = _packed_row(p0 - w + chunk * T.int64(QK_KEYS) + tx, n, d)[0]
-                            for i in T.unroll(4):
-                                for u in T.unroll(4):
-                                    acc[i, u] = T.Cast(acc_dtype, 0)
-                            T.tvm_storage_sync("shared")
-                            for g in range(head_dim // T.int64(QK_FEATURES)):  # the qk kernel's loop
-                                for e in T.unroll(TILE_ROWS * QK_FEATURES // THREADS):
-                                    a: T.let = (tx + e * THREADS) // QK_FEATURES
-                                    f: T.let = (tx + e * THREADS) % QK_FEATURES
-                                    queries[f * Q_STRIDE + a] = T.Select(
-                                        query_row[a] >= T.int64(0),
-                                        T.Cast(acc_dtype, q[b, T.max(query_row[a], T.int64(0)), h, g * T.int64(QK_FEATURES) + f]),
-                                        T.Cast(acc_dtype, 0))
-                                for e in T.unroll(QK_KEYS * QK_FEATURES // THREADS):
-                                    kk: T.let = (tx + e * THREADS) // QK_FEATURES
-                                    f: T.let = (tx + e * THREADS) % QK_FEATURES
-                                    keys[f * K_STRIDE + kk] = T.Select(
-                                        key_row[kk] >= T.int64(0),
-                                        T.Cast(acc_dtype, k[b, T.max(key_row[kk], T.int64(0)), h, g * T.int64(QK_FEATURES) + f]),
-                                        T.Cast(acc_dtype, 0))
-                                T.tvm_storage_sync("shared")
-                                for f in T.unroll(QK_FEATURES):
-                                    for i in T.unroll(4):
-                                        for u in T.unroll(4):
-                                            acc[i, u] = acc[i, u] + queries[f * Q_STRIDE + ty * 4 + i] * keys[f * K_STRIDE + tc + u * span]
-                                T.tvm_storage_sync("shared")
+                            _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
+                            _qk_chunk(acc, queries, keys, q, k, query_row, key_row, b, h, head_dim, tx, acc_dtype)
                             for i in T.unroll(4):
                                 for u in T.unroll(4):
                                     # Band column j of row a is chunk column a + j (see qk).
                                     a: T.let = ty * 4 + i
-                                    j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", tc + u * span - a)
-                                    scores[a * S_STRIDE + tc + u * span] = T.Select(
+                                    j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", tc + u * SPAN - a)
+                                    scores[a * S_STRIDE + tc + u * SPAN] = T.Select(
                                         j >= valid_from[a] and j < valid_to[a],
-                                        acc[i, u] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[tc + u * span], T.int64(0))],
+                                        acc[i, u] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[tc + u * SPAN], T.int64(0))],
                                         minus_inf)
                             for e in T.unroll(QK_KEYS * OUT_FEATURES // THREADS):
                                 kk: T.let = (tx + e * THREADS) // OUT_FEATURES
@@ -461,12 +433,12 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int = 0):
                             for kk in T.unroll(QK_KEYS):
                                 for i in T.unroll(4):
                                     for u in T.unroll(4):
-                                        context[i, u] = context[i, u] + scores[(ty * 4 + i) * S_STRIDE + kk] * values[kk * OUT_FEATURES + tc + u * span]
+                                        context[i, u] = context[i, u] + scores[(ty * 4 + i) * S_STRIDE + kk] * values[kk * OUT_FEATURES + tc + u * SPAN]
                             T.tvm_storage_sync("shared")
                         for i in T.unroll(4):
                             for u in T.unroll(4):
                                 a: T.let = ty * 4 + i
-                                f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * span)
+                                f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * SPAN)
                                 row: T.let = query_row[a]
                                 total_a: T.let = row_sum[a]
                                 if row >= T.int64(0) and f < head_dim:
