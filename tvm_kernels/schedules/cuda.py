@@ -1,5 +1,5 @@
-"""CUDA kernels: the three banded products as shared-memory tiles with register blocking,
-hand-written in TIR (TVMScript), for any dilation.
+"""CUDA kernels: the three banded products and the fused local-attention forward as
+shared-memory tiles with register blocking, hand-written in TIR (TVMScript), for any dilation.
 
 Why hand-written (as on the CPU, ``schedules/cpu``): the reuse that makes a product fast
 comes from tiles of queries that share their keys, and with a per-head runtime dilation
@@ -21,6 +21,7 @@ each a 4 x 4 register tile (rows x columns of the block's 64 x 64 sub-product):
 - pv / transposed: per chunk of 32 packed rows, the band weights of the tile's rows for
   them are gathered into shared memory (zero where invalid) and multiplied with those
   rows' features; the output features stay in registers across all chunks.
+- attention: qk's chunks with FlashAttention's online softmax between them (:func:`attention`).
 
 Packed position p of a head with dilation d belongs to class r at index s of that class;
 classes r < n % d hold n // d + 1 rows, the rest n // d (:func:`_packed_row`). A band
