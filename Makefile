@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 
 kernels: setup
 	cmake -S . -B build/cmake -DPython3_EXECUTABLE=$(abspath $(PY)) \
-		$(if $(TARGETS),-DKERNEL_TARGETS="$(TARGETS)") $(if $(DTYPES),-DKERNEL_DTYPES="$(DTYPES)") > /dev/null
+		-DKERNEL_TARGETS="$(TARGETS)" -DKERNEL_DTYPES="$(DTYPES)" > /dev/null
 	cmake --build build/cmake --target kernels -- --no-print-directory
 
 test: setup

@@ -181,6 +181,28 @@ def test_band_entries_at_invalid_keys_are_ignored(cpu_library, autoregressive):
         torch.testing.assert_close(x, y)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_probs_v_ignores_band_entries_at_invalid_keys_in_every_dtype(cpu_library, dtype, autoregressive):
+    """Each dtype's probs.V kernel (bfloat16's takes two keys per step where the CPU has a bfloat16
+    dot product) returns exactly the same with NaN as with 0 in the band where the key lies outside
+    the sequence: weights there are never read, or selected away, in every code path (tiles of one
+    residue class, tiles across classes or past the end; the first and last steps of each)."""
+    b, n, h, f, w = 1, 301, 4, 64, 24
+    d = torch.tensor([1, 2, 3, 8])
+    c = w + (0 if autoregressive else w) + 1
+    g = torch.Generator().manual_seed(13)
+    invalid = invalid_locations(n, w, d, autoregressive)
+    band = _random((b, n, h, c), dtype, "cpu", g)
+    values = _random((b, n, h, f), dtype, "cpu", g)
+    band[:, invalid] = 0
+    poisoned = band.clone()
+    poisoned[:, invalid] = float("nan")
+    expected = diagonaled_mm(band, values, w, d, True, 0, autoregressive)
+    assert not expected.isnan().any()
+    assert torch.equal(diagonaled_mm(poisoned, values, w, d, True, 0, autoregressive), expected)
+
+
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 def test_transposed_product_is_the_gradient_of_probs_v(cpu_library, autoregressive):
     b, n, h, f, w = 2, 97, 3, 40, 9

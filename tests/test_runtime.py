@@ -190,6 +190,26 @@ def test_old_gpu_is_named():
     assert name == "cuda/longformer_float32.so"
 
 
+_AVX2_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
+_AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+@pytest.mark.parametrize("flags, dtype, expected", [
+    (_AVX2_FLAGS, "float32", "cpu-avx2"),
+    (_AVX2_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx2"),  # BF16 without AVX-512 foundation: not enough
+    (_AVX512_FLAGS, "float32", "cpu-avx512"),
+    (_AVX512_FLAGS, "bfloat16", "cpu-avx512"),  # Intel Skylake-X / Ice Lake: AVX-512 without BF16
+    (_AVX512_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx512-bf16"),  # AMD Zen 4, Intel Sapphire Rapids
+    (_AVX512_FLAGS | {"avx512_bf16"}, "float32", "cpu-avx512"),  # the bf16 library holds bfloat16 only
+    (_AVX512_FLAGS | {"avx512_bf16", "amx_bf16", "amx_tile"}, "float16", "cpu-avx512"),
+])
+def test_loader_picks_the_library_for_the_cpu(monkeypatch, flags, dtype, expected):
+    monkeypatch.setattr(_loader, "cpu_flags", lambda: frozenset(flags))
+    manifest = _loader._manifest_or_raise(_loader.prebuilt_dir())
+    name, _ = _loader.choose_library(manifest, "cpu", dtype)
+    assert name == f"{expected}/longformer_{dtype}.so"
+
+
 def test_forced_cpu_target_is_used(monkeypatch):
     monkeypatch.setenv(_loader.CPU_TARGET_ENV, "cpu-avx2")
     library = _loader.library_for(torch.device("cpu"), "float32")
@@ -222,5 +242,6 @@ def test_committed_prebuilt_matches_sources():
     assert manifest["openmp_launch_source_sha256"] == _manifest.file_sha256(sources / "openmp_launch.c")
     assert _manifest.OPENMP_LAUNCH_LIBRARY in manifest["runtime"]
     expected = {f"{t}/longformer_{d}.so" for t in ("cpu-avx2", "cpu-avx512") for d in ("float32", "float64", "float16", "bfloat16")}
+    expected.add("cpu-avx512-bf16/longformer_bfloat16.so")
     expected |= {f"cuda/longformer_{d}.so" for d in ("float32", "float16", "bfloat16")}
     assert set(manifest["libraries"]) == expected

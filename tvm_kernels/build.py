@@ -67,7 +67,7 @@ def _compile_library(target: variants.KernelTarget, dtype: str, path: Path) -> N
         for autoregressive in (False, True):
             name = function_name(op, autoregressive)
             if op in hand_written:
-                scheduled = hand_written[op](dtype, autoregressive, target.vector_bits)
+                scheduled = hand_written[op](dtype, autoregressive, target.isa)
             else:
                 scheduled = schedules.schedule(op, DEFINITIONS[op](dtype, autoregressive))["main"]
             functions[name] = scheduled.with_attr("global_symbol", name)

@@ -44,7 +44,7 @@ class KernelTarget:
     preference: int = 0           # higher wins when several targets run on this machine
     cpu_flags: tuple[str, ...] = ()
     cuda_archs: tuple[str, ...] = ()
-    vector_bits: int = 0          # CPU SIMD width the hand-written kernels tile for
+    isa: str = ""                 # CPU instruction set the hand-written kernels tile for (schedules/cpu/tiles.py)
     ops: tuple[str, ...] = OPS    # the functions built, each symmetric and causal
     extra_sources: tuple[str, ...] = field(default=())
 
@@ -64,7 +64,7 @@ TARGETS: dict[str, KernelTarget] = {
             dtypes=("float32", "float64", "float16", "bfloat16"),
             preference=1,
             cpu_flags=_V3_FLAGS,
-            vector_bits=256,
+            isa="avx2",
             ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX,
         ),
         KernelTarget(
@@ -75,7 +75,20 @@ TARGETS: dict[str, KernelTarget] = {
             dtypes=("float32", "float64", "float16", "bfloat16"),
             preference=2,
             cpu_flags=_V4_FLAGS,
-            vector_bits=512,
+            isa="avx512",
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX,
+        ),
+        # bfloat16 only: what differs from cpu-avx512 is bfloat16 arithmetic (vdpbf16ps); the other
+        # dtypes' libraries would be cpu-avx512's again.
+        KernelTarget(
+            name="cpu-avx512-bf16",
+            device="cpu",
+            tvm_target={**_LLVM_COMMON, "mcpu": "x86-64-v4", "mattr": ["+avx512bf16"]},
+            schedule_module="cpu",
+            dtypes=("bfloat16",),
+            preference=3,
+            cpu_flags=_V4_FLAGS + ("avx512_bf16",),
+            isa="avx512-bf16",
             ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX,
         ),
         KernelTarget(

@@ -4,7 +4,7 @@ A module either schedules the definitions of :mod:`tvm_kernels.compute` with
 ``schedule(op, func) -> tvm.IRModule`` (loop structure, parallelism and
 vectorisation only, never the math), or, where schedule primitives cannot express
 the loop nest it needs, writes an op's kernel directly in TIR: ``HAND_WRITTEN``
-maps an op to a function of ``(dtype, autoregressive, vector_bits)`` returning a
+maps an op to a function of ``(dtype, autoregressive, isa)`` returning a
 PrimFunc with the same arguments and results as the definition. Both targets do the
 latter today: the ``cpu`` package (one module per kernel family and one of shared
 micro-kernel macros; there also the fused local-attention ops, which compose the

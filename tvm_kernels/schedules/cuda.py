@@ -134,7 +134,7 @@ def _qk_chunk(acc, queries, keys, t1, t2, query_row, key_row, b, h, head_dim, tx
         T.tvm_storage_sync("shared")
 
 
-def qk(dtype: str, autoregressive: bool, vector_bits: int = 0):
+def qk(dtype: str, autoregressive: bool, isa: str = ""):
     """The Q.K^T PrimFunc; same arguments as :func:`tvm_kernels.compute.qk`."""
     acc_dtype = accumulation_dtype(dtype)
 
@@ -289,17 +289,17 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool):
     return main
 
 
-def pv(dtype: str, autoregressive: bool, vector_bits: int = 0):
+def pv(dtype: str, autoregressive: bool, isa: str = ""):
     """The probs.V PrimFunc; same arguments as :func:`tvm_kernels.compute.pv`."""
     return _band_times_rows(dtype, autoregressive, transposed=False)
 
 
-def transposed(dtype: str, autoregressive: bool, vector_bits: int = 0):
+def transposed(dtype: str, autoregressive: bool, isa: str = ""):
     """The transposed (backward) PrimFunc; same arguments as :func:`tvm_kernels.compute.transposed`."""
     return _band_times_rows(dtype, autoregressive, transposed=True)
 
 
-def attention(dtype: str, autoregressive: bool, vector_bits: int = 0):
+def attention(dtype: str, autoregressive: bool, isa: str = ""):
     """Fused local attention forward; same arguments and results as the CPU's
     (:func:`tvm_kernels.schedules.cpu.attention`): ``out = softmax(scale * Q.K^T + key_bias on the
     band) . V`` (dropout after the softmax's sum), and each row's log-sum-exp, with no band in memory.

@@ -36,6 +36,9 @@ micro-kernel (bench/NOTES.md has every variant measured):
   softmax runs there, and the pv micro-kernel streams the value rows once; no band in memory
   (see :func:`attention`). Its backward recomputes each tile's probabilities from the forward's
   row log-sum-exp and accumulates dK and dV in packed rows (:func:`attention_backward`).
+- bfloat16 on CPUs with AVX512-BF16 (the ``avx512-bf16`` ISA, library ``cpu-avx512-bf16``): the
+  three products take two features (Q.K^T) or two keys (probs.V, transposed) per step with
+  ``vdpbf16ps``, operands packed as 32-bit pairs (bf16_dot.py). The fused kernels use FMAs.
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
 (feature loops run over whole vectors or register tiles; the runtime zero-pads,

@@ -215,12 +215,12 @@ def _accumulate_keys(total, weights, tile_rows, first, start, width, head_dim, r
                     total[first + start + group * T.int64(keys) + T.int64(j), column + lane] = key_acc[j, lane]
 
 
-def _attention_sizes(dtype: str, autoregressive: bool, vector_bits: int) -> tuple:
+def _attention_sizes(dtype: str, autoregressive: bool, isa: str) -> tuple:
     acc_dtype = accumulation_dtype(dtype)
-    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
-    isa = tiles_for(vector_bits)  # the Q.K^T and probs.V tiles of qk and pv (tiles.py)
-    return (acc_dtype, lanes, isa.qk_rows, isa.qk_vectors * lanes,
-            isa.band_rows,  # rows of one probs.V register tile
+    tiles = tiles_for(isa)  # the Q.K^T and probs.V tiles of qk and pv (tiles.py)
+    lanes = tiles.vector_bits // (64 if acc_dtype == "float64" else 32)
+    return (acc_dtype, lanes, tiles.qk_rows, tiles.qk_vectors * lanes,
+            tiles.band_rows,  # rows of one probs.V register tile
             2 * lanes, 1 if autoregressive else 0, 64 * 8 // _BITS[dtype], tirx.const(float("-inf"), acc_dtype))
 
 
@@ -229,7 +229,7 @@ def _packed_length(n, window, causal, rows, cols):
     return ((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols)
 
 
-def attention(dtype: str, autoregressive: bool, vector_bits: int):
+def attention(dtype: str, autoregressive: bool, isa: str):
     """Fused local attention: ``out = softmax(scale * Q.K^T on the band) . V``, and each row's
     log-sum-exp.
 
@@ -248,7 +248,7 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
     from, and what merges this result with attention to other keys, such as global tokens).
     A row with no key left gets 0.
     """
-    acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
+    acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, isa)
 
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
@@ -319,7 +319,7 @@ def attention(dtype: str, autoregressive: bool, vector_bits: int):
     return main
 
 
-def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
+def attention_backward(dtype: str, autoregressive: bool, isa: str):
     """The fused kernel's backward, FlashAttention-style: dQ, dK and dV with no band in memory.
 
     Arguments: dO ``[b, n, h, f]``, q, k, v, key_bias, out and lse as in :func:`attention` (out and
@@ -333,11 +333,11 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
     micro-kernel); dS = P * (dP - delta); dQ = scale * dS . K (the probs.V micro-kernel);
     dV += P^T dO and dK += dS^T (scale Q) over the keys the tile touches.
     """
-    acc_dtype, lanes, qk_rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, vector_bits)
-    keys_per_update = tiles_for(vector_bits).key_update_rows  # rows of the dK/dV register tile (x 2 vectors)
+    acc_dtype, lanes, qk_rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, isa)
+    keys_per_update = tiles_for(isa).key_update_rows  # rows of the dK/dV register tile (x 2 vectors)
     # Queries per tile: the dK/dV update sums over them in registers, so a taller tile loads and
     # stores its accumulators fewer times per FMA; Q.K^T and dQ run over it in register tiles.
-    rows = tiles_for(vector_bits).backward_tile_rows
+    rows = tiles_for(isa).backward_tile_rows
     if rows % qk_rows or rows % group:
         raise ValueError(f"tiles.py: backward_tile_rows {rows} must be a multiple of qk_rows {qk_rows} and "
                          f"band_rows {group}")
@@ -345,7 +345,7 @@ def attention_backward(dtype: str, autoregressive: bool, vector_bits: int):
     # ``keys_per_update``: a group size that does not divide the block would drop keys silently.
     if cols % keys_per_update:
         raise ValueError(f"tiles.py: key_update_rows {keys_per_update} must divide the Q.K^T block of "
-                         f"{cols} keys ({acc_dtype}, {vector_bits}-bit vectors)")
+                         f"{cols} keys ({acc_dtype}, {isa})")
 
     @T.prim_func
     def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,

@@ -19,10 +19,11 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _store_tile,
     _zero_tile,
 )
-from tvm_kernels.schedules.cpu.tiles import tiles_for
+from tvm_kernels.schedules.cpu import bf16_dot
+from tvm_kernels.schedules.cpu.tiles import Tiles, tiles_for
 
 
-def pv(dtype: str, autoregressive: bool, vector_bits: int):
+def pv(dtype: str, autoregressive: bool, isa: str):
     """The probs.V PrimFunc; same arguments as :func:`tvm_kernels.compute.pv`.
 
     The transpose of the Q.K^T tiling: per tile of ``rows`` consecutive packed queries, the
@@ -31,10 +32,13 @@ def pv(dtype: str, autoregressive: bool, vector_bits: int):
     for the k-th packed row is its band column k - r) and two vector FMAs each.
     ``head_dim`` must be a multiple of ``2 * lanes`` (the runtime zero-pads).
     """
-    return _band_times_rows(dtype, autoregressive, vector_bits, transposed=False)
+    tiles = tiles_for(isa)
+    if tiles.bf16_dot and dtype == "bfloat16":
+        return bf16_dot.pv(autoregressive, tiles.band_rows)
+    return _band_times_rows(dtype, autoregressive, tiles, transposed=False)
 
 
-def transposed(dtype: str, autoregressive: bool, vector_bits: int):
+def transposed(dtype: str, autoregressive: bool, isa: str):
     """The transposed (backward) PrimFunc; same arguments as :func:`tvm_kernels.compute.transposed`.
 
     The probs.V loop nest with other weights: query i's weight for row
@@ -44,7 +48,10 @@ def transposed(dtype: str, autoregressive: bool, vector_bits: int):
     there (tiles in one residue class), or the weight buffer is built transposed
     (``weights[k, r]``), one short vector load per row (the other tiles).
     """
-    return _band_times_rows(dtype, autoregressive, vector_bits, transposed=True)
+    tiles = tiles_for(isa)
+    if tiles.bf16_dot and dtype == "bfloat16":
+        return bf16_dot.transposed(autoregressive, tiles.band_rows)
+    return _band_times_rows(dtype, autoregressive, tiles, transposed=True)
 
 
 def _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, clamp):
@@ -90,10 +97,10 @@ def _stage_chunk(staged, t1, query, b, h, d, offset, band, chunk, k_from, k_to, 
                     staged[r, k - chunk] = T.Cast(acc_dtype, t1[b, query[r], h, k - T.int64(r)])
 
 
-def _band_times_rows(dtype: str, autoregressive: bool, vector_bits: int, transposed: bool):
+def _band_times_rows(dtype: str, autoregressive: bool, isa: Tiles, transposed: bool):
+    """``isa``: this ISA's tiles and loop choices (tiles.py has why)."""
     acc_dtype = accumulation_dtype(dtype)
-    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
-    isa = tiles_for(vector_bits)  # this ISA's choices, and why: tiles.py
+    lanes = isa.vector_bits // (64 if acc_dtype == "float64" else 32)
     half = dtype in ("float16", "bfloat16")
     rows = isa.band_rows
     cols = 2 * lanes  # output features of one register tile

@@ -16,19 +16,27 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _valid_span,
     _zero_tile,
 )
+from tvm_kernels.schedules.cpu import bf16_dot
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
-def qk(dtype: str, autoregressive: bool, vector_bits: int):
-    """The Q.K^T PrimFunc; same arguments as :func:`tvm_kernels.compute.qk`."""
+def qk(dtype: str, autoregressive: bool, isa: str):
+    """The Q.K^T PrimFunc; same arguments as :func:`tvm_kernels.compute.qk`.
+
+    bfloat16 where the ISA has the bfloat16 dot product: keys packed as pairs of features
+    (:func:`bf16_dot.pack_key_pairs`), each micro-kernel step takes two features.
+    """
     acc_dtype = accumulation_dtype(dtype)
-    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
-    isa = tiles_for(vector_bits)  # this ISA's choices, and why: tiles.py
-    rows, vectors = isa.qk_rows, isa.qk_vectors
+    tiles = tiles_for(isa)  # this ISA's choices, and why: tiles.py
+    lanes = tiles.vector_bits // (64 if acc_dtype == "float64" else 32)
+    rows, vectors = tiles.qk_rows, tiles.qk_vectors
     cols = vectors * lanes                  # keys per packed block = one register tile's width
     slack = rows + cols                     # row buffer margin on each side of the band
     per_line = 64 * 8 // _BITS[dtype]       # elements of one 64-byte cache line
     causal = 1 if autoregressive else 0
+    dot = tiles.bf16_dot and dtype == "bfloat16"
+    features_per_step = 2 if dot else 1  # packed keys: features (FMA) or pairs of features (dot)
+    packed_dtype = "int32" if dot else acc_dtype
 
     @T.prim_func
     def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, padding: T.float64,
@@ -54,12 +62,16 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
             row_of = T.decl_buffer((n,), "int64")
             packed = T.decl_buffer(
                 ((n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
-                 head_dim, T.int64(cols)), acc_dtype)
+                 head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
             row_buffer = T.decl_buffer((T.int64(rows), band + T.int64(2 * slack)), acc_dtype)
-            queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)  # the tile's query rows, converted once
+            # The tile's query rows, converted once (the dot product: as words, copied)
+            queries = T.decl_buffer((T.int64(rows), head_dim // T.int64(features_per_step)), packed_dtype)
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
-            key_tile = T.alloc_local((cols, lanes), acc_dtype, annotations=_ON_STACK)
+            key_tile = T.alloc_local((cols, lanes), packed_dtype, annotations=_ON_STACK)
+            # bfloat16 rows as 32-bit words, each a pair of features (the dot product's operands).
+            query_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=t1.data)
+            key_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=t2.data)
             acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
             low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
@@ -67,10 +79,15 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
             direct_end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             valid_span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            # Keys only (the values and biases arguments are not used).
-            _pack_operands(packed, packed, packed, key_tile, t2, t2, t2, row_of, block_keys, b, h, n, head_dim, margin,
-                                     (n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
-                                     cols, lanes, per_line, acc_dtype, False, False)
+            if dot:
+                bf16_dot.pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n, head_dim, margin,
+                                        (n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
+                                        cols, per_line)
+            else:
+                # Keys only (the values and biases arguments are not used).
+                _pack_operands(packed, packed, packed, key_tile, t2, t2, t2, row_of, block_keys, b, h, n, head_dim, margin,
+                                         (n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
+                                         cols, lanes, per_line, acc_dtype, False, False)
             for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
                 p0: T.let = tile * T.int64(rows)
                 first: T.let = p0 - w + margin  # packed column of row 0's band column 0
@@ -85,19 +102,29 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
                     direct_begin[r] = (low[r] + first + T.int64(r) + T.int64(cols - 1)) // T.int64(cols)
                     direct_end[r] = T.Select(p0 + T.int64(r) < n, (high[r] + first + T.int64(r)) // T.int64(cols), T.int64(0))
                 for r in range(rows):
-                    for vector in range(head_dim // T.int64(lanes)):
+                    for vector in range(head_dim // T.int64(lanes * features_per_step)):
                         for lane in T.vectorized(lanes):
-                            queries[r, vector * T.int64(lanes) + lane] = T.Cast(
-                                acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane])
+                            if dot:
+                                queries[r, vector * T.int64(lanes) + lane] = query_words[b, query[r], h, vector * T.int64(lanes) + lane]
+                            else:
+                                queries[r, vector * T.int64(lanes) + lane] = T.Cast(
+                                    acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane])
                 # Only the key blocks holding a valid column of some row: near the sequence's ends (and,
                 # dilated, near each residue class's ends) the rest of the band is padding, filled below.
                 _valid_span(valid_span, low, high, first, p0, n, rows)
                 for block in range(valid_span[0] // T.int64(cols), (valid_span[1] + T.int64(cols - 1)) // T.int64(cols)):
                     _zero_tile(acc, rows, cols, acc_dtype)
-                    for f in range(head_dim):
-                        for r in T.unroll(rows):
-                            for lane in T.vectorized(cols):
-                                acc[r, lane] = acc[r, lane] + queries[r, f] * packed[block, f, lane]
+                    if dot:
+                        for i in range(head_dim // T.int64(2)):
+                            for r in T.unroll(rows):
+                                for v in T.unroll(vectors):
+                                    bf16_dot.dot_into(acc, r, v, queries[r, i], T.BufferLoad(
+                                        packed, [block, i, T.Ramp(T.Cast("int64", v * bf16_dot.LANES), T.int64(1), bf16_dot.LANES)]))
+                    else:
+                        for f in range(head_dim):
+                            for r in T.unroll(rows):
+                                for lane in T.vectorized(cols):
+                                    acc[r, lane] = acc[r, lane] + queries[r, f] * packed[block, f, lane]
                     for r in T.unroll(rows):
                         # Row r's band column j is packed column first + r + j.
                         if block >= direct_begin[r] and block < direct_end[r]:
@@ -117,4 +144,4 @@ def qk(dtype: str, autoregressive: bool, vector_bits: int):
                         _copy_run(out, b, query[r], h, row_buffer, r, T.int64(slack), T.int64(0), done_begin, lanes, dtype)
                         _copy_run(out, b, query[r], h, row_buffer, r, T.int64(slack), done_end, band, lanes, dtype)
 
-    return main
+    return bf16_dot.with_dot_product(main) if dot else main

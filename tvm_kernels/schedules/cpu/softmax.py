@@ -7,6 +7,7 @@ from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
 from tvm_kernels.schedules.cpu.microkernels import _ON_STACK, _exp
+from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
 # ----------------------------------------------------------------------------- band softmax
@@ -27,7 +28,7 @@ def _row_vectors(first, stop, lanes):
     return (stop - first) // T.int64(lanes), first + (stop - first) // T.int64(lanes) * T.int64(lanes)
 
 
-def softmax(dtype: str, autoregressive: bool, vector_bits: int):
+def softmax(dtype: str, autoregressive: bool, isa: str):
     """In place: each row of ``band [b, n, h, c]`` becomes the softmax of its scores over the row's
     valid keys (exactly 0 at the others), and ``lse [b, n, h]`` (accumulation dtype) gets the row's
     log-sum-exp. ``key_bias [b, n]`` (accumulation dtype; read only when ``with_bias`` is nonzero)
@@ -38,7 +39,7 @@ def softmax(dtype: str, autoregressive: bool, vector_bits: int):
     instead of storing it, so that they round once (a row stays in L1 across its passes either way).
     """
     acc_dtype = accumulation_dtype(dtype)
-    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
+    lanes = tiles_for(isa).vector_bits // (64 if acc_dtype == "float64" else 32)
     causal = 1 if autoregressive else 0
     minus_inf = tirx.const(float("-inf"), acc_dtype)
     store_exp = dtype == acc_dtype
@@ -130,13 +131,13 @@ def softmax(dtype: str, autoregressive: bool, vector_bits: int):
     return main
 
 
-def softmax_backward(dtype: str, autoregressive: bool, vector_bits: int):
+def softmax_backward(dtype: str, autoregressive: bool, isa: str):
     """The gradient of :func:`softmax`'s scores: ``out = P * (dP - rowsum(dP * P) + dlse)`` at each
     row's valid keys (d lse / d score = P), 0 at the others. Arguments: probs ``P`` and ``grad``
     ``dP`` ``[b, n, h, c]``, ``grad_lse [b, n, h]`` (accumulation dtype), dilation, out
     ``[b, n, h, c]`` (not aliasing the others)."""
     acc_dtype = accumulation_dtype(dtype)
-    lanes = vector_bits // (64 if acc_dtype == "float64" else 32)
+    lanes = tiles_for(isa).vector_bits // (64 if acc_dtype == "float64" else 32)
     causal = 1 if autoregressive else 0
 
     @T.prim_func

@@ -1,16 +1,17 @@
 """Register tiles and loop choices per x86 vector ISA: the one place where the AVX2 and AVX-512
-builds of the CPU kernels differ. The kernels ask :func:`tiles_for` with their target's vector
-width and test no ISA themselves; a new ISA (AMX, AVX512-BF16) is a new entry here plus the
-kernels that use it. The measurements behind each choice are in bench/NOTES.md.
+builds of the CPU kernels differ. The kernels ask :func:`tiles_for` with their target's ISA name
+(``isa`` in tvm_kernels/variants.py) and test no ISA themselves; a new ISA (AMX) is a new entry
+here plus the kernels that use it (AVX512-BF16's: bf16_dot.py). The measurements behind each choice are in bench/NOTES.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
 class Tiles:
+    vector_bits: int  # SIMD register width
     # Q.K^T (also inside the fused kernels): rows x vectors of accumulators.
     qk_rows: int
     qk_vectors: int
@@ -28,6 +29,9 @@ class Tiles:
     # The fused backward's queries per tile (a multiple of qk_rows and band_rows): the dK/dV
     # update's accumulators are loaded and stored once per tile.
     backward_tile_rows: int
+    # bfloat16 band products (Q.K^T, probs.V, transposed) through the CPU's bfloat16 dot product
+    # (bf16_dot.py) instead of FMAs.
+    bf16_dot: bool = False
 
 
 # AVX-512 (32 zmm registers). Q.K^T 16 x 1: the tile then advances by exactly one key block, so
@@ -35,7 +39,7 @@ class Tiles:
 # probs.V / transposed 8 x 2 (12 rows: no faster for probs.V, 1.5x slower for transposed); half
 # types 4 x 4, because a half weight costs a broadcast and a convert per use (float32's broadcast
 # rides in the FMA) and that tile uses each weight for 4 FMAs instead of 2.
-AVX512 = Tiles(qk_rows=16, qk_vectors=1, band_rows=8, wide_half_tile=True, chunk_steps=0,
+AVX512 = Tiles(vector_bits=512, qk_rows=16, qk_vectors=1, band_rows=8, wide_half_tile=True, chunk_steps=0,
                stage_half_weights=False, key_update_rows=8, backward_tile_rows=16)
 
 # AVX2 (16 ymm registers, 32 KiB L1 on the EPYCs measured): 6 x 2 accumulators + 1 load + 1
@@ -45,9 +49,18 @@ AVX512 = Tiles(qk_rows=16, qk_vectors=1, band_rows=8, wide_half_tile=True, chunk
 # no room for a wider tile. The fused backward runs tiles of 12 queries (two Q.K^T register tiles):
 # its dK/dV update then loads and stores its 4 x 2 accumulators once per 96 FMAs instead of 48
 # (backward 3-6% faster at n = 4096; AVX-512 keeps 16, unmeasured).
-AVX2 = Tiles(qk_rows=6, qk_vectors=2, band_rows=6, wide_half_tile=False, chunk_steps=32,
+AVX2 = Tiles(vector_bits=256, qk_rows=6, qk_vectors=2, band_rows=6, wide_half_tile=False, chunk_steps=32,
              stage_half_weights=True, key_update_rows=4, backward_tile_rows=12)
 
 
-def tiles_for(vector_bits: int) -> Tiles:
-    return AVX512 if vector_bits >= 512 else AVX2
+# AVX-512 with AVX512-BF16 (AMD Zen 4 and later, Intel since Cooper Lake): AVX-512's tiles, and the
+# bfloat16 band products with vdpbf16ps (two products per lane and instruction; bench/NOTES.md).
+AVX512_BF16 = replace(AVX512, bf16_dot=True)
+
+ISAS = {"avx2": AVX2, "avx512": AVX512, "avx512-bf16": AVX512_BF16}
+
+
+def tiles_for(isa: str) -> Tiles:
+    if isa not in ISAS:
+        raise ValueError(f"no CPU tiles for isa {isa!r}; known: {sorted(ISAS)}")
+    return ISAS[isa]

@@ -1,0 +1,248 @@
+"""bfloat16 Q.K^T and probs.V through the AVX512-BF16 dot product (``vdpbf16ps``), for CPUs that have it
+(AMD Zen 4 and later, Intel since Cooper Lake).
+
+``vdpbf16ps acc, a, b`` adds ``a[2l] * b[2l] + a[2l+1] * b[2l+1]`` to each float32 lane l: 32
+products per instruction where an FMA does 16, and no conversion of the bfloat16 operands. Q.K^T
+(qk.py, with the packing and micro-kernel step from here) and probs.V (here) are the float32
+kernels' loop nests with each step taking a *pair*: of features (Q.K^T: a query's two features
+broadcast against 16 keys' same two) or of keys (probs.V), operands packed as 32-bit pairs of
+bfloat16, accumulation in float32 registers.
+
+How the instruction is reached: TVM 0.27 cannot hold a ``<32 x bfloat>`` value (its bfloat16
+legalisation turns every one into float32; bench/NOTES.md), so the operands stay 32-bit integers
+in TIR, and one small LLVM IR function (:data:`_DOT_IR`, imported with ``pragma_import_llvm``)
+bitcasts them and calls the intrinsic. LLVM links and inlines it (``alwaysinline``): the hot loops
+hold ``vdpbf16ps`` with the pair broadcast from memory, no call. The IR is text the build's own
+LLVM parses; no compiler is needed to build or run.
+
+Results differ from the FMA kernels' only in rounding: the pair's two products are added before
+the accumulator (the instruction's own rounding, round to nearest even, denormals flushed).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.ir import StringImm
+from tvm.script import tirx as T
+
+from tvm_kernels.schedules.cpu.microkernels import (
+    _ON_STACK,
+    _fill_residue_major,
+    _prefetch_line,
+    _prefetch_row,
+    _store_tile,
+    _zero_tile,
+)
+
+LANES = 16  # float32 lanes of a 512-bit accumulator = pairs per operand vector
+_DOT = "longformer_dpbf16"
+# linkonce_odr: every kernel of a library imports the same definition; the linker keeps one.
+_DOT_IR = f"""
+define linkonce_odr <16 x float> @{_DOT}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) #0 {{
+  %a_pairs = bitcast <16 x i32> %a to <32 x bfloat>
+  %b_pairs = bitcast <16 x i32> %b to <32 x bfloat>
+  %sum = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %a_pairs, <32 x bfloat> %b_pairs)
+  ret <16 x float> %sum
+}}
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+attributes #0 = {{ alwaysinline nounwind memory(none) }}
+"""
+
+
+def with_dot_product(func):
+    """``func`` with :data:`_DOT_IR` imported: its body under a ``pragma_import_llvm`` attribute."""
+    return func.with_body(tirx.AttrStmt(tirx.IntImm("int32", 0), "pragma_import_llvm", StringImm(_DOT_IR), func.body))
+
+
+def _pair(low, high):
+    """Two bfloat16 bit patterns (uint16 expressions) as one 32-bit pair, ``low`` first in memory."""
+    return T.Cast("int32", low) | T.shift_left(T.Cast("int32", high), T.int32(16))
+
+
+@T.macro
+def dot_into(acc, r, v, weight_pair, value_pairs):
+    """acc[r, 16v : 16v + 16] += the pair ``weight_pair`` (broadcast) . ``value_pairs`` (16 pairs)."""
+    T.buffer_store(acc, T.call_extern(
+        "float32x16", _DOT, T.BufferLoad(acc, [r, T.Ramp(v * LANES, 1, LANES)]),
+        # The broadcast last: the instruction's memory operand, where the load folds ({1to16}).
+        value_pairs, T.Broadcast(weight_pair, LANES)), [r, T.Ramp(v * LANES, 1, LANES)])
+
+
+@T.macro
+def _dot_pairs(acc, r, pairs, row, column, vectors, weight_pair):
+    """Tile row r += the pair ``weight_pair`` (broadcast) . pairs[row, column : column + 16 * vectors]."""
+    for v in T.unroll(vectors):
+        dot_into(acc, r, v, weight_pair,
+                  T.BufferLoad(pairs, [row, T.Ramp(column + T.Cast("int64", v * LANES), T.int64(1), LANES)]))
+
+
+@T.macro
+def pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n, head_dim, margin, blocks, cols, per_line):
+    """Q.K^T's keys in packed (residue-major) order for the dot product, zero outside the sequence:
+    blocks of ``cols`` keys, ``packed[block, i, key]`` = the key's features 2i and 2i + 1 (one
+    32-bit word of its row, ``key_words``). ``key_tile``: scratch of ``cols x 16`` words."""
+    for block in range(blocks):
+        for lane in range(T.int64(cols)):
+            p: T.let = block * T.int64(cols) + lane - margin  # packed position
+            block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
+            _prefetch_row(t2, b, row_of[T.max(T.min(p + T.int64(8), n - T.int64(1)), T.int64(0))], h, head_dim, per_line)
+        # Transposed 16 words at a time through a tile of constant strides (as _pack_operands).
+        for chunk in range(head_dim // T.int64(2 * LANES)):
+            for lane in range(T.int64(cols)):
+                for i in T.vectorized(LANES):
+                    key_tile[lane, i] = T.Select(
+                        block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
+                        key_words[b, block_keys[lane], h, chunk * T.int64(LANES) + i], T.int32(0))
+            for i in range(LANES):
+                for lane in T.vectorized(cols):
+                    packed[block, chunk * T.int64(LANES) + T.int64(i), lane] = key_tile[lane, i]
+
+
+def pv(autoregressive: bool, rows: int):
+    """probs.V in bfloat16; same arguments as :func:`tvm_kernels.compute.pv`.
+
+    The float32 kernel's tiles (``rows`` consecutive packed queries x 2 vectors of output features),
+    two keys per step: the values are packed as pairs of consecutive packed rows
+    (``pairs[t, f]`` = values of packed rows t and t + 1 at feature f), and row r's weights for
+    steps k, k + 1 are its band columns k - r, k - r + 1, adjacent in memory: one 32-bit broadcast.
+    Where a row has no column at a step (the tile's first and last steps, and tiles across residue
+    classes or past the end) the weight is selected to 0; its value row is finite, so it adds 0.
+    ``head_dim`` must be a multiple of 32 (the runtime zero-pads).
+    """
+    return _band_times_pairs(autoregressive, rows, transposed=False)
+
+
+def transposed(autoregressive: bool, rows: int):
+    """The transposed (backward) product in bfloat16; same arguments as
+    :func:`tvm_kernels.compute.transposed`. :func:`pv`'s loop nest with the transposed product's
+    weights: row r's weight at step k is column band - 1 - k + r of the band row of packed row
+    p0 - offset + k, so a step pair's two weights come from two band rows (two 16-bit loads)."""
+    return _band_times_pairs(autoregressive, rows, transposed=True)
+
+
+def _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, in_class):
+    """Row r's weight at step k, as bits (a plain Python helper building the expression). probs.V:
+    column k - r of row r's band row; transposed: column band - 1 - k + r of the band row of packed
+    row p0 - offset + k (``in_class``: inside the direct loop's steps, where that row is in the
+    tile's residue class and found without the row table). Elsewhere the column (and row) are
+    clamped into the buffers, for the caller to select the weight away."""
+    if transposed:
+        column = band - T.int64(1) - k + T.int64(r)
+        source = query[0] + (k - offset) * d if in_class else row_of[T.max(T.min(p0 - offset + k, n - T.int64(1)), T.int64(0))]
+    else:
+        column = k - T.int64(r)
+        source = query[r]
+    if not in_class:
+        column = T.max(T.min(column, band - T.int64(1)), T.int64(0))
+    return weight_bits[b, source, h, column]
+
+
+def _band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
+    cols = 2 * LANES  # output features of one register tile
+    causal = 1 if autoregressive else 0
+    per_line = 32  # bfloat16 elements of one 64-byte cache line
+    # Row offset of band column 0: w for probs.V; w_upper (w, or 0 when causal) for transposed.
+    offset_is_w = 0 if transposed and autoregressive else 1
+
+    @T.prim_func
+    def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, out_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        band = T.int64()
+        t1 = T.match_buffer(t1_handle, (batch, n, heads, band), "bfloat16")
+        t2 = T.match_buffer(t2_handle, (batch, n, heads, head_dim), "bfloat16")
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), "bfloat16")
+        # The inputs' bit patterns: uint16 loads stay integers through TVM's bfloat16 legalisation.
+        weight_bits = T.decl_buffer((batch, n, heads, band), "uint16", data=t1.data)
+        value_bits = T.decl_buffer((batch, n, heads, head_dim), "uint16", data=t2.data)
+        w: T.let = T.int64(causal) * (band - T.int64(1)) + T.int64(1 - causal) * ((band - T.int64(1)) // T.int64(2))
+        offset: T.let = T.int64(offset_is_w) * w
+        margin: T.let = w + T.int64(rows)  # packed rows before the first row
+        for bh in T.parallel(batch * heads):
+            b: T.let = bh // heads
+            h: T.let = bh % heads
+            d: T.let = T.Cast("int64", dilation[h])
+            row_of = T.decl_buffer((n,), "int64")
+            pairs = T.decl_buffer((n + T.int64(2) * band + T.int64(2 * rows + 2), head_dim), "int32")
+            query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+            acc = T.alloc_local((rows, cols), "float32", annotations=_ON_STACK)
+            _fill_residue_major(row_of, n, d)
+            for t in range(n + T.int64(2) * band + T.int64(2 * rows + 2)):
+                p: T.let = t - margin  # packed position of the pair's first row
+                first_row: T.let = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
+                second_row: T.let = row_of[T.max(T.min(p + T.int64(1), n - T.int64(1)), T.int64(0))]
+                _prefetch_row(t2, b, row_of[T.max(T.min(p + T.int64(8), n - T.int64(1)), T.int64(0))], h, head_dim, per_line)
+                for vector in range(head_dim // T.int64(LANES)):
+                    for lane in T.vectorized(LANES):
+                        f: T.let = vector * T.int64(LANES) + lane
+                        pairs[t, f] = _pair(
+                            T.Select(p >= T.int64(0) and p < n, value_bits[b, first_row, h, f], T.uint16(0)),
+                            T.Select(p + T.int64(1) >= T.int64(0) and p + T.int64(1) < n,
+                                     value_bits[b, second_row, h, f], T.uint16(0)))
+            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+                p0: T.let = tile * T.int64(rows)
+                for r in range(rows):
+                    query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
+                    # Valid band columns: 0 <= i + d*(j - offset) < n  <=>  low <= j < high.
+                    low[r] = T.max(offset - query[r] // d, T.int64(0))
+                    high[r] = T.min(offset + (n - T.int64(1) - query[r]) // d + T.int64(1), band)
+                first: T.let = p0 - offset + margin  # packed row of step k = 0
+                # Row r's weight at step k (packed row first + k) belongs to its band column k - r.
+                direct: T.let = (p0 + T.int64(rows) <= n and query[rows - 1] == query[0] + T.int64(rows - 1) * d
+                                 and band >= T.int64(rows - 1))
+                # Rows consecutive in one residue class: every row's valid steps end together
+                # (the next packed rows belong to another class), and between the triangles
+                # k < rows - 1 and k >= band every row has a column: no select there.
+                k_end: T.let = T.min(offset + (n - T.int64(1) - query[0]) // d + T.int64(1), band + T.int64(rows - 1))
+                k_low: T.let = T.max(low[0], T.int64(rows - 1))
+                pair_steps: T.let = T.max(T.min(k_end, band) - k_low, T.int64(0)) // T.int64(2)
+                for feature_tile in range(head_dim // T.int64(cols)):
+                    column: T.let = feature_tile * T.int64(cols)
+                    _zero_tile(acc, rows, cols, "float32")
+                    if direct:
+                        for k in range(low[0], T.min(k_low, k_end), 2):
+                            for r in T.unroll(rows):
+                                _dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
+                                    T.Select(k >= T.int64(r), _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, False), T.uint16(0)),
+                                    T.Select(k + T.int64(1) >= T.int64(r) and k + T.int64(1) < T.min(k_low, k_end),
+                                             _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, transposed, False), T.uint16(0))))
+                        for step in range(pair_steps):
+                            k: T.let = k_low + step * T.int64(2)
+                            if transposed:
+                                # The next tile reads the next `rows` entries of these two band
+                                # rows: fetch those lines now (as the FMA kernel does).
+                                for j in range(2):
+                                    _prefetch_line(t1, b, query[0] + (k + T.int64(j) - offset) * d, h,
+                                                   T.min(band + T.int64(2 * rows - 2 - j) - k, band - T.int64(1)))
+                            else:
+                                # Fetch the next tile's band rows, a line per step.
+                                _prefetch_line(t1, b, row_of[T.min(p0 + T.int64(rows) + step % T.int64(rows), n - T.int64(1))], h,
+                                               T.min(step // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
+                            for r in T.unroll(rows):
+                                _dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
+                                    _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, True),
+                                _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, transposed, True)))
+                        for k in range(k_low + pair_steps * T.int64(2), k_end, 2):
+                            for r in T.unroll(rows):
+                                _dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
+                                    T.Select(k - T.int64(r) < band, _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, False), T.uint16(0)),
+                                    T.Select(k + T.int64(1) - T.int64(r) < band and k + T.int64(1) < k_end,
+                                             _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, transposed, False), T.uint16(0))))
+                    else:
+                        # Across residue classes or past the end: every weight selected.
+                        for k in range(0, band + T.int64(rows - 1), 2):
+                            for r in T.unroll(rows):
+                                _dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
+                                    T.Select(k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
+                                             _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, False), T.uint16(0)),
+                                    T.Select(k + T.int64(1 - r) >= low[r] and k + T.int64(1 - r) < high[r],
+                                             _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, transposed, False), T.uint16(0))))
+                    _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, "bfloat16")
+
+    return with_dot_product(main)
