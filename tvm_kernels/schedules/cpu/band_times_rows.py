@@ -17,6 +17,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _prefetch_row,
     _save_tile,
     _store_tile,
+    _tile_bounds,
     _zero_tile,
 )
 from tvm_kernels.schedules.cpu import bf16_dot
@@ -130,11 +131,7 @@ def _band_times_rows(dtype: str, autoregressive: bool, isa: Tiles, transposed: b
                                else (T.int64(rows), T.int64(max(chunk_steps, 1))), acc_dtype)
         for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
             p0: T.let = tile * T.int64(rows)
-            for r in range(rows):
-                query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
-                # Valid band columns: 0 <= i + d*(j - offset) < n  <=>  low <= j < high.
-                low[r] = T.max(offset - query[r] // d, T.int64(0))
-                high[r] = T.min(offset + (n - T.int64(1) - query[r]) // d + T.int64(1), band)
+            _tile_bounds(query, low, high, row_of, p0, n, d, offset, band, rows)
             first: T.let = p0 - offset + margin  # packed row of k = 0
             # Row r's weight for the k-th packed row (p0 - offset + k) belongs to band column j = k - r.
             # When the tile's rows are consecutive in one residue class (all but about one tile

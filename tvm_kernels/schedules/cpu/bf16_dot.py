@@ -1,12 +1,13 @@
-"""bfloat16 Q.K^T and probs.V through the AVX512-BF16 dot product (``vdpbf16ps``), for CPUs that have it
-(AMD Zen 4 and later, Intel since Cooper Lake).
+"""The bfloat16 band products through the AVX512-BF16 dot product (``vdpbf16ps``), for CPUs that
+have it (AMD Zen 4 and later, Intel since Cooper Lake).
 
 ``vdpbf16ps acc, a, b`` adds ``a[2l] * b[2l] + a[2l+1] * b[2l+1]`` to each float32 lane l: 32
 products per instruction where an FMA does 16, and no conversion of the bfloat16 operands. Q.K^T
-(qk.py, with the packing and micro-kernel step from here) and probs.V (here) are the float32
-kernels' loop nests with each step taking a *pair*: of features (Q.K^T: a query's two features
-broadcast against 16 keys' same two) or of keys (probs.V), operands packed as 32-bit pairs of
-bfloat16, accumulation in float32 registers.
+(qk.py, with the packing and micro-kernel step from here), probs.V and transposed (here) are the
+float32 kernels' loop nests with each step taking a *pair*: of features (Q.K^T: a query's two
+features broadcast against 16 keys' same two) or of keys (probs.V, transposed), operands packed as
+32-bit pairs of bfloat16, accumulation in float32 registers. The fused attention kernels do not
+use it yet.
 
 How the instruction is reached: TVM 0.27 cannot hold a ``<32 x bfloat>`` value (its bfloat16
 legalisation turns every one into float32; bench/NOTES.md), so the operands stay 32-bit integers
@@ -31,6 +32,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _prefetch_line,
     _prefetch_row,
     _store_tile,
+    _tile_bounds,
     _zero_tile,
 )
 
@@ -187,11 +189,7 @@ def _band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
                                      value_bits[b, second_row, h, f], T.uint16(0)))
             for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
                 p0: T.let = tile * T.int64(rows)
-                for r in range(rows):
-                    query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
-                    # Valid band columns: 0 <= i + d*(j - offset) < n  <=>  low <= j < high.
-                    low[r] = T.max(offset - query[r] // d, T.int64(0))
-                    high[r] = T.min(offset + (n - T.int64(1) - query[r]) // d + T.int64(1), band)
+                _tile_bounds(query, low, high, row_of, p0, n, d, offset, band, rows)
                 first: T.let = p0 - offset + margin  # packed row of step k = 0
                 # Row r's weight at step k (packed row first + k) belongs to its band column k - r.
                 direct: T.let = (p0 + T.int64(rows) <= n and query[rows - 1] == query[0] + T.int64(rows - 1) * d

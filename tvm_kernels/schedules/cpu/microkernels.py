@@ -91,6 +91,16 @@ def _copy_run(out, b, i, h, buffer, r, offset, begin, end, lanes, dtype):
 
 
 @T.macro
+def _tile_bounds(query, low, high, row_of, p0, n, d, offset, band, rows):
+    """The tile's rows (past the end: the last row again, never stored) and each row's valid band
+    columns: 0 <= i + d*(j - offset) < n  <=>  low <= j < high."""
+    for r in range(rows):
+        query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]
+        low[r] = T.max(offset - query[r] // d, T.int64(0))
+        high[r] = T.min(offset + (n - T.int64(1) - query[r]) // d + T.int64(1), band)
+
+
+@T.macro
 def _valid_span(span, low, high, first, p0, n, rows):
     """span = [first + min(r + low[r]), first + max(r + high[r])) over the tile's rows inside the sequence:
     the packed columns where some row has a valid band column (row r's band column j is first + r + j)."""
