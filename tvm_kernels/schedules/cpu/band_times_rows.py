@@ -33,10 +33,7 @@ def pv(dtype: str, autoregressive: bool, isa: str):
     for the k-th packed row is its band column k - r) and two vector FMAs each.
     ``head_dim`` must be a multiple of ``2 * lanes`` (the runtime zero-pads).
     """
-    tiles = tiles_for(isa)
-    if tiles.bf16_dot and dtype == "bfloat16":
-        return bf16_dot.pv(autoregressive, tiles.band_rows)
-    return _band_times_rows(dtype, autoregressive, tiles, transposed=False)
+    return _band_times_rows(dtype, autoregressive, tiles_for(isa), transposed=False)
 
 
 def transposed(dtype: str, autoregressive: bool, isa: str):
@@ -49,10 +46,7 @@ def transposed(dtype: str, autoregressive: bool, isa: str):
     there (tiles in one residue class), or the weight buffer is built transposed
     (``weights[k, r]``), one short vector load per row (the other tiles).
     """
-    tiles = tiles_for(isa)
-    if tiles.bf16_dot and dtype == "bfloat16":
-        return bf16_dot.transposed(autoregressive, tiles.band_rows)
-    return _band_times_rows(dtype, autoregressive, tiles, transposed=True)
+    return _band_times_rows(dtype, autoregressive, tiles_for(isa), transposed=True)
 
 
 def _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, clamp):
@@ -98,18 +92,21 @@ def _stage_chunk(staged, t1, query, b, h, d, offset, band, chunk, k_from, k_to, 
                     staged[r, k - chunk] = T.Cast(acc_dtype, t1[b, query[r], h, k - T.int64(r)])
 
 
-def _band_times_rows(dtype: str, autoregressive: bool, isa: Tiles, transposed: bool):
-    """``isa``: this ISA's tiles and loop choices (tiles.py has why)."""
+def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed: bool):
+    """``tiles``: this ISA's tiles and loop choices (tiles.py has why). bfloat16 on an ISA with the
+    bfloat16 dot product: the same tiles two keys per step (bf16_dot.py)."""
+    if tiles.bf16_dot and dtype == "bfloat16":
+        return bf16_dot.band_times_pairs(autoregressive, tiles.band_rows, transposed)
     acc_dtype = accumulation_dtype(dtype)
-    lanes = isa.vector_bits // (64 if acc_dtype == "float64" else 32)
+    lanes = tiles.vector_bits // (64 if acc_dtype == "float64" else 32)
     half = dtype in ("float16", "bfloat16")
-    rows = isa.band_rows
+    rows = tiles.band_rows
     cols = 2 * lanes  # output features of one register tile
-    wide_cols = 4 * lanes if isa.wide_half_tile and half else 0  # 0: no wide tile
+    wide_cols = 4 * lanes if tiles.wide_half_tile and half else 0  # 0: no wide tile
     # The direct path's steps per chunk (0: one chunk), and whether half types convert a chunk's
     # weights once into a small buffer instead of at each use (one per feature tile).
-    chunk_steps = isa.chunk_steps
-    stage_weights = isa.stage_half_weights and half
+    chunk_steps = tiles.chunk_steps
+    stage_weights = tiles.stage_half_weights and half
     causal = 1 if autoregressive else 0
     per_line = 64 * 8 // _BITS[dtype]  # elements of one 64-byte cache line
     # Row offset of band column 0: w for probs.V; w_upper (w, or 0 when causal) for transposed.

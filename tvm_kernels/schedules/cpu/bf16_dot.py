@@ -100,28 +100,6 @@ def pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n,
                     packed[block, chunk * T.int64(LANES) + T.int64(i), lane] = key_tile[lane, i]
 
 
-def pv(autoregressive: bool, rows: int):
-    """probs.V in bfloat16; same arguments as :func:`tvm_kernels.compute.pv`.
-
-    The float32 kernel's tiles (``rows`` consecutive packed queries x 2 vectors of output features),
-    two keys per step: the values are packed as pairs of consecutive packed rows
-    (``pairs[t, f]`` = values of packed rows t and t + 1 at feature f), and row r's weights for
-    steps k, k + 1 are its band columns k - r, k - r + 1, adjacent in memory: one 32-bit broadcast.
-    Where a row has no column at a step (the tile's first and last steps, and tiles across residue
-    classes or past the end) the weight is selected to 0; its value row is finite, so it adds 0.
-    ``head_dim`` must be a multiple of 32 (the runtime zero-pads).
-    """
-    return _band_times_pairs(autoregressive, rows, transposed=False)
-
-
-def transposed(autoregressive: bool, rows: int):
-    """The transposed (backward) product in bfloat16; same arguments as
-    :func:`tvm_kernels.compute.transposed`. :func:`pv`'s loop nest with the transposed product's
-    weights: row r's weight at step k is column band - 1 - k + r of the band row of packed row
-    p0 - offset + k, so a step pair's two weights come from two band rows (two 16-bit loads)."""
-    return _band_times_pairs(autoregressive, rows, transposed=True)
-
-
 def _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, in_class):
     """Row r's weight at step k, as bits (a plain Python helper building the expression). probs.V:
     column k - r of row r's band row; transposed: column band - 1 - k + r of the band row of packed
@@ -139,7 +117,20 @@ def _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, tran
     return weight_bits[b, source, h, column]
 
 
-def _band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
+def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
+    """probs.V (``transposed`` False) or the transposed product in bfloat16; same arguments as
+    :func:`tvm_kernels.compute.pv` / ``transposed``.
+
+    The float32 kernel's tiles (``rows`` consecutive packed queries x 2 vectors of output features),
+    two keys per step: the values are packed as pairs of consecutive packed rows
+    (``pairs[t, f]`` = values of packed rows t and t + 1 at feature f). probs.V: row r's weights for
+    steps k, k + 1 are its band columns k - r, k - r + 1, adjacent in memory: one 32-bit broadcast.
+    Transposed: row r's weight at step k is column band - 1 - k + r of the band row of packed row
+    p0 - offset + k, so a step pair's two weights come from two band rows (two 16-bit loads).
+    Where a row has no column at a step (the tile's first and last steps, and tiles across residue
+    classes or past the end) the weight is selected to 0; its value row is finite, so it adds 0.
+    ``head_dim`` must be a multiple of 32 (the runtime zero-pads).
+    """
     cols = 2 * LANES  # output features of one register tile
     causal = 1 if autoregressive else 0
     per_line = 32  # bfloat16 elements of one 64-byte cache line

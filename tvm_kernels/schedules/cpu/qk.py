@@ -69,9 +69,6 @@ def qk(dtype: str, autoregressive: bool, isa: str):
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
             key_tile = T.alloc_local((cols, lanes), packed_dtype, annotations=_ON_STACK)
-            # bfloat16 rows as 32-bit words, each a pair of features (the dot product's operands).
-            query_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=t1.data)
-            key_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=t2.data)
             acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
             low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
@@ -80,6 +77,8 @@ def qk(dtype: str, autoregressive: bool, isa: str):
             valid_span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
             if dot:
+                # bfloat16 rows as 32-bit words, each a pair of features (the dot product's operands).
+                key_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=t2.data)
                 bf16_dot.pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n, head_dim, margin,
                                         (n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
                                         cols, per_line)
@@ -101,12 +100,16 @@ def qk(dtype: str, autoregressive: bool, isa: str):
                     # overlap the next blocks' FMAs (stored at the end, they stalled on memory).
                     direct_begin[r] = (low[r] + first + T.int64(r) + T.int64(cols - 1)) // T.int64(cols)
                     direct_end[r] = T.Select(p0 + T.int64(r) < n, (high[r] + first + T.int64(r)) // T.int64(cols), T.int64(0))
-                for r in range(rows):
-                    for vector in range(head_dim // T.int64(lanes * features_per_step)):
-                        for lane in T.vectorized(lanes):
-                            if dot:
+                if dot:
+                    query_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=t1.data)
+                    for r in range(rows):
+                        for vector in range(head_dim // T.int64(2 * lanes)):
+                            for lane in T.vectorized(lanes):
                                 queries[r, vector * T.int64(lanes) + lane] = query_words[b, query[r], h, vector * T.int64(lanes) + lane]
-                            else:
+                else:
+                    for r in range(rows):
+                        for vector in range(head_dim // T.int64(lanes)):
+                            for lane in T.vectorized(lanes):
                                 queries[r, vector * T.int64(lanes) + lane] = T.Cast(
                                     acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane])
                 # Only the key blocks holding a valid column of some row: near the sequence's ends (and,
