@@ -38,7 +38,8 @@ micro-kernel (bench/NOTES.md has every variant measured):
   row log-sum-exp and accumulates dK and dV in packed rows (:func:`attention_backward`).
 - bfloat16 on CPUs with AVX512-BF16 (the ``avx512-bf16`` ISA, library ``cpu-avx512-bf16``): the
   three products take two features (Q.K^T) or two keys (probs.V, transposed) per step with
-  ``vdpbf16ps``, operands packed as 32-bit pairs (bf16_dot.py). The fused kernels use FMAs.
+  ``vdpbf16ps``, operands packed as 32-bit pairs (bf16_dot.py); so do the fused kernels' products
+  (two in the forward, five in the backward), their probabilities and dS rounded to bfloat16.
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
 (feature loops run over whole vectors or register tiles; the runtime zero-pads,

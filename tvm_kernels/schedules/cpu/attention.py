@@ -17,6 +17,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _pack_operands,
     _zero_tile,
 )
+from tvm_kernels.schedules.cpu import bf16_dot
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
@@ -35,14 +36,18 @@ def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes,
 
 
 @T.macro
-def _attention_tile_rows(query, begin, end, queries, t_rows, row_of, b, h, n, head_dim, p0, w, d, band, base, scale,
-                         rows, lanes, acc_dtype):
-    """The tile's sequence rows, their valid columns [begin, end) in the scores buffer (row r's band
-    column j is at base + r + j; empty past the end), and their first operand rows times ``scale``."""
+def _attention_tile_bounds(query, begin, end, row_of, n, p0, w, d, band, base, rows):
+    """The tile's sequence rows and their valid columns [begin, end) in the scores buffer (row r's
+    band column j is at base + r + j; empty past the end)."""
     for r in T.unroll(rows):
         query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
         begin[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.max(w - query[r] // d, T.int64(0)), T.int64(0))
         end[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.min(w + (n - T.int64(1) - query[r]) // d + T.int64(1), band), T.int64(0))
+
+
+@T.macro
+def _attention_tile_operand(queries, t_rows, query, b, h, head_dim, scale, rows, lanes, acc_dtype):
+    """queries[r] = the tile's row r of ``t_rows`` times ``scale``, in the accumulation dtype."""
     for r in range(rows):
         for vector in range(head_dim // T.int64(lanes)):
             for lane in T.vectorized(lanes):
@@ -76,18 +81,25 @@ def _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, value):
 
 @T.macro
 def _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, sub_rows, cols, acc_dtype,
-                           with_bias):
+                           with_bias, dot, scale):
     """scores[r, c] = queries[r] . packed key (block0 * cols + c) (+ that key's bias), for the key
     blocks [tile_blocks[0], tile_blocks[1]) (relative to block0), ``sub_rows`` rows (the register
-    tile ``acc``) at a time."""
+    tile ``acc``) at a time. ``dot``: queries and keys are bfloat16 feature pairs (bf16_dot.py),
+    the products times ``scale`` (the float kernels scale the queries instead)."""
     for sub in range(rows // sub_rows):
         row0: T.let = sub * T.int64(sub_rows)
         for block in range(tile_blocks[0], tile_blocks[1]):
             _zero_tile(acc, sub_rows, cols, acc_dtype)
-            for f in range(head_dim):
+            if dot:
+                bf16_dot.dot_key_block(acc, queries, row0, keys, block0 + block, head_dim, sub_rows, 1)
                 for r in T.unroll(sub_rows):
                     for lane in T.vectorized(cols):
-                        acc[r, lane] = acc[r, lane] + queries[row0 + T.int64(r), f] * keys[block0 + block, f, lane]
+                        acc[r, lane] = acc[r, lane] * T.Cast(acc_dtype, scale)
+            else:
+                for f in range(head_dim):
+                    for r in T.unroll(sub_rows):
+                        for lane in T.vectorized(cols):
+                            acc[r, lane] = acc[r, lane] + queries[row0 + T.int64(r), f] * keys[block0 + block, f, lane]
             for r in T.unroll(sub_rows):
                 for lane in T.vectorized(cols):
                     if with_bias:
@@ -99,8 +111,10 @@ def _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_bloc
 
 @T.macro
 def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n, block0,
-                            tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype):
-    """out row r = row_scale[r] * sum over c of scores[r, c] * packed value row (block0 * cols + c)."""
+                            tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype, dot):
+    """out row r = row_scale[r] * sum over c of scores[r, c] * packed value row (block0 * cols + c).
+    ``dot``: scores as bfloat16 pairs of columns (2c, 2c + 1), values as pairs of packed rows
+    (bf16_dot.py), two columns per step."""
     for g in range(rows // group):
         # The columns some row of the group has; the other rows' weights there are 0. (Rows past
         # the end have begin = end = 0, left of the tile's computed blocks: not read.)
@@ -113,9 +127,15 @@ def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin
         for feature_tile in range(head_dim // T.int64(features)):
             column: T.let = feature_tile * T.int64(features)
             _zero_tile(out_acc, group, features, acc_dtype)
-            for key in range(span[0], span[1]):
-                for r in T.unroll(group):
-                    _accumulate(out_acc, r, values, block0 * T.int64(cols) + key, column, features, scores[g * group + r, key])
+            if dot:  # pairs of columns from an even one (the tile's blocks start even, end even)
+                for pair in range(span[0] // T.int64(2), (span[1] + T.int64(1)) // T.int64(2)):
+                    for r in T.unroll(group):
+                        bf16_dot.dot_pairs(out_acc, r, values, block0 * T.int64(cols) + pair * T.int64(2), column,
+                                           features // bf16_dot.LANES, scores[g * group + r, pair])
+            else:
+                for key in range(span[0], span[1]):
+                    for r in T.unroll(group):
+                        _accumulate(out_acc, r, values, block0 * T.int64(cols) + key, column, features, scores[g * group + r, key])
             for r in T.unroll(group):
                 if p0 + T.int64(g * group + r) < n:
                     for lane in T.vectorized(features):
@@ -196,23 +216,46 @@ def _attention_tile_softmax_grad(grads, probs, row_delta, tile_blocks, rows, col
 
 
 @T.macro
-def _accumulate_keys(total, weights, tile_rows, first, start, width, head_dim, rows, keys, features, key_acc, acc_dtype):
+def _accumulate_keys(total, weights, tile_rows, first, start, width, head_dim, rows, keys, features, key_acc, acc_dtype,
+                     dot):
     """total[first + c] += sum over the tile's rows r of weights[r, c] * tile_rows[r], for c in
     [start, start + width) (width a multiple of ``keys``): dK and dV, the transposed products, per
     tile. ``keys`` packed rows x ``features`` accumulate in registers; per tile row one broadcast per
-    key, one load per vector."""
+    key, one load per vector. ``dot``: two tile rows per step, weights and rows as bfloat16 pairs of
+    rows (``weights[i, c]``, ``tile_rows[i]``: rows 2i and 2i + 1; bf16_dot.py)."""
     for group in range(width // T.int64(keys)):
         for feature_tile in range(head_dim // T.int64(features)):
             column: T.let = feature_tile * T.int64(features)
             for j in T.unroll(keys):
                 for lane in T.vectorized(features):
                     key_acc[j, lane] = total[first + start + group * T.int64(keys) + T.int64(j), column + lane]
-            for r in range(rows):
-                for j in T.unroll(keys):
-                    _accumulate(key_acc, j, tile_rows, T.int64(r), column, features, weights[r, start + group * T.int64(keys) + T.int64(j)])
+            if dot:
+                for pair in range(rows // 2):
+                    for j in T.unroll(keys):
+                        bf16_dot.dot_pairs(key_acc, j, tile_rows, T.int64(pair), column, features // bf16_dot.LANES,
+                                           weights[pair, start + group * T.int64(keys) + T.int64(j)])
+            else:
+                for r in range(rows):
+                    for j in T.unroll(keys):
+                        _accumulate(key_acc, j, tile_rows, T.int64(r), column, features, weights[r, start + group * T.int64(keys) + T.int64(j)])
             for j in T.unroll(keys):
                 for lane in T.vectorized(features):
                     total[first + start + group * T.int64(keys) + T.int64(j), column + lane] = key_acc[j, lane]
+
+
+@T.macro
+def _pack_dot_operands(keys, pairs, biases, key_tile, k, key_words, v, value_bits, key_bias, row_of, block_keys, b, h, n,
+                       head_dim, margin, length, cols, per_line):
+    """The fused kernels' operands for the bfloat16 dot product, in packed order as
+    :func:`_pack_operands` (``length`` packed columns, ``margin`` of them before the first key):
+    keys as feature pairs, values as pairs of consecutive rows (bf16_dot.py), the biases.
+    ``key_words``, ``value_bits``: k's and v's 32-bit and 16-bit views."""
+    bf16_dot.pack_key_pairs(keys, key_words, key_tile, row_of, block_keys, k, b, h, n, head_dim, margin,
+                            length // T.int64(cols), cols, per_line)
+    bf16_dot.pack_row_pairs(pairs, value_bits, v, row_of, b, h, n, head_dim, margin, length, per_line)
+    for t in range(length):
+        biases[t] = T.Select(t >= margin and t < margin + n, key_bias[b, row_of[T.max(T.min(t - margin, n - T.int64(1)), T.int64(0))]],
+                             T.Cast(key_bias.dtype, 0))
 
 
 def _attention_sizes(dtype: str, autoregressive: bool, isa: str) -> tuple:
@@ -246,9 +289,13 @@ def attention(dtype: str, autoregressive: bool, isa: str):
     ``[b, n, h, f]``, lse ``[b, n, h]`` (accumulation dtype: each row's log-sum-exp of its scaled,
     biased scores, -inf for a row with no key: what the backward recomputes the probabilities
     from, and what merges this result with attention to other keys, such as global tokens).
-    A row with no key left gets 0.
+    A row with no key left gets 0. bfloat16 where the ISA has the bfloat16 dot product: both
+    products on it (bf16_dot.py), the probabilities rounded to bfloat16 pairs before P.V.
     """
     acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, isa)
+    dot = tiles_for(isa).bf16_dot and dtype == "bfloat16"
+    features_per_step = 2 if dot else 1  # packed keys: features (FMA) or pairs of features (dot)
+    packed_dtype = "int32" if dot else acc_dtype
 
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
@@ -266,6 +313,10 @@ def attention(dtype: str, autoregressive: bool, isa: str):
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
         lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
+        # The dot product's views of the inputs: bfloat16 pairs as 32-bit words, bit patterns.
+        query_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=q.data) if dot else ()
+        key_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=k.data) if dot else ()
+        value_bits = T.decl_buffer((batch, n, heads, head_dim), "uint16", data=v.data) if dot else ()
         w: T.let = window
         band: T.let = T.int64(2 - causal) * window + T.int64(1)
         margin: T.let = w + T.int64(cols)  # packed columns before the first key
@@ -274,14 +325,19 @@ def attention(dtype: str, autoregressive: bool, isa: str):
             h: T.let = bh % heads
             d: T.let = T.Cast("int64", dilation[h])
             row_of = T.decl_buffer((n,), "int64")
-            keys = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols), head_dim, T.int64(cols)), acc_dtype)
-            values = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
+            keys = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                                  head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
+            # Value rows (the dot product: pairs of consecutive rows).
+            values = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), packed_dtype)
             biases = T.decl_buffer((_packed_length(n, window, causal, rows, cols),), acc_dtype)
             scores = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
-            queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+            # The dot product's probabilities: bfloat16 pairs of scores columns (the float kernels
+            # read the scores themselves).
+            probs = T.decl_buffer((T.int64(rows), (band + T.int64(rows + 2 * cols + 1)) // T.int64(2)), "int32") if dot else ()
+            queries = T.decl_buffer((T.int64(rows), head_dim // T.int64(features_per_step)), packed_dtype)
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
-            key_tile = T.alloc_local((cols, lanes), acc_dtype, annotations=_ON_STACK)
+            key_tile = T.alloc_local((cols, lanes), packed_dtype, annotations=_ON_STACK)
             begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
@@ -293,19 +349,26 @@ def attention(dtype: str, autoregressive: bool, isa: str):
             acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
             out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            _pack_operands(keys, values, biases, key_tile, k, v, key_bias, row_of, block_keys, b, h, n, head_dim,
-                                     margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
-                                     cols, lanes, per_line, acc_dtype, True, True)
+            if dot:
+                _pack_dot_operands(keys, values, biases, key_tile, k, key_words, v, value_bits, key_bias, row_of, block_keys,
+                                   b, h, n, head_dim, margin, _packed_length(n, window, causal, rows, cols), cols, per_line)
+            else:
+                _pack_operands(keys, values, biases, key_tile, k, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+                               margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                               cols, lanes, per_line, acc_dtype, True, True)
             for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
                 p0: T.let = tile * T.int64(rows)
                 first: T.let = p0 - w + margin  # packed column of row 0's band column 0
                 block0: T.let = first // T.int64(cols)
                 base: T.let = first - block0 * T.int64(cols)  # scores column of row 0's band column 0
-                _attention_tile_rows(query, begin, end, queries, q, row_of, b, h, n, head_dim, p0, w, d, band, base,
-                                     scale, rows, lanes, acc_dtype)
+                _attention_tile_bounds(query, begin, end, row_of, n, p0, w, d, band, base, rows)
+                if dot:
+                    bf16_dot.copy_word_rows(queries, query_words, query, b, h, head_dim, rows)
+                else:
+                    _attention_tile_operand(queries, q, query, b, h, head_dim, scale, rows, lanes, acc_dtype)
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
                 _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, rows, cols,
-                                       acc_dtype, True)
+                                       acc_dtype, True, dot, scale)
                 _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, tile_blocks, rows, cols,
                                         lanes, acc_dtype, minus_inf)
                 for r in range(rows):
@@ -313,10 +376,13 @@ def attention(dtype: str, autoregressive: bool, isa: str):
                         lse[b, query[r], h] = log_sum[r]
                 if dropout > T.float64(0):
                     _apply_dropout(scores, scores, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
-                _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n,
-                                        block0, tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype)
+                if dot:
+                    for r in range(rows):
+                        bf16_dot.round_to_pairs(probs, r, scores, tile_blocks[0] * T.int64(cols), tile_blocks[1] * T.int64(cols))
+                _attention_tile_context(out, out_acc, probs if dot else scores, values, row_scale, span, begin, end, query, b, h, p0, n,
+                                        block0, tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype, dot)
 
-    return main
+    return bf16_dot.with_dot_product(main) if dot else main
 
 
 def attention_backward(dtype: str, autoregressive: bool, isa: str):
@@ -331,7 +397,9 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
     size), cast into place at the end. Per tile of ``rows`` packed queries, in cache: the
     scores again (the Q.K^T micro-kernel) and P = exp(score - lse); dP = dO . V^T (the same
     micro-kernel); dS = P * (dP - delta); dQ = scale * dS . K (the probs.V micro-kernel);
-    dV += P^T dO and dK += dS^T (scale Q) over the keys the tile touches.
+    dV += P^T dO and dK += dS^T (scale Q) over the keys the tile touches. bfloat16 where the ISA
+    has the bfloat16 dot product: the five products on it (bf16_dot.py), P and dS rounded to
+    bfloat16 pairs for them.
     """
     acc_dtype, lanes, qk_rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, isa)
     keys_per_update = tiles_for(isa).key_update_rows  # rows of the dK/dV register tile (x 2 vectors)
@@ -346,6 +414,9 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
     if cols % keys_per_update:
         raise ValueError(f"tiles.py: key_update_rows {keys_per_update} must divide the Q.K^T block of "
                          f"{cols} keys ({acc_dtype}, {isa})")
+    dot = tiles_for(isa).bf16_dot and dtype == "bfloat16"  # the five products on the dot product (see attention)
+    features_per_step = 2 if dot else 1
+    packed_dtype = "int32" if dot else acc_dtype
 
     @T.prim_func
     def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
@@ -370,6 +441,14 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
         grad_q = T.match_buffer(grad_q_handle, (batch, n, heads, head_dim), dtype)
         grad_k = T.match_buffer(grad_k_handle, (batch, n, heads, head_dim), dtype)
         grad_v = T.match_buffer(grad_v_handle, (batch, n, heads, head_dim), dtype)
+        # The dot product's views of the inputs: bfloat16 pairs as 32-bit words, bit patterns.
+        grad_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=grad.data) if dot else ()
+        grad_bits = T.decl_buffer((batch, n, heads, head_dim), "uint16", data=grad.data) if dot else ()
+        query_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=q.data) if dot else ()
+        query_bits = T.decl_buffer((batch, n, heads, head_dim), "uint16", data=q.data) if dot else ()
+        key_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=k.data) if dot else ()
+        key_bits = T.decl_buffer((batch, n, heads, head_dim), "uint16", data=k.data) if dot else ()
+        value_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=v.data) if dot else ()
         w: T.let = window
         band: T.let = T.int64(2 - causal) * window + T.int64(1)
         margin: T.let = w + T.int64(cols)
@@ -378,20 +457,29 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
             h: T.let = bh % heads
             d: T.let = T.Cast("int64", dilation[h])
             row_of = T.decl_buffer((n,), "int64")
-            keys_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols), head_dim, T.int64(cols)), acc_dtype)
-            keys_v = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols), head_dim, T.int64(cols)), acc_dtype)
-            rows_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
+            keys_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                                    head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
+            keys_v = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                                    head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
+            rows_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), packed_dtype)  # dot: row pairs
             biases = T.decl_buffer((_packed_length(n, window, causal, rows, cols),), acc_dtype)
             total_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
             total_v = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
             probs = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
             grads = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
             kept = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)  # P with dropout
-            queries = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+            queries = T.decl_buffer((T.int64(rows), head_dim // T.int64(features_per_step)), packed_dtype)
             grad_rows = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+            # The dot product's tile operands: dO rows as feature pairs (dP), Q and dO rows as pairs
+            # of rows (dK, dV), dS as pairs of columns (dQ) and P, dS as pairs of rows (dV, dK).
+            grad_row_words = T.decl_buffer((T.int64(rows), head_dim // T.int64(2)), "int32") if dot else ()
+            query_pairs = T.decl_buffer((T.int64(rows // 2), head_dim), "int32") if dot else ()
+            grad_pairs = T.decl_buffer((T.int64(rows // 2), head_dim), "int32") if dot else ()
+            grad_column_pairs = T.decl_buffer((T.int64(rows), (band + T.int64(rows + 2 * cols + 1)) // T.int64(2)), "int32") if dot else ()
+            weight_pairs = T.decl_buffer((T.int64(rows // 2), band + T.int64(rows + 2 * cols)), "int32") if dot else ()
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
-            key_tile = T.alloc_local((cols, lanes), acc_dtype, annotations=_ON_STACK)
+            key_tile = T.alloc_local((cols, lanes), packed_dtype, annotations=_ON_STACK)
             begin = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
@@ -403,12 +491,18 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
             out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
             key_acc = T.alloc_local((keys_per_update, features), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            _pack_operands(keys_k, rows_k, biases, key_tile, k, k, key_bias, row_of, block_keys, b, h, n, head_dim,
-                                     margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
-                                     cols, lanes, per_line, acc_dtype, True, True)
-            _pack_operands(keys_v, rows_k, biases, key_tile, v, v, key_bias, row_of, block_keys, b, h, n, head_dim,
-                                     margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
-                                     cols, lanes, per_line, acc_dtype, False, False)
+            if dot:
+                _pack_dot_operands(keys_k, rows_k, biases, key_tile, k, key_words, k, key_bits, key_bias, row_of, block_keys,
+                                   b, h, n, head_dim, margin, _packed_length(n, window, causal, rows, cols), cols, per_line)
+                bf16_dot.pack_key_pairs(keys_v, value_words, key_tile, row_of, block_keys, v, b, h, n, head_dim, margin,
+                                        _packed_length(n, window, causal, rows, cols) // T.int64(cols), cols, per_line)
+            else:
+                _pack_operands(keys_k, rows_k, biases, key_tile, k, k, key_bias, row_of, block_keys, b, h, n, head_dim,
+                               margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                               cols, lanes, per_line, acc_dtype, True, True)
+                _pack_operands(keys_v, rows_k, biases, key_tile, v, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+                               margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
+                               cols, lanes, per_line, acc_dtype, False, False)
             for t in range(_packed_length(n, window, causal, rows, cols)):
                 for vector in range(head_dim // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
@@ -421,42 +515,67 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                 first: T.let = p0 - w + margin
                 block0: T.let = first // T.int64(cols)
                 base: T.let = first - block0 * T.int64(cols)
-                _attention_tile_rows(query, begin, end, queries, q, row_of, b, h, n, head_dim, p0, w, d, band, base,
-                                     scale, rows, lanes, acc_dtype)
+                _attention_tile_bounds(query, begin, end, row_of, n, p0, w, d, band, base, rows)
+                if dot:
+                    bf16_dot.copy_word_rows(queries, query_words, query, b, h, head_dim, rows)
+                    bf16_dot.copy_row_pairs(query_pairs, query_bits, query, b, h, head_dim, rows)
+                else:
+                    _attention_tile_operand(queries, q, query, b, h, head_dim, scale, rows, lanes, acc_dtype)
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
                 start: T.let = tile_blocks[0] * T.int64(cols)  # the computed columns: [start, start + width)
                 width: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols)
                 _attention_tile_scores(probs, acc, queries, keys_k, biases, block0, tile_blocks, head_dim, rows, qk_rows, cols,
-                                       acc_dtype, True)
+                                       acc_dtype, True, dot, scale)
                 _attention_tile_probs(probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, minus_inf)
-                _attention_tile_rows(query, begin, end, grad_rows, grad, row_of, b, h, n, head_dim, p0, w, d, band, base,
-                                     T.float64(1), rows, lanes, acc_dtype)
+                _attention_tile_operand(grad_rows, grad, query, b, h, head_dim, T.float64(1), rows, lanes, acc_dtype)
                 _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows,
                                        lanes, acc_dtype)
-                _attention_tile_scores(grads, acc, grad_rows, keys_v, biases, block0, tile_blocks, head_dim, rows, qk_rows, cols,
-                                       acc_dtype, False)
+                if dot:
+                    bf16_dot.copy_word_rows(grad_row_words, grad_words, query, b, h, head_dim, rows)
+                    bf16_dot.copy_row_pairs(grad_pairs, grad_bits, query, b, h, head_dim, rows)
+                _attention_tile_scores(grads, acc, grad_row_words if dot else grad_rows, keys_v, biases, block0, tile_blocks,
+                                       head_dim, rows, qk_rows, cols, acc_dtype, False, dot, T.float64(1))
                 if dropout > T.float64(0):  # the forward's mask Z: dP = (dO . V^T) * Z, dV from P * Z
                     for r in range(rows):
                         _fill_run(kept, r, start, start + width, T.Cast(acc_dtype, 0), lanes)
                     _apply_dropout(probs, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
                     _apply_dropout(grads, grads, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
                 _attention_tile_softmax_grad(grads, probs, row_delta, tile_blocks, rows, cols, lanes)
-                _attention_tile_context(grad_q, out_acc, grads, rows_k, row_scale, span, begin, end, query, b, h, p0, n,
-                                        block0, tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype)
-                if dropout > T.float64(0):
-                    _accumulate_keys(total_v, kept, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
-                                     keys_per_update, features, key_acc, acc_dtype)
+                if dot:
+                    for r in range(rows):
+                        bf16_dot.round_to_pairs(grad_column_pairs, r, grads, start, start + width)
+                _attention_tile_context(grad_q, out_acc, grad_column_pairs if dot else grads, rows_k, row_scale, span, begin,
+                                        end, query, b, h, p0, n, block0, tile_blocks, head_dim, rows, cols, group, features,
+                                        acc_dtype, dtype, dot)
+                if dot:
+                    for pair in range(rows // 2):
+                        if dropout > T.float64(0):
+                            bf16_dot.round_to_row_pairs(weight_pairs, T.int64(pair), kept, start, start + width)
+                        else:
+                            bf16_dot.round_to_row_pairs(weight_pairs, T.int64(pair), probs, start, start + width)
+                    _accumulate_keys(total_v, weight_pairs, grad_pairs, block0 * T.int64(cols), start, width, head_dim, rows,
+                                     keys_per_update, features, key_acc, acc_dtype, True)
+                    for pair in range(rows // 2):
+                        bf16_dot.round_to_row_pairs(weight_pairs, T.int64(pair), grads, start, start + width)
+                    _accumulate_keys(total_k, weight_pairs, query_pairs, block0 * T.int64(cols), start, width, head_dim, rows,
+                                     keys_per_update, features, key_acc, acc_dtype, True)
                 else:
-                    _accumulate_keys(total_v, probs, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
-                                     keys_per_update, features, key_acc, acc_dtype)
-                _accumulate_keys(total_k, grads, queries, block0 * T.int64(cols), start, width, head_dim, rows,
-                                 keys_per_update, features, key_acc, acc_dtype)
+                    if dropout > T.float64(0):
+                        _accumulate_keys(total_v, kept, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
+                                         keys_per_update, features, key_acc, acc_dtype, False)
+                    else:
+                        _accumulate_keys(total_v, probs, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
+                                         keys_per_update, features, key_acc, acc_dtype, False)
+                    _accumulate_keys(total_k, grads, queries, block0 * T.int64(cols), start, width, head_dim, rows,
+                                     keys_per_update, features, key_acc, acc_dtype, False)
             for p in range(n):
                 for vector in range(head_dim // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
+                        # (The dot product's dK sums unscaled queries: scaled here.)
                         grad_k[b, row_of[p], h, vector * T.int64(lanes) + lane] = T.Cast(
-                            dtype, total_k[margin + p, vector * T.int64(lanes) + lane])
+                            dtype, total_k[margin + p, vector * T.int64(lanes) + lane] * T.Cast(acc_dtype, scale) if dot
+                            else total_k[margin + p, vector * T.int64(lanes) + lane])
                         grad_v[b, row_of[p], h, vector * T.int64(lanes) + lane] = T.Cast(
                             dtype, total_v[margin + p, vector * T.int64(lanes) + lane])
 
-    return main
+    return bf16_dot.with_dot_product(main) if dot else main

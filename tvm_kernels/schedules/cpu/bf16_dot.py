@@ -1,18 +1,21 @@
-"""The bfloat16 band products through the AVX512-BF16 dot product (``vdpbf16ps``), for CPUs that
-have it (AMD Zen 4 and later, Intel since Cooper Lake).
+"""The bfloat16 band products and fused attention through the AVX512-BF16 dot product
+(``vdpbf16ps``), for CPUs that have it (AMD Zen 4 and later, Intel since Cooper Lake).
 
 ``vdpbf16ps acc, a, b`` adds ``a[2l] * b[2l] + a[2l+1] * b[2l+1]`` to each float32 lane l: 32
 products per instruction where an FMA does 16, and no conversion of the bfloat16 operands. Q.K^T
 (qk.py, with the packing and micro-kernel step from here), probs.V and transposed (here) are the
 float32 kernels' loop nests with each step taking a *pair*: of features (Q.K^T: a query's two
 features broadcast against 16 keys' same two) or of keys (probs.V, transposed), operands packed as
-32-bit pairs of bfloat16, accumulation in float32 registers. The fused attention kernels do not
-use it yet.
+32-bit pairs of bfloat16, accumulation in float32 registers. The fused attention kernels
+(attention.py) run their products on the same steps: Q.K^T and dO.V^T by feature pairs, P.V and
+dS.K by pairs of columns, dV and dK by pairs of tile rows; their float32 probabilities and dS are
+rounded to bfloat16 pairs for it (``vcvtneps2bf16``, as the unfused path stores its band in
+bfloat16), and the scale applies to the scores and dK sums instead of the queries.
 
 How the instruction is reached: TVM 0.27 cannot hold a ``<32 x bfloat>`` value (its bfloat16
 legalisation turns every one into float32; bench/NOTES.md), so the operands stay 32-bit integers
 in TIR, and one small LLVM IR function (:data:`_DOT_IR`, imported with ``pragma_import_llvm``)
-bitcasts them and calls the intrinsic. LLVM links and inlines it (``alwaysinline``): the hot loops
+bitcasts them and calls the intrinsic (two more round float32 to bfloat16 pairs). LLVM links and inlines it (``alwaysinline``): the hot loops
 hold ``vdpbf16ps`` with the pair broadcast from memory, no call. The IR is text the build's own
 LLVM parses; no compiler is needed to build or run.
 
@@ -38,6 +41,11 @@ from tvm_kernels.schedules.cpu.microkernels import (
 
 LANES = 16  # float32 lanes of a 512-bit accumulator = pairs per operand vector
 _DOT = "longformer_dpbf16"
+# 16 float32 rounded to bfloat16 (nearest even: vcvtneps2bf16), as 8 pairs of consecutive values.
+_ROUND = "longformer_bf16_pairs"
+# Two times 16 float32 rounded to bfloat16 and interleaved: 16 pairs (a[l], b[l]).
+_INTERLEAVE = "longformer_bf16_interleave"
+_INTERLEAVE_MASK = ", ".join(f"i32 {lane + 16 * second}" for lane in range(16) for second in (0, 1))
 # linkonce_odr: every kernel of a library imports the same definition; the linker keeps one.
 _DOT_IR = f"""
 define linkonce_odr <16 x float> @{_DOT}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) #0 {{
@@ -47,6 +55,18 @@ define linkonce_odr <16 x float> @{_DOT}(<16 x float> %acc, <16 x i32> %a, <16 x
   ret <16 x float> %sum
 }}
 declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+define linkonce_odr <8 x i32> @{_ROUND}(<16 x float> %x) #0 {{
+  %halves = fptrunc <16 x float> %x to <16 x bfloat>
+  %pairs = bitcast <16 x bfloat> %halves to <8 x i32>
+  ret <8 x i32> %pairs
+}}
+define linkonce_odr <16 x i32> @{_INTERLEAVE}(<16 x float> %a, <16 x float> %b) #0 {{
+  %a_halves = fptrunc <16 x float> %a to <16 x bfloat>
+  %b_halves = fptrunc <16 x float> %b to <16 x bfloat>
+  %both = shufflevector <16 x bfloat> %a_halves, <16 x bfloat> %b_halves, <32 x i32> <{_INTERLEAVE_MASK}>
+  %pairs = bitcast <32 x bfloat> %both to <16 x i32>
+  ret <16 x i32> %pairs
+}}
 attributes #0 = {{ alwaysinline nounwind memory(none) }}
 """
 
@@ -71,7 +91,7 @@ def dot_into(acc, r, v, weight_pair, value_pairs):
 
 
 @T.macro
-def _dot_pairs(acc, r, pairs, row, column, vectors, weight_pair):
+def dot_pairs(acc, r, pairs, row, column, vectors, weight_pair):
     """Tile row r += the pair ``weight_pair`` (broadcast) . pairs[row, column : column + 16 * vectors]."""
     for v in T.unroll(vectors):
         dot_into(acc, r, v, weight_pair,
@@ -98,6 +118,79 @@ def pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n,
             for i in range(LANES):
                 for lane in T.vectorized(cols):
                     packed[block, chunk * T.int64(LANES) + T.int64(i), lane] = key_tile[lane, i]
+
+
+@T.macro
+def pack_row_pairs(pairs, row_bits, t2, row_of, b, h, n, head_dim, margin, length, per_line):
+    """probs.V's value rows (and the fused kernels' K and V rows) as pairs of consecutive packed rows,
+    zero outside the sequence: ``pairs[t, f]`` = features f of packed rows t - margin and
+    t - margin + 1 (``row_bits``: t2's bit patterns), for t in [0, length)."""
+    for t in range(length):
+        p: T.let = t - margin  # packed position of the pair's first row
+        first_row: T.let = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
+        second_row: T.let = row_of[T.max(T.min(p + T.int64(1), n - T.int64(1)), T.int64(0))]
+        _prefetch_row(t2, b, row_of[T.max(T.min(p + T.int64(8), n - T.int64(1)), T.int64(0))], h, head_dim, per_line)
+        for vector in range(head_dim // T.int64(LANES)):
+            for lane in T.vectorized(LANES):
+                f: T.let = vector * T.int64(LANES) + lane
+                pairs[t, f] = _pair(
+                    T.Select(p >= T.int64(0) and p < n, row_bits[b, first_row, h, f], T.uint16(0)),
+                    T.Select(p + T.int64(1) >= T.int64(0) and p + T.int64(1) < n,
+                             row_bits[b, second_row, h, f], T.uint16(0)))
+
+
+@T.macro
+def copy_word_rows(words, t_words, query, b, h, head_dim, rows):
+    """words[r] = the tile's row r (sequence row query[r]) of ``t_words``, a bfloat16 tensor's 32-bit view."""
+    for r in range(rows):
+        for vector in range(head_dim // T.int64(2 * LANES)):
+            for lane in T.vectorized(LANES):
+                words[r, vector * T.int64(LANES) + lane] = t_words[b, query[r], h, vector * T.int64(LANES) + lane]
+
+
+@T.macro
+def dot_key_block(acc, words, row0, packed, block, head_dim, rows, vectors):
+    """Q.K^T's micro-kernel step by feature pairs: acc[r, key] += words[row0 + r] . the packed block's
+    key (``vectors`` x 16 keys), one dot product per pair of features, row and vector."""
+    for i in range(head_dim // T.int64(2)):
+        for r in T.unroll(rows):
+            for v in T.unroll(vectors):
+                dot_into(acc, r, v, words[row0 + T.int64(r), i],
+                         T.BufferLoad(packed, [block, i, T.Ramp(T.Cast("int64", v * LANES), T.int64(1), LANES)]))
+
+
+@T.macro
+def round_to_pairs(words, r, values, start, end):
+    """words[r, c / 2] = values[r, c] and values[r, c + 1] rounded to bfloat16 (one 32-bit pair), for
+    even c in [start, end), whole vectors of 16 (start even)."""
+    for vector in range((end - start) // T.int64(LANES)):
+        c: T.let = start + vector * T.int64(LANES)
+        T.buffer_store(words, T.call_extern("int32x8", _ROUND, T.BufferLoad(values, [r, T.Ramp(c, T.int64(1), LANES)])),
+                       [r, T.Ramp(c // T.int64(2), T.int64(1), LANES // 2)])
+
+
+@T.macro
+def round_to_row_pairs(words, pair, values, start, end):
+    """words[pair, c] = values[2 pair, c] and values[2 pair + 1, c] rounded to bfloat16 (one 32-bit
+    pair), for c in [start, end), whole vectors of 16: a tile's weights for the transposed products,
+    two tile rows per step."""
+    for vector in range((end - start) // T.int64(LANES)):
+        c: T.let = start + vector * T.int64(LANES)
+        T.buffer_store(words, T.call_extern(
+            "int32x16", _INTERLEAVE, T.BufferLoad(values, [pair * T.int64(2), T.Ramp(c, T.int64(1), LANES)]),
+            T.BufferLoad(values, [pair * T.int64(2) + T.int64(1), T.Ramp(c, T.int64(1), LANES)])),
+            [pair, T.Ramp(c, T.int64(1), LANES)])
+
+
+@T.macro
+def copy_row_pairs(pairs, bits, query, b, h, head_dim, rows):
+    """pairs[i, f] = feature f of the tile's rows 2i and 2i + 1 (sequence rows query[.]) of a
+    bfloat16 tensor (``bits``: its bit patterns), one 32-bit pair: the transposed products' rows."""
+    for i in range(rows // 2):
+        for vector in range(head_dim // T.int64(LANES)):
+            for lane in T.vectorized(LANES):
+                f: T.let = vector * T.int64(LANES) + lane
+                pairs[i, f] = _pair(bits[b, query[2 * i], h, f], bits[b, query[2 * i + 1], h, f])
 
 
 def _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, in_class):
@@ -166,18 +259,8 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
             high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             acc = T.alloc_local((rows, cols), "float32", annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            for t in range(n + T.int64(2) * band + T.int64(2 * rows + 2)):
-                p: T.let = t - margin  # packed position of the pair's first row
-                first_row: T.let = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
-                second_row: T.let = row_of[T.max(T.min(p + T.int64(1), n - T.int64(1)), T.int64(0))]
-                _prefetch_row(t2, b, row_of[T.max(T.min(p + T.int64(8), n - T.int64(1)), T.int64(0))], h, head_dim, per_line)
-                for vector in range(head_dim // T.int64(LANES)):
-                    for lane in T.vectorized(LANES):
-                        f: T.let = vector * T.int64(LANES) + lane
-                        pairs[t, f] = _pair(
-                            T.Select(p >= T.int64(0) and p < n, value_bits[b, first_row, h, f], T.uint16(0)),
-                            T.Select(p + T.int64(1) >= T.int64(0) and p + T.int64(1) < n,
-                                     value_bits[b, second_row, h, f], T.uint16(0)))
+            pack_row_pairs(pairs, value_bits, t2, row_of, b, h, n, head_dim, margin,
+                           n + T.int64(2) * band + T.int64(2 * rows + 2), per_line)
             for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
                 p0: T.let = tile * T.int64(rows)
                 _tile_bounds(query, low, high, row_of, p0, n, d, offset, band, rows)
@@ -197,7 +280,7 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
                     if direct:
                         for k in range(low[0], T.min(k_low, k_end), 2):
                             for r in T.unroll(rows):
-                                _dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
+                                dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
                                     T.Select(k >= T.int64(r), _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, False), T.uint16(0)),
                                     T.Select(k + T.int64(1) >= T.int64(r) and k + T.int64(1) < T.min(k_low, k_end),
                                              _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, transposed, False), T.uint16(0))))
@@ -214,12 +297,12 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
                                 _prefetch_line(t1, b, row_of[T.min(p0 + T.int64(rows) + step % T.int64(rows), n - T.int64(1))], h,
                                                T.min(step // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
                             for r in T.unroll(rows):
-                                _dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
+                                dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
                                     _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, True),
                                 _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, transposed, True)))
                         for k in range(k_low + pair_steps * T.int64(2), k_end, 2):
                             for r in T.unroll(rows):
-                                _dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
+                                dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
                                     T.Select(k - T.int64(r) < band, _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, False), T.uint16(0)),
                                     T.Select(k + T.int64(1) - T.int64(r) < band and k + T.int64(1) < k_end,
                                              _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, transposed, False), T.uint16(0))))
@@ -227,7 +310,7 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
                         # Across residue classes or past the end: every weight selected.
                         for k in range(0, band + T.int64(rows - 1), 2):
                             for r in T.unroll(rows):
-                                _dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
+                                dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
                                     T.Select(k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
                                              _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, False), T.uint16(0)),
                                     T.Select(k + T.int64(1 - r) >= low[r] and k + T.int64(1 - r) < high[r],

@@ -102,10 +102,7 @@ def qk(dtype: str, autoregressive: bool, isa: str):
                     direct_end[r] = T.Select(p0 + T.int64(r) < n, (high[r] + first + T.int64(r)) // T.int64(cols), T.int64(0))
                 if dot:
                     query_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=t1.data)
-                    for r in range(rows):
-                        for vector in range(head_dim // T.int64(2 * lanes)):
-                            for lane in T.vectorized(lanes):
-                                queries[r, vector * T.int64(lanes) + lane] = query_words[b, query[r], h, vector * T.int64(lanes) + lane]
+                    bf16_dot.copy_word_rows(queries, query_words, query, b, h, head_dim, rows)
                 else:
                     for r in range(rows):
                         for vector in range(head_dim // T.int64(lanes)):
@@ -118,11 +115,7 @@ def qk(dtype: str, autoregressive: bool, isa: str):
                 for block in range(valid_span[0] // T.int64(cols), (valid_span[1] + T.int64(cols - 1)) // T.int64(cols)):
                     _zero_tile(acc, rows, cols, acc_dtype)
                     if dot:
-                        for i in range(head_dim // T.int64(2)):
-                            for r in T.unroll(rows):
-                                for v in T.unroll(vectors):
-                                    bf16_dot.dot_into(acc, r, v, queries[r, i], T.BufferLoad(
-                                        packed, [block, i, T.Ramp(T.Cast("int64", v * bf16_dot.LANES), T.int64(1), bf16_dot.LANES)]))
+                        bf16_dot.dot_key_block(acc, queries, T.int64(0), packed, block, head_dim, rows, vectors)
                     else:
                         for f in range(head_dim):
                             for r in T.unroll(rows):

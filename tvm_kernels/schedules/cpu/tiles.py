@@ -29,8 +29,8 @@ class Tiles:
     # The fused backward's queries per tile (a multiple of qk_rows and band_rows): the dK/dV
     # update's accumulators are loaded and stored once per tile.
     backward_tile_rows: int
-    # bfloat16 band products (Q.K^T, probs.V, transposed) through the CPU's bfloat16 dot product
-    # (bf16_dot.py) instead of FMAs.
+    # bfloat16 band products (Q.K^T, probs.V, transposed) and fused attention through the CPU's
+    # bfloat16 dot product (bf16_dot.py) instead of FMAs.
     bf16_dot: bool = False
 
 
@@ -54,7 +54,8 @@ AVX2 = Tiles(vector_bits=256, qk_rows=6, qk_vectors=2, band_rows=6, wide_half_ti
 
 
 # AVX-512 with AVX512-BF16 (AMD Zen 4 and later, Intel since Cooper Lake): AVX-512's tiles, and the
-# bfloat16 band products with vdpbf16ps (two products per lane and instruction; bench/NOTES.md).
+# bfloat16 band products and fused attention with vdpbf16ps (two products per lane and instruction;
+# bench/NOTES.md).
 AVX512_BF16 = replace(AVX512, bf16_dot=True)
 
 ISAS = {"avx2": AVX2, "avx512": AVX512, "avx512-bf16": AVX512_BF16}
