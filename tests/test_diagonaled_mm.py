@@ -42,17 +42,33 @@ def _random(shape, dtype, device, generator):
     return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)
 
 
-def _check_forward(device, dtype, size, autoregressive, dilation_kind, is_t1_diagonaled):
+def _transposed_reference(band, rows, w, d, autoregressive):
+    """The transposed product in float64: the gradient of probs.V (the reference) at its values."""
+    values = torch.zeros(rows.shape, dtype=torch.float64, requires_grad=True)
+    (out,) = torch.autograd.grad(diagonaled_mm_reference(band, values, w, d, True, 0, autoregressive), values, rows)
+    return out
+
+
+def _check_forward(device, dtype, size, autoregressive, dilation_kind, mode):
+    """One mode ("qk", "pv" or "transposed") against the float64 reference, elementwise against
+    the products on |inputs| and norm-wise (conftest)."""
     b, n, h, f, w = size
     generator = torch.Generator().manual_seed(stable_seed(size, autoregressive, dilation_kind, str(dtype)))
     d = _dilation(dilation_kind, h, generator)
     c = w + (0 if autoregressive else w) + 1
+    is_t1_diagonaled = mode != "qk"
     t1 = _random((b, n, h, c if is_t1_diagonaled else f), dtype, device, generator)
     t2 = _random((b, n, h, f), dtype, device, generator)
     padding = -3.5
-    out = diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
-    ref = diagonaled_mm_reference(t1.double().cpu(), t2.double().cpu(), w, d, is_t1_diagonaled, padding, autoregressive)
-    scale = diagonaled_mm_reference(t1.double().abs().cpu(), t2.double().abs().cpu(), w, d, is_t1_diagonaled, 0, autoregressive)
+    exact, magnitudes = (t1.double().cpu(), t2.double().cpu()), (t1.double().abs().cpu(), t2.double().abs().cpu())
+    if mode == "transposed":
+        out = transposed_product(t1, t2, w, d, autoregressive)
+        ref = _transposed_reference(*exact, w, d, autoregressive)
+        scale = _transposed_reference(*magnitudes, w, d, autoregressive)
+    else:
+        out = diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
+        ref = diagonaled_mm_reference(*exact, w, d, is_t1_diagonaled, padding, autoregressive)
+        scale = diagonaled_mm_reference(*magnitudes, w, d, is_t1_diagonaled, 0, autoregressive)
     assert out.dtype == dtype and out.device.type == torch.device(device).type
     if not is_t1_diagonaled:
         invalid = invalid_locations(n, w, torch.as_tensor(d).expand(h) if isinstance(d, int) else d, autoregressive)
@@ -60,23 +76,23 @@ def _check_forward(device, dtype, size, autoregressive, dilation_kind, is_t1_dia
     assert_close_to_reference(out, ref, scale, dtype)
 
 
-@pytest.mark.parametrize("is_t1_diagonaled", [False, True], ids=["qk", "pv"])
+@pytest.mark.parametrize("mode", ["qk", "pv", "transposed"])
 @pytest.mark.parametrize("dilation_kind", DILATIONS)
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize("size", SIZES, ids=str)
-def test_cpu_matches_reference(cpu_library, size, dtype, autoregressive, dilation_kind, is_t1_diagonaled):
-    _check_forward("cpu", dtype, size, autoregressive, dilation_kind, is_t1_diagonaled)
+def test_cpu_matches_reference(cpu_library, size, dtype, autoregressive, dilation_kind, mode):
+    _check_forward("cpu", dtype, size, autoregressive, dilation_kind, mode)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("is_t1_diagonaled", [False, True], ids=["qk", "pv"])
+@pytest.mark.parametrize("mode", ["qk", "pv", "transposed"])
 @pytest.mark.parametrize("dilation_kind", DILATIONS)
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
 @pytest.mark.parametrize("size", SIZES, ids=str)
-def test_cuda_matches_reference(size, dtype, autoregressive, dilation_kind, is_t1_diagonaled):
-    _check_forward("cuda", dtype, size, autoregressive, dilation_kind, is_t1_diagonaled)
+def test_cuda_matches_reference(size, dtype, autoregressive, dilation_kind, mode):
+    _check_forward("cuda", dtype, size, autoregressive, dilation_kind, mode)
 
 
 def _check_gradients(device, dtype, autoregressive, is_t1_diagonaled):

@@ -219,7 +219,9 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
     (``pairs[t, f]`` = values of packed rows t and t + 1 at feature f). probs.V: row r's weights for
     steps k, k + 1 are its band columns k - r, k - r + 1, adjacent in memory: one 32-bit broadcast.
     Transposed: row r's weight at step k is column band - 1 - k + r of the band row of packed row
-    p0 - offset + k, so a step pair's two weights come from two band rows (two 16-bit loads).
+    p0 - offset + k, so a step pair's two weights come from two band rows: in tiles of one residue
+    class the tile's rows' weights of a step are consecutive there, and the first feature tile
+    stages each step pair's as 32-bit pairs (two vector loads, interleaved) for the others.
     Where a row has no column at a step (the tile's first and last steps, and tiles across residue
     classes or past the end) the weight is selected to 0; its value row is finite, so it adds 0.
     ``head_dim`` must be a multiple of 32 (the runtime zero-pads).
@@ -254,6 +256,8 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
             d: T.let = T.Cast("int64", dilation[h])
             row_of = T.decl_buffer((n,), "int64")
             pairs = T.decl_buffer((n + T.int64(2) * band + T.int64(2 * rows + 2), head_dim), "int32")
+            # transposed: a tile's weights, a pair per row and step pair
+            staged = T.decl_buffer((band // T.int64(2) + T.int64(1), T.int64(rows)), "int32") if transposed else ()
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
@@ -287,19 +291,31 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
                         for step in range(pair_steps):
                             k: T.let = k_low + step * T.int64(2)
                             if transposed:
-                                # The next tile reads the next `rows` entries of these two band
-                                # rows: fetch those lines now (as the FMA kernel does).
-                                for j in range(2):
-                                    _prefetch_line(t1, b, query[0] + (k + T.int64(j) - offset) * d, h,
-                                                   T.min(band + T.int64(2 * rows - 2 - j) - k, band - T.int64(1)))
+                                if feature_tile == 0:
+                                    # The step pair's weights as 32-bit pairs, staged for every feature
+                                    # tile: the tile's rows' weights at step k are consecutive in one
+                                    # band row (columns band - 1 - k + r), so two vector loads
+                                    # interleaved, where reading them per row and feature tile took
+                                    # two 16-bit loads, a shift and an or each.
+                                    for r in T.vectorized(rows):
+                                        staged[step, r] = _pair(
+                                            _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, True, True),
+                                            _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, True, True))
+                                    # The next tile reads the next `rows` entries of these two band
+                                    # rows: fetch those lines now (as the FMA kernel does).
+                                    for j in range(2):
+                                        _prefetch_line(t1, b, query[0] + (k + T.int64(j) - offset) * d, h,
+                                                       T.min(band + T.int64(2 * rows - 2 - j) - k, band - T.int64(1)))
+                                for r in T.unroll(rows):
+                                    dot_pairs(acc, r, pairs, first + k, column, 2, staged[step, r])
                             else:
                                 # Fetch the next tile's band rows, a line per step.
                                 _prefetch_line(t1, b, row_of[T.min(p0 + T.int64(rows) + step % T.int64(rows), n - T.int64(1))], h,
                                                T.min(step // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
-                            for r in T.unroll(rows):
-                                dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
-                                    _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, True),
-                                _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, transposed, True)))
+                                for r in T.unroll(rows):
+                                    dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
+                                        _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, False, True),
+                                        _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, False, True)))
                         for k in range(k_low + pair_steps * T.int64(2), k_end, 2):
                             for r in T.unroll(rows):
                                 dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
