@@ -17,11 +17,8 @@ import argparse
 import datetime
 import math
 import os
-import platform
-import re
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from bench import methods, report
+from bench.machine import default_cpu_memory_budget_bytes, device_name, source_commit
 from bench.measure import GEMM, GEMM_FLOPS, GEMM_SIZE, Case, paired_ratio, probe_in_fresh_process, time_interleaved
 
 DILATED = "1,1,2,2,4,4,8,8,1,2,4,8"
@@ -89,31 +87,6 @@ def parse_args(argv):
     return args
 
 
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name(torch.device(device))
-    else:
-        model = next((line.split(":", 1)[1] for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-        name = f"{model}-{os.cpu_count()}cpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def cpu_results_name() -> str:
-    """:func:`device_name` of the CPU with its vector ISA (the project's AMD machines come with AVX-512
-    or AVX2 only, under the same model name), for the results' file names of the smaller benches."""
-    from longformer_ops._loader import cpu_flags
-
-    isa = "avx512" if "avx512f" in cpu_flags() else "avx2"
-    name = device_name("cpu")
-    return name.replace("-2cpu", f"-{isa}-2cpu") if name.endswith("-2cpu") else f"{name}-{isa}"
-
-
-def source_commit() -> str:
-    """This checkout's commit, ``-dirty`` when tracked files differ from it: for results' headers."""
-    return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
-                          capture_output=True, text=True).stdout.strip()
-
-
 def memory_budget_bytes(args) -> float:
     if args.memory_budget_gib is not None:
         return args.memory_budget_gib * 2**30
@@ -121,12 +94,6 @@ def memory_budget_bytes(args) -> float:
         free, _ = torch.cuda.mem_get_info()
         return 0.6 * free
     return default_cpu_memory_budget_bytes()
-
-
-def default_cpu_memory_budget_bytes() -> float:
-    """60% of the memory available now (MemAvailable): the default budget of the CPU benches."""
-    available = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
-    return 0.6 * available * 1024
 
 
 def _dilation_tuple(spec: str, heads: int) -> tuple[int, ...]:
@@ -240,6 +207,7 @@ def _case_rows(case: Case, float32_case: Case | None, args, skipped: dict, sampl
 def main(argv=None) -> int:
     args = parse_args(argv)
     command = command_line(sys.argv[1:] if argv is None else argv)  # before loading kernels sets TVM_NUM_THREADS
+    commit = source_commit() or "?"  # before this run's own results make the checkout look modified
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     torch.manual_seed(0)
@@ -283,12 +251,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (args.name or device_name(args.device))
     report.write_csv(rows, stem.with_suffix(".csv"))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
     header = (f"# {', '.join(args.ops)} on {device_name(args.device)}\n\n"
-              f"Command: `{command}` (commit {commit or '?'}, {datetime.date.today()}, torch {torch.__version__}, "
+              f"Command: `{command}` (commit {commit}, {datetime.date.today()}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads). Reference: float32 torch.mm {GEMM_SIZE}^3 timed in the rounds of "
               f"every case ({_gemm_range(rows)}). "
               f"batch {args.batch}, {args.heads} heads of {args.head_dim}, one-sided window {args.window}, {', '.join(args.dtype)}.")

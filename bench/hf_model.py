@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     if any(p not in PASSES for p in passes):
         parser.error(f"--passes: choose from {list(PASSES)}, got {passes}")
     from bench import report
-    from bench.__main__ import cpu_results_name, default_cpu_memory_budget_bytes, source_commit
+    from bench.machine import cpu_results_name, default_cpu_memory_budget_bytes, source_commit
 
     name, commit = cpu_results_name(), source_commit()
     budget = (args.memory_budget_gib * 1024 if args.memory_budget_gib is not None

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    from bench.__main__ import cpu_results_name, source_commit
+    from bench.machine import cpu_results_name, source_commit
     name = cpu_results_name()
     commit = source_commit()
     lines = [f"# Per-call cost of the custom-op layer ({name}, torch {torch.__version__}, "

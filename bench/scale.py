@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     ops = [op for op in args.ops.split(",") if op]
     if not ops or set(ops) - set(OPS):
         parser.error(f"--ops: choose from {','.join(OPS)}, got {args.ops!r}")
-    from bench.__main__ import cpu_results_name, source_commit
+    from bench.machine import cpu_results_name, source_commit
 
     name = args.name or f"{cpu_results_name()}-scale"
     command = "python -m bench.scale " + shlex.join(sys.argv[1:] if argv is None else argv)

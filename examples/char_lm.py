@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.__main__ import cpu_results_name, source_commit
+from bench.machine import cpu_results_name, source_commit
 from longformer_ops import LongformerConfig, LongformerForMaskedLM, LongformerSelfAttention
 
 NAME = "char_lm"

@@ -1,0 +1,49 @@
+"""Where a result comes from: the machine's name for results' file names, this checkout's commit
+for their headers, and the default memory budget of the CPU benches. Shared by every bench and
+the examples that write results."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def device_name(device: str) -> str:
+    """The GPU's or the CPU's model name and core count, lower-case with dashes (``amd-epyc-2cpu``)."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        model = next((line.split(":", 1)[1] for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+        name = f"{model}-{os.cpu_count()}cpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def cpu_results_name() -> str:
+    """:func:`device_name` of the CPU with its vector ISA (the project's AMD machines come with AVX-512
+    or AVX2 only, under the same model name), for the results' file names of the smaller benches."""
+    from longformer_ops._loader import cpu_flags
+
+    isa = "avx512" if "avx512f" in cpu_flags() else "avx2"
+    name = device_name("cpu")
+    return name.replace("-2cpu", f"-{isa}-2cpu") if name.endswith("-2cpu") else f"{name}-{isa}"
+
+
+def source_commit() -> str:
+    """This checkout's commit, ``-dirty`` when tracked files differ from it: for results' headers
+    ("" outside a git checkout or without git)."""
+    try:
+        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
+                              capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def default_cpu_memory_budget_bytes() -> float:
+    """60% of the memory available now (MemAvailable): the default budget of the CPU benches."""
+    available = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+    return 0.6 * available * 1024
