@@ -8,7 +8,7 @@ Levels (``op``):
 - ``local_attention``: scores, edge mask, softmax, context (no global tokens);
 - ``layer``: one :class:`longformer_ops.LongformerSelfAttention` (hidden = heads x head_dim) with one
   global token (position 0, as a classifier's ``<s>``): its five projections, local and global
-  attention; forward in eval mode, forward+backward in training mode with Hugging Face's default
+  attention; forward in eval mode under ``torch.no_grad()``, forward+backward in training mode with Hugging Face's default
   attention dropout 0.1. Not in the default ``--ops`` (``--ops layer``).
 - ``poolingformer``: one :class:`longformer_ops.PoolingformerSelfAttention` set up as the layer, plus
   its level 2 (LDConv pooling, kernel = stride = 4, one-sided window ``POOLING_WINDOW_FACTOR x w``),
@@ -358,7 +358,8 @@ def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requ
 
 
 def runner(op: str, method: str, inputs, w: int, dilation, backward: bool):
-    """A no-argument callable doing one forward (and backward) of ``op`` with ``method``."""
+    """A no-argument callable doing one forward (and backward) of ``op`` with ``method``; a forward
+    alone runs under ``torch.no_grad()``, as inference does."""
     function = {"qk_band": qk_band, "pv_band": pv_band, "transposed_band": transposed_band,
                 "local_attention": local_attention, "layer": layer, "poolingformer": poolingformer,
                 "model": model, "model_checkpointed": functools.partial(model, checkpointed=True)}[op]
@@ -366,9 +367,11 @@ def runner(op: str, method: str, inputs, w: int, dilation, backward: bool):
     buffers = {} if method == "tvm_out" else None
 
     def run():
+        if not backward:  # inference: no autograd graph for the modules' parameters
+            with torch.no_grad():
+                return function(method, *inputs, w, dilation, buffers)
         out = function(method, *inputs, w, dilation, buffers)
-        if backward:
-            out.backward(torch.ones_like(out))
+        out.backward(torch.ones_like(out))
         return out
 
     return run
