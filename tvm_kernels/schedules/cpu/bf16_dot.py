@@ -15,7 +15,8 @@ bfloat16), and the scale applies to the scores and dK sums instead of the querie
 How the instruction is reached: TVM 0.27 cannot hold a ``<32 x bfloat>`` value (its bfloat16
 legalisation turns every one into float32; bench/NOTES.md), so the operands stay 32-bit integers
 in TIR, and one small LLVM IR function (:data:`_DOT_IR`, imported with ``pragma_import_llvm``)
-bitcasts them and calls the intrinsic (two more round float32 to bfloat16 pairs). LLVM links and inlines it (``alwaysinline``): the hot loops
+bitcasts them and calls the intrinsic; two more round float32 vectors to bfloat16 pairs
+(``fptrunc``: ``vcvtneps2bf16``). LLVM links and inlines them (``alwaysinline``): the hot loops
 hold ``vdpbf16ps`` with the pair broadcast from memory, no call. The IR is text the build's own
 LLVM parses; no compiler is needed to build or run.
 
