@@ -415,6 +415,8 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
         raise ValueError(f"tiles.py: key_update_rows {keys_per_update} must divide the Q.K^T block of "
                          f"{cols} keys ({acc_dtype}, {isa})")
     dot = tiles_for(isa).bf16_dot and dtype == "bfloat16"  # the five products on the dot product (see attention)
+    if dot and rows % 2:  # dK and dV take the tile's rows in pairs: an odd row would be dropped
+        raise ValueError(f"tiles.py: backward_tile_rows {rows} must be even for the bfloat16 dot product ({isa})")
     features_per_step = 2 if dot else 1
     packed_dtype = "int32" if dot else acc_dtype
 
