@@ -293,7 +293,7 @@ def attention(dtype: str, autoregressive: bool, isa: str):
     products on it (bf16_dot.py), the probabilities rounded to bfloat16 pairs before P.V.
     """
     acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, isa)
-    dot = tiles_for(isa).bf16_dot and dtype == "bfloat16"
+    dot = tiles_for(isa).dot_product_for(dtype)
     features_per_step = 2 if dot else 1  # packed keys: features (FMA) or pairs of features (dot)
     packed_dtype = "int32" if dot else acc_dtype
 
@@ -414,7 +414,7 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
     if cols % keys_per_update:
         raise ValueError(f"tiles.py: key_update_rows {keys_per_update} must divide the Q.K^T block of "
                          f"{cols} keys ({acc_dtype}, {isa})")
-    dot = tiles_for(isa).bf16_dot and dtype == "bfloat16"  # the five products on the dot product (see attention)
+    dot = tiles_for(isa).dot_product_for(dtype)  # the five products on the dot product (see attention)
     if dot and rows % 2:  # dK and dV take the tile's rows in pairs: an odd row would be dropped
         raise ValueError(f"tiles.py: backward_tile_rows {rows} must be even for the bfloat16 dot product ({isa})")
     features_per_step = 2 if dot else 1

@@ -95,7 +95,7 @@ def _stage_chunk(staged, t1, query, b, h, d, offset, band, chunk, k_from, k_to, 
 def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed: bool):
     """``tiles``: this ISA's tiles and loop choices (tiles.py has why). bfloat16 on an ISA with the
     bfloat16 dot product: the same tiles two keys per step (bf16_dot.py)."""
-    if tiles.bf16_dot and dtype == "bfloat16":
+    if tiles.dot_product_for(dtype):
         return bf16_dot.band_times_pairs(autoregressive, tiles.band_rows, transposed)
     acc_dtype = accumulation_dtype(dtype)
     lanes = tiles.vector_bits // (64 if acc_dtype == "float64" else 32)

@@ -34,7 +34,7 @@ def qk(dtype: str, autoregressive: bool, isa: str):
     slack = rows + cols                     # row buffer margin on each side of the band
     per_line = 64 * 8 // _BITS[dtype]       # elements of one 64-byte cache line
     causal = 1 if autoregressive else 0
-    dot = tiles.bf16_dot and dtype == "bfloat16"
+    dot = tiles.dot_product_for(dtype)
     features_per_step = 2 if dot else 1  # packed keys: features (FMA) or pairs of features (dot)
     packed_dtype = "int32" if dot else acc_dtype
 

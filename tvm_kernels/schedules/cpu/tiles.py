@@ -1,7 +1,8 @@
 """Register tiles and loop choices per x86 vector ISA: the one place where the AVX2 and AVX-512
 builds of the CPU kernels differ. The kernels ask :func:`tiles_for` with their target's ISA name
 (``isa`` in tvm_kernels/variants.py) and test no ISA themselves; a new ISA (AMX) is a new entry
-here plus the kernels that use it (AVX512-BF16's: bf16_dot.py). The measurements behind each choice are in bench/NOTES.md.
+here plus the kernels that use it (AVX512-BF16's: bf16_dot.py). The measurements behind each
+choice are in bench/NOTES.md.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class Tiles:
     # bfloat16 band products (Q.K^T, probs.V, transposed) and fused attention through the CPU's
     # bfloat16 dot product (bf16_dot.py) instead of FMAs.
     bf16_dot: bool = False
+
+    def dot_product_for(self, dtype: str) -> bool:
+        """Whether ``dtype``'s kernels run on the bfloat16 dot product (bfloat16 where the ISA has it)."""
+        return self.bf16_dot and dtype == "bfloat16"
 
 
 # AVX-512 (32 zmm registers). Q.K^T 16 x 1: the tile then advances by exactly one key block, so
