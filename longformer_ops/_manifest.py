@@ -43,8 +43,17 @@ def default_prebuilt(package_dir: Path = PACKAGE_DIR) -> Path:
 
 
 def function_name(op: str, autoregressive: bool) -> str:
-    """Symbol under which a library exports ``op`` ('qk', 'pv', 'transposed'), e.g. ``qk_causal``."""
+    """Symbol under which a library exports band op ``op`` ('qk', 'pv', 'transposed'), e.g. ``qk_causal``."""
     return f"{op}_{'causal' if autoregressive else 'symmetric'}"
+
+
+# Ops without a band (no symmetric / causal pair): exported under their own name.
+UNBANDED_OPS = ("dropout",)
+
+
+def function_names(op: str) -> tuple[str, ...]:
+    """Every symbol a library exports for ``op``: a band op's two variants, an unbanded op's name."""
+    return (op,) if op in UNBANDED_OPS else (function_name(op, False), function_name(op, True))
 
 
 def file_sha256(path: Path) -> str:

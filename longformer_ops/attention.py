@@ -20,6 +20,7 @@ import torch
 
 from longformer_ops import checks, kernels
 from longformer_ops.diagonaled import band_softmax
+from longformer_ops.dropout import dropout_seed
 
 _ops = torch.ops.longformer_ops
 
@@ -65,7 +66,7 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         checks.check_out(out, tuple(q.shape), {"q": q, "k": k, "v": v})
     # (head_dim 0: the three steps, whose band of zero scores gives each row's log-sum-exp.)
     if q.shape[-1] > 0 and kernels.fused_attention_available(q.device, q.dtype, backward=needs_grad):
-        seed = _dropout_seed() if dropout_p > 0 else torch.zeros((), dtype=torch.int64)
+        seed = dropout_seed() if dropout_p > 0 else torch.zeros((), dtype=torch.int64)
         args = (q, k, v, key_padding_mask, seed, w, dilations, autoregressive, scale, dropout_p)
         if out is None:
             result, lse = _ops.attention(*args)
@@ -75,12 +76,6 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         result, lse = _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p, out,
                                    return_lse, needs_grad)
     return (result, lse) if return_lse else result
-
-
-def _dropout_seed() -> torch.Tensor:
-    """The fused kernels' dropout seed: one draw from torch's default generator per call with dropout,
-    as an int64 scalar tensor (the ops read its value; a Python int would be data-dependent under tracing)."""
-    return torch.randint(0, 2**31 - 1, ())
 
 
 def _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p, out, return_lse,

@@ -135,10 +135,10 @@ def check_key_padding_mask(key_padding_mask, like: torch.Tensor, like_name: str)
         raise ValueError(f"key_padding_mask must be on {like_name}'s device {like.device}, got {key_padding_mask.device}")
 
 
-def check_dropout_p(dropout_p) -> float:
-    """Validate an attention dropout probability; return it as a float."""
+def check_dropout_p(dropout_p, name: str = "dropout_p") -> float:
+    """Validate a dropout probability (the argument ``name``); return it as a float."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p <= 1:
-        raise ValueError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+        raise ValueError(f"{name} must be a probability in [0, 1], got {dropout_p!r}")
     return float(dropout_p)
 
 

@@ -19,6 +19,8 @@ already checked by the public functions in :mod:`longformer_ops.diagonaled` and
 - ``band_softmax_(band, key_padding_mask, w, dilation, autoregressive) -> lse`` (in place) and
   ``band_softmax_backward(...)``: the band softmax of the unfused path (CPU libraries), whose
   autograd is :class:`BandSoftmax` (an op that mutates cannot carry its own);
+- ``dropout(x, seed, p) -> out``: hidden-state dropout with the fused kernels' counter-based mask
+  (CPU libraries), its backward the same op on the gradient;
 - ``*_out`` variants of each forward op write into a given ``out`` (``mutates_args=("out",)``;
   not differentiable, as custom ops that mutate cannot have autograd).
 
@@ -35,8 +37,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from longformer_ops._loader import library_for
-from longformer_ops._manifest import function_name
+from longformer_ops._loader import KernelNotAvailableError, library_for
+from longformer_ops._manifest import function_name, function_names
 from longformer_ops._output_cache import new_output
 from longformer_ops.reference import band_width, fill_invalid_locations_
 
@@ -47,6 +49,8 @@ FUSED_BACKWARD = "attention_backward"
 # The band softmax's op names (tvm_kernels.variants.BAND_SOFTMAX).
 BAND_SOFTMAX = "softmax"
 BAND_SOFTMAX_BACKWARD = "softmax_backward"
+# Hidden-state dropout (tvm_kernels.variants.DROPOUT): one function, no band variants.
+DROPOUT = "dropout"
 
 
 # ----------------------------------------------------------------------------- helpers (eager only)
@@ -77,15 +81,15 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def has_kernels(device_type: str, dtype: torch.dtype, names: tuple[str, ...]) -> bool:
-    """Whether the library for (device, dtype) has the ops ``names`` (each symmetric and causal):
-    the fused local attention and the band softmax are in the CPU libraries only. Raises the
-    loader's error when there is no library at all.
+    """Whether the library for (device, dtype) has the ops ``names`` (band ops symmetric and causal):
+    the fused local attention, the band softmax and dropout are in the CPU libraries only. Raises
+    the loader's error when there is no library at all.
 
     A Python decision, made while tracing: under ``torch.compile`` it is evaluated once per
     (device, dtype, names) and its answer becomes part of the graph (see :func:`_kernels_decision`).
     """
     library = library_for(torch.device(device_type), str(dtype).removeprefix("torch."))
-    return all(library.has(function_name(name, autoregressive)) for name in names for autoregressive in (False, True))
+    return all(library.has(function) for name in names for function in function_names(name))
 
 
 # Dynamo must not trace the loader (file reads, dlopen): it calls this once, eagerly, and keeps the answer.
@@ -106,6 +110,23 @@ def fused_attention_available(device: torch.device, dtype: torch.dtype, backward
 def band_softmax_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the band softmax kernels (forward and backward) serve (device, dtype)."""
     return _kernels_available(device, dtype, (BAND_SOFTMAX, BAND_SOFTMAX_BACKWARD))
+
+
+def _has_dropout_kernel(device_type: str, dtype: torch.dtype) -> bool:
+    try:
+        return has_kernels(device_type, dtype, (DROPOUT,))
+    except KernelNotAvailableError:  # no library for (device, dtype): torch's dropout serves
+        return False
+
+
+_dropout_decision = torch.compiler.assume_constant_result(_has_dropout_kernel)
+
+
+def dropout_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a library for (device, dtype) has the dropout kernel (False, not an error, without one)."""
+    if torch.compiler.is_compiling():
+        return _dropout_decision(device.type, dtype)
+    return _has_dropout_kernel(device.type, dtype)
 
 
 def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: tuple[int, ...], autoregressive: bool,
@@ -393,6 +414,42 @@ class BandSoftmax(torch.autograd.Function):
         (probs,) = ctx.saved_tensors
         grad_scores = torch.ops.longformer_ops.band_softmax_backward(probs, grad, grad_lse, *ctx.band_config)
         return grad_scores, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- hidden dropout
+@torch.library.custom_op(f"{NAMESPACE}::dropout", mutates_args=())
+def dropout(x: Tensor, seed: Tensor, p: float) -> Tensor:
+    """``x`` times a factor per element, ``1 / (1 - p)`` (kept) or 0 (dropped), from the fused
+    attention's counter-based generator: ``x`` viewed as ``[rows, x.shape[-1]]``, element (r, c)
+    is kept as band column c of query row r of batch-head 0 would be (``seed`` an int64 scalar
+    tensor; ``reference.dropout_factor_reference``). A function of (seed, r, c): the backward
+    applies the same factors to the gradient, from the seed, with no mask kept."""
+    out = new_output(x, x.shape)
+    if out.numel() == 0:
+        return out
+    columns = x.shape[-1] if x.dim() else 1
+    with _on_device(x):
+        _library(x).function(DROPOUT)(x.contiguous().view(-1, columns), float(p), int(seed), out.view(-1, columns))
+    return out
+
+
+@dropout.register_fake
+def _(x, seed, p):
+    return x.new_empty(x.shape)
+
+
+def _save_dropout(ctx, inputs, output):
+    _, seed, p = inputs
+    ctx.save_for_backward(seed)
+    ctx.p = p
+
+
+def _dropout_backward(ctx, grad):
+    (seed,) = ctx.saved_tensors
+    return dropout(grad, seed, ctx.p), None, None
+
+
+dropout.register_autograd(_dropout_backward, setup_context=_save_dropout)
 
 
 # ----------------------------------------------------------------------------- autocast

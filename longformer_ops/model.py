@@ -20,6 +20,7 @@ from torch import nn
 
 from longformer_ops._output_cache import new_output
 from longformer_ops.config import AttentionMode, LongformerConfig
+from longformer_ops.dropout import Dropout
 from longformer_ops.layer import LongformerSelfAttention, PoolingformerSelfAttention
 
 _ACTIVATIONS = {  # Hugging Face's names (ACT2FN) -> a fresh module
@@ -56,7 +57,8 @@ class LongformerModelOutput:
 
 # --------------------------------------------------------------------------- embeddings
 class LongformerEmbeddings(nn.Module):
-    """Word + position + token-type embeddings, LayerNorm, dropout (RoBERTa's)."""
+    """Word + position + token-type embeddings, LayerNorm, dropout (RoBERTa's; hidden-state dropout
+    here and in the layers is :class:`longformer_ops.dropout.Dropout`, the kernels' own)."""
 
     def __init__(self, config: LongformerConfig):
         super().__init__()
@@ -64,7 +66,7 @@ class LongformerEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                 padding_idx=config.pad_token_id)
 
@@ -104,7 +106,7 @@ class _DenseResidualNorm(nn.Module):
         super().__init__()
         self.dense = nn.Linear(in_features, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         y = self.dropout(self.dense(h))

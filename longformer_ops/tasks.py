@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from longformer_ops.config import LongformerConfig
+from longformer_ops.dropout import Dropout
 from longformer_ops.model import LongformerModel, _PreTrained
 
 _IGNORE_INDEX = -100  # labels that do not count (torch's cross_entropy default, as in transformers)
@@ -152,7 +153,7 @@ class LongformerClassificationHead(nn.Module):
     def __init__(self, config: LongformerConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
 
     def forward(self, x):
@@ -217,7 +218,7 @@ class LongformerForTokenClassification(_PreTrained):
         self.config = config
         self.num_labels = config.num_labels
         self.longformer = LongformerModel(config, add_pooling_layer=False)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.apply(self._init_weights)
 
@@ -286,7 +287,7 @@ class LongformerForMultipleChoice(_PreTrained):
         super().__init__()
         self.config = config
         self.longformer = LongformerModel(config)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.apply(self._init_weights)
 

@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-import longformer_ops.attention as attention_module
 from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, assert_normwise_close, stable_seed
 from longformer_ops import _loader, kernels, sliding_window_attention
+from longformer_ops.dropout import dropout_seed
 from longformer_ops.reference import (band_width, diagonaled_mm_reference, dropout_factor_reference,
                                       sliding_window_attention_reference, sliding_window_lse_reference,
                                       sliding_window_probs_reference)
@@ -262,7 +262,7 @@ def _dropout_factor(dropout, shape, w, autoregressive):
     p, torch_seed = dropout
     torch.manual_seed(torch_seed)
     b, n, h, _ = shape
-    return dropout_factor_reference(int(attention_module._dropout_seed()), b, n, h, band_width(w, autoregressive), p)
+    return dropout_factor_reference(int(dropout_seed()), b, n, h, band_width(w, autoregressive), p)
 
 
 @pytest.mark.parametrize("with_grad", [False, True], ids=["fused", "autograd"])

@@ -119,7 +119,7 @@ def _band(seed, b, n, h, c, dtype):
 def _opcheck_cases(dtype, device="cpu"):
     """(op, args) for every op on awkward sizes: odd length, head_dim 40 (padded to 32's multiple),
     per-head dilation, window beyond the sequence, both modes. On CUDA the band ops only (its
-    libraries have no fused attention)."""
+    libraries have no fused attention, band softmax or dropout)."""
     cases = []
     for n, w, autoregressive in ((37, W, False), (9, 12, True)):
         q, k, v = (x.detach().to(device).requires_grad_() for x in _inputs(n, n, dtype=dtype))
@@ -151,6 +151,7 @@ def _opcheck_cases(dtype, device="cpu"):
         cases.append((ops.band_softmax_, (probs, mask, w, DILATION, autoregressive)))
         cases.append((ops.band_softmax_backward, (probs, torch.randn_like(probs), torch.randn_like(lse), w, DILATION,
                                                   autoregressive)))
+        cases.append((ops.dropout, (v, seed, 0.3)))
     return cases
 
 
@@ -170,7 +171,7 @@ def test_opcheck_every_op(dtype):
         torch.library.opcheck(op, args)
         names.add(op._qualified_op_name.split("::")[1])
     registered = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
-    assert names == registered and len(names) == 11, (names, registered)
+    assert names == registered and len(names) == 12, (names, registered)
 
 
 # ----------------------------------------------------------------------------- layer and model

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from longformer_ops import _manifest
 from tvm_kernels import variants
-from tvm_kernels.variants import function_name
+from tvm_kernels.variants import function_name, function_names
 
 HERE = Path(__file__).resolve().parent
 
@@ -64,6 +64,9 @@ def _compile_library(target: variants.KernelTarget, dtype: str, path: Path) -> N
     hand_written = getattr(schedules, "HAND_WRITTEN", {})  # ops whose kernel the module writes in TIR itself
     functions = {}
     for op in target.ops:
+        if op in _manifest.UNBANDED_OPS:  # no band, no variants: hand-written, (dtype, isa)
+            functions[op] = hand_written[op](dtype, target.isa).with_attr("global_symbol", op)
+            continue
         for autoregressive in (False, True):
             name = function_name(op, autoregressive)
             if op in hand_written:
@@ -145,7 +148,8 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
         if (target.name, dtype) not in stale:
             print(f"{label}: up to date", flush=True)
             continue
-        print(f"{label}: building {2 * len(target.ops)} functions for {target.tvm_target} ...", end="", flush=True)
+        names = [name for op in target.ops for name in function_names(op)]
+        print(f"{label}: building {len(names)} functions for {target.tvm_target} ...", end="", flush=True)
         started = time.perf_counter()
         path.parent.mkdir(parents=True, exist_ok=True)
         _compile_library(target, dtype, path)
@@ -154,7 +158,7 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
             "target": target.name,
             "device": target.device,
             "dtype": dtype,
-            "functions": [function_name(op, a) for op in target.ops for a in (False, True)],
+            "functions": names,
             # The schedule's contract on head_dim (its feature loops are split without a guard).
             "feature_multiple": _schedule_module(target).FEATURE_MULTIPLE,
             "preference": target.preference,

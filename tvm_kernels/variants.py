@@ -1,8 +1,8 @@
 """The table of what gets built: targets x dtypes, each one library of its target's ops.
 
-A library holds every (op, autoregressive) pair of its target's ops for one target and one dtype,
-named by :func:`function_name` (``qk_symmetric``,
-``pv_causal``, ...). Variants are chosen here, at build time, by name; no kernel
+A library holds every (op, autoregressive) pair of its target's band ops for one target and one
+dtype, named by :func:`function_name` (``qk_symmetric``, ``pv_causal``, ...), and its unbanded ops
+under their own names (``dropout``). Variants are chosen here, at build time, by name; no kernel
 switches behaviour on a runtime flag.
 
 This module must stay importable without TVM: the runtime reads the same names
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from longformer_ops._manifest import function_name  # noqa: F401  (the naming contract with the runtime)
+from longformer_ops._manifest import function_name, function_names  # noqa: F401  (the naming contract with the runtime)
 
 OPS = ("qk", "pv", "transposed")  # the three banded products, see tvm_kernels.compute
 # Fused local attention (qk, softmax, pv per tile, see tvm_kernels/schedules/cpu/attention.py) and its
@@ -25,6 +25,9 @@ FUSED_ATTENTION = ("attention", "attention_backward")
 # The band softmax of the unfused path (in place, with the invalid-location mask) and its backward.
 # CPU targets only; elsewhere the runtime masks and softmaxes with torch ops.
 BAND_SOFTMAX = ("softmax", "softmax_backward")
+# Hidden-state dropout with the fused attention's counter-based mask (schedules/cpu/dropout.py):
+# CPU targets only, where torch's own draws its mask on one thread; elsewhere torch's dropout.
+DROPOUT = ("dropout",)
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs
@@ -45,7 +48,7 @@ class KernelTarget:
     cpu_flags: tuple[str, ...] = ()
     cuda_archs: tuple[str, ...] = ()
     isa: str = ""                 # CPU instruction set the hand-written kernels tile for (schedules/cpu/tiles.py)
-    ops: tuple[str, ...] = OPS    # the functions built, each symmetric and causal
+    ops: tuple[str, ...] = OPS    # the functions built: band ops symmetric and causal (function_names)
     extra_sources: tuple[str, ...] = field(default=())
 
 
@@ -65,7 +68,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=1,
             cpu_flags=_V3_FLAGS,
             isa="avx2",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT,
         ),
         KernelTarget(
             name="cpu-avx512",
@@ -76,7 +79,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=2,
             cpu_flags=_V4_FLAGS,
             isa="avx512",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT,
         ),
         # bfloat16 only: what differs from cpu-avx512 is bfloat16 arithmetic (vdpbf16ps); the other
         # dtypes' libraries would be cpu-avx512's again.
@@ -89,7 +92,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=3,
             cpu_flags=_V4_FLAGS + ("avx512_bf16",),
             isa="avx512-bf16",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT,
         ),
         KernelTarget(
             name="cuda",

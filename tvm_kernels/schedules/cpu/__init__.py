@@ -40,6 +40,8 @@ micro-kernel (bench/NOTES.md has every variant measured):
   three products take two features (Q.K^T) or two keys (probs.V, transposed) per step with
   ``vdpbf16ps``, operands packed as 32-bit pairs (bf16_dot.py); so do the fused kernels' products
   (two in the forward, five in the backward), their probabilities and dS rounded to bfloat16.
+- dropout of hidden states: the attention dropout's counter-based mask over a ``[rows, cols]``
+  tensor in one vectorised pass (dropout.py).
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
 (feature loops run over whole vectors or register tiles; the runtime zero-pads,
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 from tvm_kernels.schedules.cpu.attention import attention, attention_backward
 from tvm_kernels.schedules.cpu.band_times_rows import pv, transposed
+from tvm_kernels.schedules.cpu.dropout import dropout
 from tvm_kernels.schedules.cpu.qk import qk
 from tvm_kernels.schedules.cpu.softmax import softmax, softmax_backward
 
@@ -61,4 +64,5 @@ FEATURE_MULTIPLE = 32  # head_dim: whole vectors for qk, whole 2-vector tiles fo
 PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 
 HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": attention,
-                "attention_backward": attention_backward, "softmax": softmax, "softmax_backward": softmax_backward}
+                "attention_backward": attention_backward, "softmax": softmax, "softmax_backward": softmax_backward,
+                "dropout": dropout}  # (dropout has no band: (dtype, isa), one function)
