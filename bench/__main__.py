@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from bench import methods, report
 from bench.machine import default_cpu_memory_budget_bytes, device_name, source_commit
-from bench.measure import GEMM, GEMM_FLOPS, GEMM_SIZE, Case, paired_ratio, probe_in_fresh_process, time_interleaved
+from bench.measure import (GEMM, GEMM_FLOPS, GEMM_SIZE, Case, gemm_key, paired_ratio, probe_in_fresh_process,
+                           time_interleaved)
 
 DILATED = "1,1,2,2,4,4,8,8,1,2,4,8"
 QUADRATIC = {"full", "sdpa"}  # time and memory grow with n^2
@@ -184,6 +185,10 @@ def _case_rows(case: Case, float32_case: Case | None, args, skipped: dict, sampl
         row.update(status="ok", reason="", time_ms=seconds * 1e3, gflops=flops / seconds / 1e9,
                    gemm_gflops=GEMM_FLOPS / statistics.median(samples[GEMM]) / 1e9,
                    gemm_share=flops / GEMM_FLOPS * paired_ratio(samples[GEMM], samples[(case, method)]))
+        if dtype != "float32" and gemm_key(dtype) in samples:  # the same dtype's GEMM, same rounds
+            row.update(dtype_gemm_gflops=GEMM_FLOPS / statistics.median(samples[gemm_key(dtype)]) / 1e9,
+                       dtype_gemm_share=flops / GEMM_FLOPS * paired_ratio(samples[gemm_key(dtype)],
+                                                                          samples[(case, method)]))
         if float32_case not in (None, case) and (float32_case, method) in samples:
             row["vs_float32"] = paired_ratio(samples[(case, method)], samples[(float32_case, method)])
         peak = None
@@ -217,7 +222,7 @@ def main(argv=None) -> int:
               if (set(_dilation_tuple(spec, args.heads)) == {1} or (op in args.dilated_ops and p in args.dilated_passes))
               and (p == "forward" or op in args.backward_ops)]
     print(f"device {device_name(args.device)}: {len(groups) * len(args.dtype)} cases x {len(args.seq_lens)} lengths x "
-          f"{len(args.methods)} methods, each case with a float32 GEMM ({GEMM_SIZE}^3) in its rounds", flush=True)
+          f"{len(args.methods)} methods, each case with a float32 GEMM ({GEMM_SIZE}^3) and one in its own dtype in its rounds", flush=True)
 
     rows = []
     last: dict[tuple, tuple] = {}  # (op, backward, dilation, dtype, method) -> last measured (seq_len, seconds, bytes)
@@ -254,7 +259,7 @@ def main(argv=None) -> int:
     header = (f"# {', '.join(args.ops)} on {device_name(args.device)}\n\n"
               f"Command: `{command}` (commit {commit}, {datetime.date.today()}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads). Reference: float32 torch.mm {GEMM_SIZE}^3 timed in the rounds of "
-              f"every case ({_gemm_range(rows)}). "
+              f"every case ({_gemm_range(rows)}), and torch.mm in each other dtype in the same rounds. "
               f"batch {args.batch}, {args.heads} heads of {args.head_dim}, one-sided window {args.window}, {', '.join(args.dtype)}.")
     stem.with_suffix(".md").write_text(report.markdown(rows, header))
     report.plot(rows, stem.with_suffix(".png"), report.plot_title(device_name(args.device), rows))

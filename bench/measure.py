@@ -51,11 +51,19 @@ GEMM_SIZE = 2048  # ~90 ms a call here, like the kernels; its rate matches 3072^
 GEMM_FLOPS = 2.0 * GEMM_SIZE**3
 
 
-def gemm_runner(device: str):
-    """One float32 GEMM, the practical ceiling the band products are compared with; into a
-    reused output, so that no page faults count against it."""
+def gemm_key(dtype: str) -> str:
+    """The samples' key of the GEMM in ``dtype``: :data:`GEMM` for float32 (every case's reference),
+    ``gemm-<dtype>`` for the others (each case's own dtype, timed in the same rounds too)."""
+    return GEMM if dtype == "float32" else f"{GEMM}-{dtype}"
+
+
+def gemm_runner(device: str, dtype: str = "float32"):
+    """One GEMM (float32: the practical ceiling the band products are compared with; a half type:
+    what the hardware's own GEMM does in that type); into a reused output, so that no page faults
+    count against it."""
     generator = torch.Generator().manual_seed(1)
-    a, b = (torch.randn(GEMM_SIZE, GEMM_SIZE, generator=generator).to(device) for _ in range(2))
+    a, b = (torch.randn(GEMM_SIZE, GEMM_SIZE, generator=generator).to(device=device, dtype=getattr(torch, dtype))
+            for _ in range(2))
     c = torch.mm(a, b)
     return lambda: torch.mm(a, b, out=c)
 
@@ -63,9 +71,10 @@ def gemm_runner(device: str):
 def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
                      expected_seconds: dict[tuple[Case, str], float] | None = None,
                      failures: dict[tuple[Case, str], str] | None = None) -> dict[object, list[float]]:
-    """Seconds per call of each (case, method) entry and of the reference GEMM (key :data:`GEMM`),
-    one per round (sample i of every entry from round i): warm-up, then ``repeats`` rounds of all
-    of them, each round in its own shuffled order (seeded).
+    """Seconds per call of each (case, method) entry and of the reference GEMM (key :data:`GEMM`;
+    and a GEMM in each other dtype of the entries, key :func:`gemm_key`), one per round (sample i of
+    every entry from round i): warm-up, then ``repeats`` rounds of all of them, each round in its
+    own shuffled order (seeded).
 
     Cases that differ only in dtype are meant to be timed together, in the same rounds: the
     dtype comparison then holds under the same machine conditions, as the methods' does, and
@@ -84,11 +93,12 @@ def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
     expected_seconds = expected_seconds or {}
     inputs = {case: case.inputs() for case in dict.fromkeys(case for case, _ in entries)}
     first = entries[0][0]
-    runs = {GEMM: (gemm_runner(first.device), ())}
+    runs = {gemm_key(dtype): (gemm_runner(first.device, dtype), ())
+            for dtype in dict.fromkeys(["float32", *(case.dtype for case, _ in entries)])}
     runs.update({(case, m): (methods.runner(case.op, m, inputs[case], case.window, case.dilation, case.backward),
                              inputs[case]) for case, m in entries})
     names = list(runs)
-    warm_up = [e for e in names if e == GEMM or e[1] in methods.COMPILES_PER_SHAPE or expected_seconds.get(e, 0.0) < 1.0]
+    warm_up = [e for e in names if isinstance(e, str) or e[1] in methods.COMPILES_PER_SHAPE or expected_seconds.get(e, 0.0) < 1.0]
     samples = {e: [] for e in names}
     order = random.Random(first.seq_len)
     for round_index in range(repeats + 1):

@@ -6,7 +6,8 @@ import csv
 from pathlib import Path
 
 COLUMNS = ["op", "pass", "method", "seq_len", "window", "dilation", "heads", "head_dim", "batch", "dtype", "device",
-           "time_ms", "vs_float32", "gflops", "gemm_gflops", "gemm_share", "peak_mib", "first_call_ms", "status", "reason"]
+           "time_ms", "vs_float32", "gflops", "gemm_gflops", "gemm_share", "dtype_gemm_gflops", "dtype_gemm_share",
+           "peak_mib", "first_call_ms", "status", "reason"]
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -63,6 +64,19 @@ def markdown(rows: list[dict], header: str) -> str:
                      if r["method"] == method and r["status"] == "ok"}
             lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {method} | "
                          + " | ".join(share.get(n, "") for n in lengths) + " |")
+    own = [r for r in rows if r.get("dtype_gemm_share") not in (None, "") and r["status"] == "ok"]
+    if own:
+        lines += ["", "### Share of the same dtype's GEMM", "",
+                  "The same useful GFLOP/s as a share of torch.mm in the case's own dtype (2048^3, timed in the same "
+                  "rounds; median of the per-round shares) and that GEMM's rate (median), per length:", "",
+                  "| op | pass | dilation | dtype | method | " + " | ".join(str(n) for n in lengths) + " |",
+                  "|---|---|---|---|---|" + "---:|" * len(lengths)]
+        for (op, pass_name, dilation, dtype), members in groups(own).items():
+            for method in dict.fromkeys(r["method"] for r in members):
+                share = {r["seq_len"]: f"{100 * r['dtype_gemm_share']:.0f}% of {r['dtype_gemm_gflops']:.0f}"
+                         for r in members if r["method"] == method}
+                lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {method} | "
+                             + " | ".join(share.get(n, "") for n in lengths) + " |")
     paired = [r for r in rows if r.get("vs_float32") not in (None, "") and r["dtype"] != "float32"]
     if paired:
         lines += ["", "### Against float32, round by round", "",
@@ -98,7 +112,8 @@ def read_csv(path: Path) -> list[dict]:
     """Rows of a results CSV with numbers as numbers (the inverse of write_csv)."""
     numeric = {"seq_len": int, "window": int, "heads": int, "head_dim": int, "batch": int, "time_ms": float,
                "vs_float32": float,
-               "gflops": float, "gemm_gflops": float, "gemm_share": float, "peak_mib": float, "first_call_ms": float}
+               "gflops": float, "gemm_gflops": float, "gemm_share": float, "dtype_gemm_gflops": float,
+               "dtype_gemm_share": float, "peak_mib": float, "first_call_ms": float}
     rows = []
     for raw in csv.DictReader(open(path)):
         rows.append({k: (numeric[k](v) if k in numeric and v != "" else v) for k, v in raw.items()})

@@ -117,8 +117,11 @@ def test_cli_times_several_dtypes_in_one_run(tmp_path):
     # One GEMM in the rounds of both dtypes: the dtype comparison holds under the same conditions.
     assert len({r["gemm_gflops"] for r in rows}) == 1
     assert all((r["vs_float32"] != "") == (r["dtype"] == "bfloat16") for r in rows)
+    # bfloat16 is also compared with a bfloat16 GEMM of the same rounds (one for both methods).
+    assert all((r["dtype_gemm_share"] != "") == (r["dtype"] == "bfloat16") for r in rows)
+    assert len({r["dtype_gemm_gflops"] for r in rows if r["dtype"] == "bfloat16"}) == 1
     table = (tmp_path / "dtypes.md").read_text()
-    assert "### Against float32, round by round" in table
+    assert "### Against float32, round by round" in table and "### Share of the same dtype's GEMM" in table
     assert "### qk_band, forward, dilation 1, float32" in table and "### qk_band, forward, dilation 1, bfloat16" in table
 
 
@@ -126,16 +129,17 @@ def test_cases_timed_together_share_every_round(monkeypatch):
     """time_interleaved runs each round over every (case, method) and the GEMM, shuffled per round."""
     calls = []
     monkeypatch.setattr(methods, "runner", lambda op, method, inputs, *rest: lambda: calls.append((inputs[0].dtype, method)))
-    monkeypatch.setattr(measure, "gemm_runner", lambda device: lambda: calls.append(measure.GEMM))
+    monkeypatch.setattr(measure, "gemm_runner", lambda device, dtype: lambda: calls.append(measure.gemm_key(dtype)))
     cases = [Case("qk_band", False, 64, 8, (1, 1), 2, 16, 1, dtype, "cpu") for dtype in ("float32", "bfloat16")]
     entries = [(case, m) for case in cases for m in ("tvm", "full")]
     samples = measure.time_interleaved(entries, repeats=4)
-    assert set(samples) == {measure.GEMM, *entries} and all(len(s) == 4 for s in samples.values())
-    per_round = len(entries) + 1
+    gemms = [measure.GEMM, "gemm-bfloat16"]  # float32's, every case's reference, and bfloat16's own
+    assert set(samples) == {*gemms, *entries} and all(len(s) == 4 for s in samples.values())
+    per_round = len(entries) + 2
     assert len(calls) == 5 * per_round  # the warm-up round, then 4
     rounds = [calls[i:i + per_round] for i in range(0, len(calls), per_round)]
     for order in rounds:
-        assert sorted(map(str, order)) == sorted(map(str, [measure.GEMM, *[(getattr(torch, c.dtype), m) for c, m in entries]]))
+        assert sorted(map(str, order)) == sorted(map(str, [*gemms, *[(getattr(torch, c.dtype), m) for c, m in entries]]))
     assert len({tuple(map(str, order)) for order in rounds}) > 1, "the order should change between rounds"
 
 
@@ -171,7 +175,7 @@ def test_paired_ratio_compares_round_by_round():
 def test_shares_and_dtype_ratios_are_taken_round_by_round(tmp_path, monkeypatch):
     """Round 2 is slow for everything timed in it; per-round ratios see through it."""
     def fake_rounds(entries, repeats, expected=None, failures=None):
-        samples = {measure.GEMM: [1.0, 10.0, 1.0]}
+        samples = {measure.GEMM: [1.0, 10.0, 1.0], "gemm-bfloat16": [0.5, 5.0, 0.5]}
         for case, method in entries:
             samples[(case, method)] = [0.5, 5.0, 5.0] if case.dtype == "bfloat16" else [1.0, 10.0, 10.0]
         return samples
@@ -185,6 +189,9 @@ def test_shares_and_dtype_ratios_are_taken_round_by_round(tmp_path, monkeypatch)
     assert float(rows["float32"]["gemm_share"]) == pytest.approx(flops / measure.GEMM_FLOPS)  # median of 1, 1, 0.1
     assert float(rows["bfloat16"]["vs_float32"]) == pytest.approx(0.5)
     assert rows["float32"]["vs_float32"] == ""
+    # bfloat16 against its own GEMM, round by round: 0.5/0.5, 5/5, 0.5/5 -> median 1 (x flops / GEMM flops)
+    assert float(rows["bfloat16"]["dtype_gemm_share"]) == pytest.approx(flops / measure.GEMM_FLOPS)
+    assert rows["float32"]["dtype_gemm_share"] == ""
 
 
 def test_cli_runs_the_layer_op(tmp_path):
