@@ -268,7 +268,9 @@ def main(argv=None) -> int:
 
 
 # Environment variables that change what the bench measures (threads, kernels, the allocator).
-_RECORDED_ENV_PREFIXES = ("LONGFORMER_OPS_", "GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD", "OMP_", "TVM_NUM_THREADS")
+# (MKL_ and ONEDNN_: an instruction-set cap on the reference GEMMs, e.g. to stand in for an AVX2 CPU.)
+_RECORDED_ENV_PREFIXES = ("LONGFORMER_OPS_", "GLIBC_TUNABLES", "MALLOC_", "LD_PRELOAD", "OMP_", "TVM_NUM_THREADS", "MKL_",
+                          "ONEDNN_")
 
 
 def command_line(argv: list[str]) -> str:
