@@ -259,7 +259,8 @@ def main(argv=None) -> int:
     header = (f"# {', '.join(args.ops)} on {device_name(args.device)}\n\n"
               f"Command: `{command}` (commit {commit}, {datetime.date.today()}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads). Reference: float32 torch.mm {GEMM_SIZE}^3 timed in the rounds of "
-              f"every case ({_gemm_range(rows)}), and torch.mm in each other dtype in the same rounds. "
+              f"every case ({_gemm_range(rows)})"
+              + "".join(f", and torch.mm in {d} in the same rounds" for d in args.dtype if d != "float32") + ". "
               f"batch {args.batch}, {args.heads} heads of {args.head_dim}, one-sided window {args.window}, {', '.join(args.dtype)}.")
     stem.with_suffix(".md").write_text(report.markdown(rows, header))
     report.plot(rows, stem.with_suffix(".png"), report.plot_title(device_name(args.device), rows))
