@@ -37,6 +37,18 @@ def groups(rows: list[dict]):
     return grouped
 
 
+def _per_length_table(rows: list[dict], lengths: list[int], cell) -> list[str]:
+    """Markdown rows: one line per (op, pass, dilation, dtype, method) of ``rows``, ``cell(row)`` per length."""
+    lines = ["| op | pass | dilation | dtype | method | " + " | ".join(str(n) for n in lengths) + " |",
+             "|---|---|---|---|---|" + "---:|" * len(lengths)]
+    for (op, pass_name, dilation, dtype), members in groups(rows).items():
+        for method in dict.fromkeys(r["method"] for r in members):
+            by_length = {r["seq_len"]: cell(r) for r in members if r["method"] == method}
+            lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {method} | "
+                         + " | ".join(by_length.get(n, "") for n in lengths) + " |")
+    return lines
+
+
 def markdown(rows: list[dict], header: str) -> str:
     lines = [header, ""]
     for (op, pass_name, dilation, dtype), members in groups(rows).items():
@@ -56,40 +68,21 @@ def markdown(rows: list[dict], header: str) -> str:
               "2 b n hidden^2 projections; x3 with backward) "
               "as a share of the float32 GEMM timed in the same rounds (median of the per-round shares), per length:", ""]
     lengths = sorted({r["seq_len"] for r in rows if r["status"] == "ok"})
-    lines += ["| op | pass | dilation | dtype | method | " + " | ".join(str(n) for n in lengths) + " |",
-              "|---|---|---|---|---|" + "---:|" * len(lengths)]
-    for (op, pass_name, dilation, dtype), members in groups(rows).items():
-        for method in dict.fromkeys(r["method"] for r in members if r["status"] == "ok"):
-            share = {r["seq_len"]: f"{100 * r['gemm_share']:.0f}%" for r in members
-                     if r["method"] == method and r["status"] == "ok"}
-            lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {method} | "
-                         + " | ".join(share.get(n, "") for n in lengths) + " |")
-    own = [r for r in rows if r.get("dtype_gemm_share") not in (None, "") and r["status"] == "ok"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    lines += _per_length_table(ok, lengths, lambda r: f"{100 * r['gemm_share']:.0f}%")
+    own = [r for r in ok if r.get("dtype_gemm_share") not in (None, "")]
     if own:
         lines += ["", "### Share of the same dtype's GEMM", "",
                   "The same useful GFLOP/s as a share of torch.mm in the case's own dtype (2048^3, timed in the same "
-                  "rounds; median of the per-round shares) and that GEMM's rate (median), per length:", "",
-                  "| op | pass | dilation | dtype | method | " + " | ".join(str(n) for n in lengths) + " |",
-                  "|---|---|---|---|---|" + "---:|" * len(lengths)]
-        for (op, pass_name, dilation, dtype), members in groups(own).items():
-            for method in dict.fromkeys(r["method"] for r in members):
-                share = {r["seq_len"]: f"{100 * r['dtype_gemm_share']:.0f}% of {r['dtype_gemm_gflops']:.0f}"
-                         for r in members if r["method"] == method}
-                lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {method} | "
-                             + " | ".join(share.get(n, "") for n in lengths) + " |")
+                  "rounds; median of the per-round shares) and that GEMM's rate (median), per length:", ""]
+        lines += _per_length_table(own, lengths, lambda r: f"{100 * r['dtype_gemm_share']:.0f}% of {r['dtype_gemm_gflops']:.0f}")
     paired = [r for r in rows if r.get("vs_float32") not in (None, "") and r["dtype"] != "float32"]
     if paired:
         lines += ["", "### Against float32, round by round", "",
                   "Time per call over float32's time in the same round (the same method and case), median over the "
                   "rounds; under 1: faster than float32. Unlike the ratio of two medians, this holds when the machine "
-                  "changes speed between rounds:", "",
-                  "| op | pass | dilation | dtype | method | " + " | ".join(str(n) for n in lengths) + " |",
-                  "|---|---|---|---|---|" + "---:|" * len(lengths)]
-        for (op, pass_name, dilation, dtype), members in groups(paired).items():
-            for method in dict.fromkeys(r["method"] for r in members):
-                ratio = {r["seq_len"]: f"{r['vs_float32']:.2f}" for r in members if r["method"] == method}
-                lines.append(f"| {op} | {pass_name} | {dilation} | {dtype} | {method} | "
-                             + " | ".join(ratio.get(n, "") for n in lengths) + " |")
+                  "changes speed between rounds:", ""]
+        lines += _per_length_table(paired, lengths, lambda r: f"{r['vs_float32']:.2f}")
     lines += ["", "### Rates and first calls", "",
               "Useful GFLOP/s and the GEMM rate of the same rounds (medians), the share (median of the per-round shares), and the first call in a fresh process "
               "(library load or compilation included), at the largest length every listed method ran:", "",
