@@ -182,13 +182,14 @@ def _case_rows(case: Case, float32_case: Case | None, args, skipped: dict, sampl
             rows.append(dict(row, status="skipped", reason=reason))
             continue
         seconds = statistics.median(samples[(case, method)])
-        row.update(status="ok", reason="", time_ms=seconds * 1e3, gflops=flops / seconds / 1e9,
-                   gemm_gflops=GEMM_FLOPS / statistics.median(samples[GEMM]) / 1e9,
-                   gemm_share=flops / GEMM_FLOPS * paired_ratio(samples[GEMM], samples[(case, method)]))
+        def against(gemm: str) -> tuple[float, float]:  # a GEMM's rate, and this entry's share of it
+            return (GEMM_FLOPS / statistics.median(samples[gemm]) / 1e9,
+                    flops / GEMM_FLOPS * paired_ratio(samples[gemm], samples[(case, method)]))
+
+        row.update(status="ok", reason="", time_ms=seconds * 1e3, gflops=flops / seconds / 1e9)
+        row["gemm_gflops"], row["gemm_share"] = against(GEMM)
         if dtype != "float32" and gemm_key(dtype) in samples:  # the same dtype's GEMM, same rounds
-            row.update(dtype_gemm_gflops=GEMM_FLOPS / statistics.median(samples[gemm_key(dtype)]) / 1e9,
-                       dtype_gemm_share=flops / GEMM_FLOPS * paired_ratio(samples[gemm_key(dtype)],
-                                                                          samples[(case, method)]))
+            row["dtype_gemm_gflops"], row["dtype_gemm_share"] = against(gemm_key(dtype))
         if float32_case not in (None, case) and (float32_case, method) in samples:
             row["vs_float32"] = paired_ratio(samples[(case, method)], samples[(float32_case, method)])
         peak = None
@@ -222,7 +223,8 @@ def main(argv=None) -> int:
               if (set(_dilation_tuple(spec, args.heads)) == {1} or (op in args.dilated_ops and p in args.dilated_passes))
               and (p == "forward" or op in args.backward_ops)]
     print(f"device {device_name(args.device)}: {len(groups) * len(args.dtype)} cases x {len(args.seq_lens)} lengths x "
-          f"{len(args.methods)} methods, each case with a float32 GEMM ({GEMM_SIZE}^3) and one in its own dtype in its rounds", flush=True)
+          f"{len(args.methods)} methods, each case with a float32 GEMM ({GEMM_SIZE}^3)"
+          + (" and one in its own dtype" if set(args.dtype) - {"float32"} else "") + " in its rounds", flush=True)
 
     rows = []
     last: dict[tuple, tuple] = {}  # (op, backward, dilation, dtype, method) -> last measured (seq_len, seconds, bytes)

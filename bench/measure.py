@@ -58,7 +58,7 @@ def gemm_key(dtype: str) -> str:
 
 
 def gemm_runner(device: str, dtype: str = "float32"):
-    """One GEMM (float32: the practical ceiling the band products are compared with; a half type:
+    """One GEMM (float32: the practical ceiling the band products are compared with; another dtype:
     what the hardware's own GEMM does in that type); into a reused output, so that no page faults
     count against it."""
     generator = torch.Generator().manual_seed(1)

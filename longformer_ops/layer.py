@@ -206,17 +206,12 @@ class LongformerSelfAttention(nn.Module):
         over their sum (m any finite shift: the row's largest term). Differentiable, and no NaN for a
         row that sees no global key (or no key at all: its weights stay 0). ``context`` had its
         dropout in the kernel; the global columns get theirs here (the sum is of undropped terms)."""
-        acc = lse.dtype
-        scores = self._global_key_scores(q, k, globals_, hidden_score=float("-inf")).to(acc)  # [b, n, h, g]
+        scores = self._global_key_scores(q, k, globals_, hidden_score=float("-inf")).to(lse.dtype)  # [b, n, h, g]
         if torch.is_grad_enabled():
             keep = nn.functional.dropout(torch.ones_like(scores), dropout_p) if dropout_p > 0 else None
             return _GlobalKeyMerge.apply(context, lse, scores, globals_.gather(v), keep)
         # Inference: the same operations in place, in the input dtype: one temporary.
-        shift = torch.maximum(lse, scores.amax(-1))                                          # [b, n, h]
-        shift = shift.masked_fill(shift == float("-inf"), 0)
-        band_weight = torch.exp(lse - shift)
-        global_weights = torch.exp(scores - shift[..., None])
-        total = (band_weight + global_weights.sum(-1)).clamp_min(torch.finfo(acc).tiny)
+        band_weight, global_weights, total = _merge_weights(lse, scores)
         dropped = nn.functional.dropout(global_weights, dropout_p, training=dropout_p > 0)
         merged = torch.einsum("bnhg,bghd->bnhd", dropped.to(v.dtype), globals_.gather(v))
         merged.add_(context.mul_(band_weight.to(context.dtype)[..., None]))
@@ -399,6 +394,17 @@ class PoolingformerSelfAttention(LongformerSelfAttention):
         return z if is_padding is None else z.masked_fill(is_padding[..., None], 0)
 
 
+def _merge_weights(lse: torch.Tensor, scores: torch.Tensor):
+    """The global-key merge's weights: the band part's exp(lse - m) ``[b, n, h]``, each global key's
+    exp(score - m) ``[b, n, h, g]`` and their sum Z (clamped above 0), m each row's largest term (0
+    for a row with no key: no NaN from -inf - -inf)."""
+    shift = torch.maximum(lse, scores.amax(-1))
+    shift = shift.masked_fill(shift == float("-inf"), 0)
+    band_weight = torch.exp(lse - shift)
+    global_weights = torch.exp(scores - shift[..., None])
+    total = (band_weight + global_weights.sum(-1)).clamp_min(torch.finfo(lse.dtype).tiny)
+    return band_weight, global_weights, total
+
 class _GlobalKeyMerge(torch.autograd.Function):
     """The training form of :meth:`LongformerSelfAttention._merge_global_keys`, with a backward of its
     own: ``apply(context [b, n, h, d], lse [b, n, h], scores [b, n, h, g], values [b, g, h, d], keep)``
@@ -415,11 +421,7 @@ class _GlobalKeyMerge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, context, lse, scores, values, keep):
-        shift = torch.maximum(lse, scores.amax(-1))
-        shift = shift.masked_fill(shift == float("-inf"), 0)  # a row with no key: no NaN from -inf - -inf
-        band_weight = torch.exp(lse - shift)                                   # [b, n, h]
-        global_weights = torch.exp(scores - shift[..., None])                  # [b, n, h, g]
-        total = (band_weight + global_weights.sum(-1)).clamp_min(torch.finfo(lse.dtype).tiny)
+        band_weight, global_weights, total = _merge_weights(lse, scores)
         a = band_weight / total
         omega = (global_weights if keep is None else global_weights * keep) / total[..., None]
         out = torch.einsum("bnhg,bghd->bnhd", omega, values.to(lse.dtype))
