@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 import subprocess
 import sys
@@ -93,3 +95,39 @@ def test_fused_backward_refuses_tiles_that_would_drop_keys_or_rows(change, messa
         "    print(error)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=_manifest.REPO_ROOT)
     assert run.returncode == 0 and message in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("data, bound", [
+    ("float32", 2 * 2.0 ** -24),                      # within 2 units of float32's roundoff
+    ("half", torch.finfo(torch.float16).eps / 2 / 100),  # 1/100 of float16's (the finer half type)
+])
+def test_exp_polynomials_are_accurate_for_their_data(data, bound):
+    """The CPU kernels' exp(t) polynomials (``microkernels._exp``), evaluated as the kernels do (Horner
+    in float32) over the reduced range [-ln2/2, ln2/2]: float32 data's within 2 ulp of float32, the
+    half types' (degree 4, results rounded to bfloat16 or float16) far below float16's roundoff.
+    (Coefficients read in a fresh process: the TVM compiler must not share one with the runtime.)"""
+    code = ("import importlib, json\n"
+            "m = importlib.import_module('tvm_kernels.schedules.cpu.microkernels')\n"
+            f"print(json.dumps(m._EXP_{data.upper()}))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=_manifest.REPO_ROOT)
+    assert run.returncode == 0, run.stderr
+    coefficients = json.loads(run.stdout)
+    t = torch.linspace(-math.log(2) / 2, math.log(2) / 2, 200_001, dtype=torch.float32)
+    poly = torch.full_like(t, coefficients[0])
+    for c in coefficients[1:]:
+        poly = poly * t + torch.tensor(c, dtype=torch.float32)
+    relative = (poly.double() / t.double().exp() - 1).abs().max().item()
+    assert relative <= bound, f"{data}: exp polynomial relative error {relative:.3g} > {bound:.3g}"
+
+
+def test_build_shows_the_message_of_a_kernel_source_error():
+    """A TVMScript error in a kernel source reaches the console: TVM's excepthook would print only a
+    note about TVM_BACKTRACE for it."""
+    code = ("import sys, tvm\n"
+            "from tvm_kernels import build\n"
+            "def broken(*args):\n"
+            "    raise tvm.error.DiagnosticError('error: helper() missing 1 required positional argument')\n"
+            "build.build = broken\n"
+            "sys.exit(build.main(['--targets', 'cpu-avx2']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=_manifest.REPO_ROOT)
+    assert run.returncode == 1 and "helper() missing 1 required positional argument" in run.stderr, run.stdout + run.stderr

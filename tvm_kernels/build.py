@@ -214,7 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [t for t in targets if t not in variants.TARGETS]
     if unknown:
         parser.error(f"unknown target(s) {unknown}; known: {list(variants.TARGETS)}")
-    build(targets, args.dtypes.split(",") if args.dtypes else None, args.out, args.force)
+    try:
+        build(targets, args.dtypes.split(",") if args.dtypes else None, args.out, args.force)
+    except Exception as error:
+        # TVM's excepthook prints only "note: run with TVM_BACKTRACE=1" for a TVMScript parse error
+        # (it expects the diagnostic rendered already; in TVM 0.27 it lives only in the exception).
+        if type(error).__name__ != "DiagnosticError":
+            raise
+        print(f"\n{error}", file=sys.stderr)
+        return 1
     return 0
 
 

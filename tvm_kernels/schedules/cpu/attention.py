@@ -15,10 +15,16 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _fill_residue_major,
     _fill_run,
     _pack_operands,
+    _prefetch_next_tile,
     _zero_tile,
 )
 from tvm_kernels.schedules.cpu import bf16_dot
 from tvm_kernels.schedules.cpu.tiles import tiles_for
+
+# Input dtypes whose results (context, gradients) are rounded to a half type: their softmax's exp
+# needs only the cheaper polynomial (microkernels._exp). The log-sum-exp stays float32 but is
+# accurate to the input type, as its scores are.
+_HALF_TYPES = ("float16", "bfloat16")
 
 
 @T.macro
@@ -144,7 +150,7 @@ def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin
 
 @T.macro
 def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin, end, tile_blocks, rows, cols, lanes,
-                            acc_dtype, minus_inf):
+                            acc_dtype, dtype, minus_inf):
     """Each row, over the tile's computed blocks: -inf at its invalid and out-of-band columns (exp
     gives exactly 0 there), then exp(score - row max) in place, 1 / their sum, and the row's
     log-sum-exp of the scores (-inf for a row with no key)."""
@@ -164,7 +170,8 @@ def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin
             partial[lane] = T.Cast(acc_dtype, 0)
         for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
-                scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype)
+                scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype,
+                                                                 dtype in _HALF_TYPES)
                 partial[lane] = partial[lane] + scores[r, vector * T.int64(lanes) + lane]
         reciprocal[r] = T.Cast(acc_dtype, 0)
         for lane in range(lanes):
@@ -174,7 +181,7 @@ def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin
 
 
 @T.macro
-def _attention_tile_probs(scores, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, minus_inf):
+def _attention_tile_probs(scores, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, dtype, minus_inf):
     """The backward's P from the forward's log-sum-exp, in place over the tile's computed blocks:
     exp(score - lse) at each row's valid columns, exactly 0 elsewhere (-inf first) and in rows with
     no key (lse -inf) or past the end (no valid column)."""
@@ -183,7 +190,8 @@ def _attention_tile_probs(scores, lse, query, begin, end, b, h, tile_blocks, row
         row_lse: T.let = T.Select(lse[b, query[r], h] == minus_inf, T.Cast(acc_dtype, 0), lse[b, query[r], h])
         for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
-                scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_lse, acc_dtype)
+                scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_lse, acc_dtype,
+                                                                 dtype in _HALF_TYPES)
 
 
 @T.macro
@@ -362,6 +370,7 @@ def attention(dtype: str, autoregressive: bool, isa: str):
                 block0: T.let = first // T.int64(cols)
                 base: T.let = first - block0 * T.int64(cols)  # scores column of row 0's band column 0
                 _attention_tile_bounds(query, begin, end, row_of, n, p0, w, d, band, base, rows)
+                _prefetch_next_tile(q, b, row_of, p0, rows, n, h, head_dim, per_line)
                 if dot:
                     bf16_dot.copy_word_rows(queries, query_words, query, b, h, head_dim, rows)
                 else:
@@ -370,7 +379,7 @@ def attention(dtype: str, autoregressive: bool, isa: str):
                 _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, rows, cols,
                                        acc_dtype, True, dot, scale)
                 _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, tile_blocks, rows, cols,
-                                        lanes, acc_dtype, minus_inf)
+                                        lanes, acc_dtype, dtype, minus_inf)
                 for r in range(rows):
                     if p0 + T.int64(r) < n:
                         lse[b, query[r], h] = log_sum[r]
@@ -518,6 +527,9 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                 block0: T.let = first // T.int64(cols)
                 base: T.let = first - block0 * T.int64(cols)
                 _attention_tile_bounds(query, begin, end, row_of, n, p0, w, d, band, base, rows)
+                _prefetch_next_tile(q, b, row_of, p0, rows, n, h, head_dim, per_line)
+                _prefetch_next_tile(grad, b, row_of, p0, rows, n, h, head_dim, per_line)
+                _prefetch_next_tile(out, b, row_of, p0, rows, n, h, head_dim, per_line)
                 if dot:
                     bf16_dot.copy_word_rows(queries, query_words, query, b, h, head_dim, rows)
                     bf16_dot.copy_row_pairs(query_pairs, query_bits, query, b, h, head_dim, rows)
@@ -528,7 +540,8 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                 width: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols)
                 _attention_tile_scores(probs, acc, queries, keys_k, biases, block0, tile_blocks, head_dim, rows, qk_rows, cols,
                                        acc_dtype, True, dot, scale)
-                _attention_tile_probs(probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, minus_inf)
+                _attention_tile_probs(probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, dtype,
+                                      minus_inf)
                 _attention_tile_operand(grad_rows, grad, query, b, h, head_dim, T.float64(1), rows, lanes, acc_dtype)
                 _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows,
                                        lanes, acc_dtype)

@@ -34,6 +34,15 @@ def _prefetch_row(x, b, row, h, length, per_line):
 
 
 @T.macro
+def _prefetch_next_tile(x, b, row_of, p0, rows, n, h, length, per_line):
+    """Ask for the rows of x that the next tile of ``rows`` (packed rows p0 + rows ..) reads: they
+    lie heads * head_dim elements apart, a new 4 KiB page every row or two, where hardware
+    prefetchers stop (the fused kernels' Q, dO and O rows)."""
+    for r in range(rows):
+        _prefetch_row(x, b, row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))], h, length, per_line)
+
+
+@T.macro
 def _zero_tile(acc, rows, cols, acc_dtype):
     for r in T.unroll(rows):
         for lane in T.vectorized(cols):
@@ -164,23 +173,32 @@ def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, r
 
 # exp on [-inf, 0] for the fused softmax, vectorisable: TVM lowers ``T.exp`` to one scalar ``expf``
 # call per lane. exp(x) = 2^m * exp(t), m = round(x / ln 2), t = x - m ln 2 in [-ln2/2, ln2/2]
-# (ln 2 split in two constants so that t keeps float32 precision), exp(t) by its degree-7
-# Taylor polynomial (relative error < 1e-8 there), 2^m built in the exponent bits. Inputs are
-# clamped at -127 ln 2, where m = -127 makes those bits 0: exp(-inf) = 0 exactly, and results
-# below float32's smallest normal number (x < -87.7) flush to 0.
+# (ln 2 split in two constants so that t keeps float32 precision), exp(t) by a polynomial, 2^m
+# built in the exponent bits. Inputs are clamped at -127 ln 2, where m = -127 makes those bits 0:
+# exp(-inf) = 0 exactly, and results below float32's smallest normal number (x < -87.7) flush to 0.
 _LOG2E = 1.4426950408889634
 _LN2_HIGH = 0.693145751953125  # few mantissa bits: m * _LN2_HIGH is exact in float32
 _LN2_LOW = 1.4286068203094172e-06
+# exp(t)'s polynomial, highest degree first. By default the degree-7 Taylor polynomial, within 1.5
+# ulp of float32 in float32 arithmetic. Where everything derived from exp is rounded to bfloat16 or
+# float16 (the fused attention's half-type kernels) a degree-4 minimax fit of the relative error,
+# 2.7e-6 (1/180 of float16's unit roundoff, 1/1400 of bfloat16's), three FMAs fewer per vector: the
+# polynomial was about a third of those kernels' exp.
+_EXP_FLOAT32 = tuple(1.0 / k for k in (5040, 720, 120, 24, 6, 2, 1, 1))
+_EXP_HALF = (0.0414586067199707, 0.16790907084941864, 0.5000435709953308, 0.9999634027481079, 0.9999992847442627)
 
 
-def _exp(x, acc_dtype):
-    """The expression exp(x) for x <= 0 (a plain Python helper building the expression)."""
+def _exp(x, acc_dtype, half_results: bool = False):
+    """The expression exp(x) for x <= 0 (a plain Python helper building the expression);
+    ``half_results``: the caller rounds what it computes from it to a half type (the cheaper
+    polynomial above)."""
     if acc_dtype == "float64":  # no speed goal for float64: the library's exp, exactly rounded
         return T.exp(x)
     x = T.max(x, T.float32(-127 * 0.6931471805599453))
     m = T.floor(x * T.float32(_LOG2E) + T.float32(0.5))
     t = x - m * T.float32(_LN2_HIGH) - m * T.float32(_LN2_LOW)
-    poly = T.float32(1.0 / 5040)
-    for k in (720, 120, 24, 6, 2, 1, 1):
-        poly = poly * t + T.float32(1.0 / k)
+    coefficients = _EXP_HALF if half_results else _EXP_FLOAT32
+    poly = T.float32(coefficients[0])
+    for c in coefficients[1:]:
+        poly = poly * t + T.float32(c)
     return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", m) + T.int32(127), T.int32(23)))
