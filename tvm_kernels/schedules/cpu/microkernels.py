@@ -132,6 +132,45 @@ def _fill_residue_major(row_of, n, d):
         start[0] = start[0] + (n - residue + d - T.int64(1)) // d
 
 
+def _butterfly_indices(size: int, step: int, high: bool) -> list:
+    """One round of a size x size transpose: the lanes of rows i and i + step (step a power of two,
+    bit ``step`` of i clear) that go to row i (``high`` False) or i + step, as indices into the
+    pair's concatenation. After the rounds for size/2, ..., 2, 1, row i holds the old column i."""
+    if high:
+        return [j + step if j & step == 0 else size + j for j in range(size)]
+    return [j if j & step == 0 else size + j - step for j in range(size)]
+
+
+@T.macro
+def _butterfly(source, target, size, step):
+    for k in T.unroll(size // 2):
+        # rows i and i + step, i = the k-th row with bit ``step`` clear
+        target[k // step * (2 * step) + k % step, T.Ramp(0, 1, size)] = T.Shuffle(
+            [source[k // step * (2 * step) + k % step, T.Ramp(0, 1, size)],
+             source[k // step * (2 * step) + k % step + step, T.Ramp(0, 1, size)]], _butterfly_indices(size, step, False))
+        target[k // step * (2 * step) + k % step + step, T.Ramp(0, 1, size)] = T.Shuffle(
+            [source[k // step * (2 * step) + k % step, T.Ramp(0, 1, size)],
+             source[k // step * (2 * step) + k % step + step, T.Ramp(0, 1, size)]], _butterfly_indices(size, step, True))
+
+
+@T.macro
+def _transpose_square(tile, scratch, size):
+    """tile = tile^T for a size x size tile (8 or 16: a vector per row), through ``scratch``: log2(size)
+    rounds of two-row shuffles (64 for 16 x 16, where gathering the columns took 256 loads and
+    inserts)."""
+    if size == 16:
+        _butterfly(tile, scratch, 16, 8)
+        _butterfly(scratch, tile, 16, 4)
+        _butterfly(tile, scratch, 16, 2)
+        _butterfly(scratch, tile, 16, 1)
+    else:
+        _butterfly(tile, scratch, 8, 4)
+        _butterfly(scratch, tile, 8, 2)
+        _butterfly(tile, scratch, 8, 1)
+        for r in T.unroll(8):
+            tile[r, T.Ramp(0, 1, 8)] = scratch[r, T.Ramp(0, 1, 8)]
+
+
 @T.macro
 def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, row_of, block_keys, b, h, n,
                              head_dim, margin, blocks, cols, lanes, per_line, acc_dtype, with_bias, with_values):
@@ -139,6 +178,7 @@ def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, r
     keys in blocks of ``cols``, feature-major (the Q.K^T micro-kernel's layout: Q.K^T and the fused
     kernels), with_values the values as rows (probs.V's layout), and with_bias the keys' score
     biases, at the same packed columns. ``key_tile``: scratch of ``cols x lanes``."""
+    key_scratch = T.alloc_local((cols, lanes), key_tile.dtype, annotations=_ON_STACK)  # (square tiles)
     for block in range(blocks):
         for lane in range(T.int64(cols)):
             p: T.let = block * T.int64(cols) + lane - margin  # packed position
@@ -156,9 +196,15 @@ def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, r
                     key_tile[lane, f] = T.Select(
                         block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
                         T.Cast(acc_dtype, t_keys[b, block_keys[lane], h, chunk * T.int64(lanes) + f]), T.Cast(acc_dtype, 0))
-            for f in range(lanes):
-                for lane in T.vectorized(cols):
-                    keys[block, chunk * T.int64(lanes) + T.int64(f), lane] = key_tile[lane, f]
+            if cols == lanes:  # square: in registers, log2(lanes) rounds of shuffles
+                _transpose_square(key_tile, key_scratch, lanes)
+                for f in T.unroll(lanes):
+                    for lane in T.vectorized(cols):
+                        keys[block, chunk * T.int64(lanes) + T.int64(f), lane] = key_tile[f, lane]
+            else:  # a strided gather from the tile: a load and an insert per element
+                for f in range(lanes):
+                    for lane in T.vectorized(cols):
+                        keys[block, chunk * T.int64(lanes) + T.int64(f), lane] = key_tile[lane, f]
         for lane in range(T.int64(cols)):
             inside: T.let = block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n
             if with_values:
