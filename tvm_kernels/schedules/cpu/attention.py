@@ -14,8 +14,10 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _exp,
     _fill_residue_major,
     _fill_run,
+    _ROWS_AHEAD,
     _pack_operands,
     _prefetch_next_tile,
+    _prefetch_row,
     _zero_tile,
 )
 from tvm_kernels.schedules.cpu import bf16_dot
@@ -584,6 +586,9 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                     _accumulate_keys(total_k, grads, queries, block0 * T.int64(cols), start, width, head_dim, rows,
                                      keys_per_update, features, key_acc, acc_dtype, False)
             for p in range(n):
+                # The rows written _ROWS_AHEAD steps later (a new page every row or two).
+                _prefetch_row(grad_k, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line, 1)
+                _prefetch_row(grad_v, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line, 1)
                 for vector in range(head_dim // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
                         # (The dot product's dK sums unscaled queries: scaled here.)

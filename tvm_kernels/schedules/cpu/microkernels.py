@@ -20,17 +20,18 @@ _ROWS_AHEAD = 8
 
 
 @T.macro
-def _prefetch_line(x, b, row, h, column):
-    """Ask for the cache line of x[b, row, h, column] (a hint: no fault, no effect on results)."""
+def _prefetch_line(x, b, row, h, column, write=0):
+    """Ask for the cache line of x[b, row, h, column] (a hint: no fault, no effect on results);
+    ``write``: 1 where it is to be written."""
     T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[b, row, h, column]),
-                                  T.int32(0), T.int32(3), T.int32(1)))
+                                  T.int32(write), T.int32(3), T.int32(1)))
 
 
 @T.macro
-def _prefetch_row(x, b, row, h, length, per_line):
+def _prefetch_row(x, b, row, h, length, per_line, write=0):
     """Ask for the cache lines of x[b, row, h, 0:length]."""
     for line in range((length + T.int64(per_line - 1)) // T.int64(per_line)):
-        _prefetch_line(x, b, row, h, line * T.int64(per_line))
+        _prefetch_line(x, b, row, h, line * T.int64(per_line), write)
 
 
 @T.macro
