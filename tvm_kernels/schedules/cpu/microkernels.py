@@ -156,9 +156,9 @@ def _butterfly(source, target, size, step):
 
 @T.macro
 def _transpose_square(tile, scratch, size):
-    """tile = tile^T for a size x size tile (8 or 16: a vector per row), through ``scratch``: log2(size)
-    rounds of two-row shuffles (64 for 16 x 16, where gathering the columns took 256 loads and
-    inserts)."""
+    """tile = tile^T for a size x size tile (size 8 or 16, the callers' condition: a vector per row),
+    through ``scratch``: log2(size) rounds of two-row shuffles (64 for 16 x 16, where gathering the
+    columns took 256 loads and inserts)."""
     if size == 16:
         _butterfly(tile, scratch, 16, 8)
         _butterfly(scratch, tile, 16, 4)
@@ -197,7 +197,7 @@ def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, r
                     key_tile[lane, f] = T.Select(
                         block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
                         T.Cast(acc_dtype, t_keys[b, block_keys[lane], h, chunk * T.int64(lanes) + f]), T.Cast(acc_dtype, 0))
-            if cols == lanes:  # square: in registers, log2(lanes) rounds of shuffles
+            if cols == lanes and lanes in (8, 16):  # square: in registers, log2(lanes) rounds of shuffles
                 _transpose_square(key_tile, key_scratch, lanes)
                 for f in T.unroll(lanes):
                     for lane in T.vectorized(cols):
