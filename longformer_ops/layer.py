@@ -405,6 +405,7 @@ def _merge_weights(lse: torch.Tensor, scores: torch.Tensor):
     total = (band_weight + global_weights.sum(-1)).clamp_min(torch.finfo(lse.dtype).tiny)
     return band_weight, global_weights, total
 
+
 class _GlobalKeyMerge(torch.autograd.Function):
     """The training form of :meth:`LongformerSelfAttention._merge_global_keys`, with a backward of its
     own: ``apply(context [b, n, h, d], lse [b, n, h], scores [b, n, h, g], values [b, g, h, d], keep)``
