@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# Everything the CUDA libraries need checked, in one go, on a bare GPU machine (issue 24): the CUDA
-# tests, every kernel under compute-sanitizer (memcheck, racecheck) and `python -m bench --device
-# cuda`, each step's log and exit code in one folder, a summary printed last.
+# Everything the CUDA libraries need checked, on a bare GPU machine (issue 24): the CUDA tests, every
+# kernel under compute-sanitizer (memcheck, racecheck), `python -m bench --device cuda` and the
+# comparison with compiled FlexAttention, each step's log and exit code in one folder, a summary last.
 #
 #   tools/gpu_check.sh wheels        # here, with network: the wheels the GPU image lacks, into .whl/
 #   tools/gpu_check.sh [OUTDIR]      # there, from the repository root (default: $OUT, else ./gpu-check)
 #   STEPS="tests bench" tools/gpu_check.sh   # some steps only (a lent machine's call lasts 10 minutes)
+#   LIMITS="tests=240 bench=270"             # seconds per step (killed past it; the others still run)
+#   PYTEST_ARGS="-n 8" BENCH_ARGS="--seq-lens 4096 ..."   # replace those steps' defaults
+#
+# Seen on an H200 (2026-11-26, bench/NOTES.md): the tests were 97% done after 220 s with 8 workers
+# (all 16 threads each then), memcheck + racecheck took 41 s, the bench's first 7 of 40 cases 4 min,
+# 190 s of it compiled FlexAttention's first compile: hence flex is a step of its own, not a default
+# one; run STEPS=flex as a second call.
 #
 # The lent GPU machines have a CUDA build of torch and no network (/work/.library/device): nothing
 # is pip-installed from an index there. What their image lacks (apache-tvm-ffi, which loads our
-# libraries) travels as wheels in .whl/ (git-ignored; name it in the call's carry) and is installed into
-# /tmp/site. Elsewhere (a CUDA workstation) have torch with CUDA and `pip install -e ".[test,bench]"`.
-# Steps go on after a failure, so that one call shows everything; the exit code is non-zero if any
-# step failed.
+# libraries; pytest-reportlog, which writes each test's result as it finishes, so a step cut off by
+# its limit still says which tests failed and why) travels as wheels in .whl/ (git-ignored; name it
+# in the call's carry) and is installed into /tmp/site. Elsewhere (a CUDA workstation) have torch
+# with CUDA and `pip install -e ".[test,bench]"`. Steps go on after a failure, so that one call
+# shows everything; the exit code is non-zero if any step failed.
 set -u
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -20,7 +28,7 @@ PYTHON=${PYTHON:-python3}
 if [ "${1:-}" = "wheels" ]; then
     exec "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl "apache-tvm-ffi==0.1.15.post2"  # (the pin of pyproject.toml: the runtime is built against it)
+        -d .whl "apache-tvm-ffi==0.1.15.post2" "pytest-reportlog==1.0.0"  # tvm-ffi: pyproject.toml's pin
 fi
 
 out="${1:-${OUT:-gpu-check}}"
@@ -39,12 +47,17 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
 fi
 
 failed=0
-STEPS=${STEPS:-gpu info tests memcheck racecheck bench}
+STEPS=${STEPS:-gpu info tests memcheck racecheck bench}  # and flex (a second call)
+limit() {  # limit NAME: its seconds from $LIMITS, 0 (none) if not named
+    local kv
+    for kv in ${LIMITS:-}; do [ "${kv%%=*}" = "$1" ] && { echo "${kv#*=}"; return; }; done
+    echo 0
+}
 step() {  # step NAME COMMAND...: if NAME is in $STEPS, run it, log to $out/NAME.log, record its exit code
     local name=$1; shift
     case " $STEPS " in *" $name "*) ;; *) return ;; esac
     local started=$SECONDS
-    "$@" > "$out/$name.log" 2>&1
+    timeout "$(limit "$name")" "$@" > "$out/$name.log" 2>&1
     local rc=$?
     printf "%-12s exit %3d  %5d s  %s\n" "$name" "$rc" "$((SECONDS - started))" "$out/$name.log" | tee -a "$out/summary.txt"
     [ "$rc" -eq 0 ] || failed=1
@@ -53,11 +66,27 @@ step() {  # step NAME COMMAND...: if NAME is in $STEPS, run it, log to $out/NAME
 : > "$out/summary.txt"
 step gpu nvidia-smi
 step info "$PYTHON" -m longformer_ops.info
-step tests "$PYTHON" -m pytest -q -p no:cacheprovider tests -k "cuda or layer or model"
+# The tests: in 8 processes of 2 threads where pytest-xdist is there (the lent machines: 16 cores;
+# a process per core, each with torch's default of all cores, oversubscribes them), each result
+# written to tests.jsonl as it finishes where pytest-reportlog is there.
+if [ -z "${PYTEST_ARGS+set}" ]; then
+    "$PYTHON" -c "import xdist" 2> /dev/null && PYTEST_ARGS="-n 8" && export OMP_NUM_THREADS=2
+fi
+"$PYTHON" -c "import pytest_reportlog" 2> /dev/null && PYTEST_ARGS="${PYTEST_ARGS:-} --report-log=$out/tests.jsonl"
+step tests "$PYTHON" -m pytest -q -rfE -p no:cacheprovider tests -k "cuda or layer or model" ${PYTEST_ARGS:-}
+[ -f "$out/tests.jsonl" ] && "$PYTHON" tools/test_report_summary.py "$out/tests.jsonl" > "$out/tests-summary.txt"
+unset OMP_NUM_THREADS
 step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$PYTHON" tools/sanitize_cuda_kernels.py
 step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 "$PYTHON" tools/sanitize_cuda_kernels.py
-step bench "$PYTHON" -m bench --device cuda --out "$out"
+# Every op and method but flex, both dtypes, dilated backward too; then flex, whose compiles are slow.
+step bench "$PYTHON" -m bench --device cuda --out "$out" ${BENCH_ARGS:---dtype float32,bfloat16 --seq-lens 16384,4096 \
+    --methods tvm,full,sdpa,sliding_chunks --passes forward,forward+backward --dilated-passes forward,forward+backward --repeats 5}
+gpu_name=$("$PYTHON" -c "from bench.machine import device_name; print(device_name('cuda'))")
+step flex "$PYTHON" -m bench --device cuda --out "$out" --name "$gpu_name-flex" --dtype bfloat16,float32 --seq-lens 16384 \
+    --ops local_attention --methods tvm,flex --passes forward,forward+backward --dilated-passes forward,forward+backward \
+    --repeats 5 --no-memory
 
+[ -f "$out/tests-summary.txt" ] && cat "$out/tests-summary.txt"
 [ -f "$out/tests.log" ] && tail -n 5 "$out/tests.log"
 [ -f "$out/bench.log" ] && tail -n 30 "$out/bench.log"
 echo "== summary"
