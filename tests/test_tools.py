@@ -1,0 +1,42 @@
+"""tools/test_report_summary.py (what tools/gpu_check.sh prints after the tests on a GPU machine)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import test_report_summary  # noqa: E402
+
+pytest_plugins = "pytester"
+
+
+def test_report_summary_names_each_failure_and_error_with_its_message(pytester, tmp_path, capsys):
+    pytester.makepyfile(test_sample="""
+        import time
+        import pytest
+        @pytest.fixture
+        def broken():
+            raise RuntimeError("the fixture broke")
+        def test_passes(): pass
+        def test_slow(): time.sleep(0.3)
+        def test_fails(): assert 1 == 2, "one is not two"
+        def test_errors(broken): pass
+        @pytest.mark.skip(reason="not here")
+        def test_skipped(): pass
+    """)
+    recorded = pytester.inline_run("-p", "no:cacheprovider")
+    log = tmp_path / "tests.jsonl"
+    # What pytest-reportlog writes: one JSON object per report, tagged with its type.
+    log.write_text("".join(json.dumps(dict(report._to_json(), **{"$report_type": "TestReport"})) + "\n"
+                           for report in recorded.getreports("pytest_runtest_logreport")))
+
+    assert test_report_summary.main([str(log), "--slowest", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tests finished: 1 error, 1 failed, 2 passed, 1 skipped" in out
+    assert "== FAILED: test_sample.py::test_fails" in out and "one is not two" in out
+    assert "== ERROR in setup: test_sample.py::test_errors" in out and "the fixture broke" in out
+    assert "test_passes" not in out.split("== slowest")[0]
+    slowest = out.split("== slowest 2 (setup + call + teardown)\n")[1].splitlines()
+    assert len(slowest) == 2 and slowest[0].endswith("test_sample.py::test_slow")
