@@ -1,4 +1,4 @@
-"""tools/test_report_summary.py (what tools/gpu_check.sh prints after the tests on a GPU machine)."""
+"""tools/pytest_report_summary.py (what tools/gpu_check.sh prints after the tests on a GPU machine)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import test_report_summary  # noqa: E402
+import pytest_report_summary  # noqa: E402
 
 pytest_plugins = "pytester"
 
 
-def test_report_summary_names_each_failure_and_error_with_its_message(pytester, tmp_path, capsys):
+def pytest_report_summary_names_each_failure_and_error_with_its_message(pytester, tmp_path, capsys):
     pytester.makepyfile(test_sample="""
         import time
         import pytest
@@ -32,7 +32,7 @@ def test_report_summary_names_each_failure_and_error_with_its_message(pytester, 
     log.write_text("".join(json.dumps(dict(report._to_json(), **{"$report_type": "TestReport"})) + "\n"
                            for report in recorded.getreports("pytest_runtest_logreport")))
 
-    assert test_report_summary.main([str(log), "--slowest", "2"]) == 0
+    assert pytest_report_summary.main([str(log), "--slowest", "2"]) == 0
     out = capsys.readouterr().out
     assert "tests finished: 1 error, 1 failed, 2 passed, 1 skipped" in out
     assert "== FAILED: test_sample.py::test_fails" in out and "one is not two" in out

@@ -74,7 +74,7 @@ if [ -z "${PYTEST_ARGS+set}" ]; then
 fi
 "$PYTHON" -c "import pytest_reportlog" 2> /dev/null && PYTEST_ARGS="${PYTEST_ARGS:-} --report-log=$out/tests.jsonl"
 step tests "$PYTHON" -m pytest -q -rfE -p no:cacheprovider tests -k "cuda or layer or model" ${PYTEST_ARGS:-}
-[ -f "$out/tests.jsonl" ] && "$PYTHON" tools/test_report_summary.py "$out/tests.jsonl" > "$out/tests-summary.txt"
+[ -f "$out/tests.jsonl" ] && "$PYTHON" tools/pytest_report_summary.py "$out/tests.jsonl" > "$out/tests-summary.txt"
 unset OMP_NUM_THREADS
 step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$PYTHON" tools/sanitize_cuda_kernels.py
 step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 "$PYTHON" tools/sanitize_cuda_kernels.py

@@ -1,7 +1,7 @@
 """Summarise a pytest-reportlog file (``tools/gpu_check.sh`` writes one as the tests run): counts,
 each failure with the end of its traceback, and the slowest tests.
 
-    python tools/test_report_summary.py gpu-check/tests.jsonl
+    python tools/pytest_report_summary.py gpu-check/tests.jsonl
 
 The log holds every test that finished, also when the run was cut off by a time limit, so this
 says what failed even where pytest never printed its own summary.
