@@ -12,7 +12,7 @@ import pytest_report_summary  # noqa: E402
 pytest_plugins = "pytester"
 
 
-def pytest_report_summary_names_each_failure_and_error_with_its_message(pytester, tmp_path, capsys):
+def test_report_summary_names_each_failure_and_error_with_its_message(pytester, tmp_path, capsys):
     pytester.makepyfile(test_sample="""
         import time
         import pytest
