@@ -81,6 +81,16 @@ def _windows(band, autoregressive: bool):
 
 
 @T.macro
+def _block_ids(ids, bh, heads, dilation):
+    """ids = (batch, head, the head's dilation) of block row ``bh``, once per thread into registers.
+    Let-bound instead, TVM substitutes their expressions into every index that uses them, and the
+    staging loops then divided bh by heads in int64 (software on a GPU) for every element."""
+    ids[0] = bh // heads
+    ids[1] = bh % heads
+    ids[2] = T.Cast("int64", dilation[bh % heads])
+
+
+@T.macro
 def _tile_rows(row_of, valid_from, valid_to, tx, p0, n, d, before, band):
     """Tile row tx (packed p0 + tx): its sequence row (-1 past the end) and the band-column
     distances x - tx with a valid partner, [valid_from, valid_to): the other row's class index
@@ -161,9 +171,11 @@ def qk(dtype: str, autoregressive: bool, isa: str = ""):
                     valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                     key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
                     acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    b: T.let = bh // heads
-                    h: T.let = bh % heads
-                    d: T.let = T.Cast("int64", dilation[h])
+                    ids = T.alloc_buffer((3,), "int64", scope="local")
+                    _block_ids(ids, bh, heads, dilation)
+                    b: T.let = ids[0]
+                    h: T.let = ids[1]
+                    d: T.let = ids[2]
                     w: T.let = _windows(band, autoregressive)[0]
                     p0: T.let = tile * T.int64(TILE_ROWS)
                     ty: T.let = tx // SPAN
@@ -225,9 +237,11 @@ def _band_times_rows(dtype: str, autoregressive: bool, transposed: bool):
                     valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                     inner_row = T.alloc_buffer((INNER,), "int64", scope="shared")  # -1 outside the sequence
                     acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    b: T.let = bh // heads
-                    h: T.let = bh % heads
-                    d: T.let = T.Cast("int64", dilation[h])
+                    ids = T.alloc_buffer((3,), "int64", scope="local")
+                    _block_ids(ids, bh, heads, dilation)
+                    b: T.let = ids[0]
+                    h: T.let = ids[1]
+                    d: T.let = ids[2]
                     p0: T.let = tile * T.int64(TILE_ROWS)
                     # The tile's inner packed rows: x = 0, 1, ... is packed row p0 - before + x.
                     # probs.V: keys of tile row a at band column j = x - a. Transposed: output
@@ -350,9 +364,11 @@ def attention(dtype: str, autoregressive: bool, isa: str = ""):
                     part_sum = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
                     acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
                     context = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    b: T.let = bh // heads
-                    h: T.let = bh % heads
-                    d: T.let = T.Cast("int64", dilation[h])
+                    ids = T.alloc_buffer((3,), "int64", scope="local")
+                    _block_ids(ids, bh, heads, dilation)
+                    b: T.let = ids[0]
+                    h: T.let = ids[1]
+                    d: T.let = ids[2]
                     w: T.let = window
                     band: T.let = T.int64(2 - causal) * window + T.int64(1)
                     p0: T.let = tile * T.int64(TILE_ROWS)
