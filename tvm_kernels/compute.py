@@ -39,9 +39,14 @@ from dataclasses import dataclass
 from tvm import te, tirx
 from tvm.script import tirx as T
 
+def is_half(dtype: str) -> bool:
+    """float16 and bfloat16: accumulated in float32, results rounded to the half type."""
+    return dtype in ("float16", "bfloat16")
+
+
 def accumulation_dtype(dtype: str) -> str:
     """Half types accumulate in float32; float32/float64 in themselves."""
-    return "float32" if dtype in ("float16", "bfloat16") else dtype
+    return "float32" if is_half(dtype) else dtype
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvm_kernels.compute import accumulation_dtype, dropout_factor, dropout_row_key
+from tvm_kernels.compute import accumulation_dtype, dropout_factor, dropout_row_key, is_half
 from tvm_kernels.schedules.cpu.microkernels import (
     _BITS,
     _ON_STACK,
@@ -22,11 +22,6 @@ from tvm_kernels.schedules.cpu.microkernels import (
 )
 from tvm_kernels.schedules.cpu import bf16_dot
 from tvm_kernels.schedules.cpu.tiles import tiles_for
-
-# Input dtypes whose results (context, gradients) are rounded to a half type: their softmax's exp
-# needs only the cheaper polynomial (microkernels._exp). The log-sum-exp stays float32 but is
-# accurate to the input type, as its scores are.
-_HALF_TYPES = ("float16", "bfloat16")
 
 
 @T.macro
@@ -173,7 +168,7 @@ def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin
         for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
                 scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype,
-                                                                 dtype in _HALF_TYPES)
+                                                                 is_half(dtype))
                 partial[lane] = partial[lane] + scores[r, vector * T.int64(lanes) + lane]
         reciprocal[r] = T.Cast(acc_dtype, 0)
         for lane in range(lanes):
@@ -193,7 +188,7 @@ def _attention_tile_probs(scores, lse, query, begin, end, b, h, tile_blocks, row
         for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
                 scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_lse, acc_dtype,
-                                                                 dtype in _HALF_TYPES)
+                                                                 is_half(dtype))
 
 
 @T.macro

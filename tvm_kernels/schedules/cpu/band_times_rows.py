@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvm_kernels.compute import accumulation_dtype
+from tvm_kernels.compute import accumulation_dtype, is_half
 from tvm_kernels.schedules.cpu.microkernels import (
     _BITS,
     _ON_STACK,
@@ -99,7 +99,7 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
         return bf16_dot.band_times_pairs(autoregressive, tiles.band_rows, transposed)
     acc_dtype = accumulation_dtype(dtype)
     lanes = tiles.vector_bits // (64 if acc_dtype == "float64" else 32)
-    half = dtype in ("float16", "bfloat16")
+    half = is_half(dtype)
     rows = tiles.band_rows
     cols = 2 * lanes  # output features of one register tile
     wide_cols = 4 * lanes if tiles.wide_half_tile and half else 0  # 0: no wide tile
