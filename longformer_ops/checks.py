@@ -13,6 +13,9 @@ import torch
 
 KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MAX_INT32 = 2**31 - 1
+# The CUDA kernels launch a grid row per (batch, head) (tvm_kernels/schedules/cuda.py), and a
+# grid's y dimension holds at most 65535 rows.
+CUDA_MAX_BATCH_HEADS = 65535
 
 
 def check_window(w) -> int:
@@ -69,6 +72,9 @@ def _check_tensor(name: str, x) -> torch.Tensor:
         raise TypeError(f"{name} must be one of {[str(t) for t in KERNEL_DTYPES]}, got dtype={x.dtype}")
     if x.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(f"{name} is on device {x.device}; supported devices: cpu, cuda")
+    if x.device.type == "cuda" and x.shape[0] * x.shape[2] > CUDA_MAX_BATCH_HEADS:
+        raise ValueError(f"{name} has batch * heads = {x.shape[0]} * {x.shape[2]} = {x.shape[0] * x.shape[2]}; on CUDA "
+                         f"the kernels take at most {CUDA_MAX_BATCH_HEADS} (a grid row each): split the batch")
     return x
 
 

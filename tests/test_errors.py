@@ -141,3 +141,19 @@ def test_mask_invalid_locations_rejects(call, error, message):
     scores = torch.randn(1, 8, 2, 5)
     with pytest.raises(error, match=message):
         call(scores)
+
+
+def test_cuda_grid_limit_is_named():
+    # The CUDA kernels take a grid row per (batch, head), at most 65535: past it a clear error, not a
+    # failed launch. Fake CUDA tensors: the checks run before any kernel, so no GPU is needed.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fits = torch.empty(65535, 3, 1, 16, device="cuda")
+        past = torch.empty(32768, 3, 2, 16, device="cuda")
+        diagonaled_mm(fits, fits, 1, 1)  # at the limit: accepted
+        with pytest.raises(ValueError, match=r"t1 has batch \* heads = 32768 \* 2 = 65536; on CUDA the kernels take at most "
+                                             r"65535 \(a grid row each\): split the batch"):
+            diagonaled_mm(past, past, 1, 1)
+        with pytest.raises(ValueError, match=r"q has batch \* heads = 32768 \* 2 = 65536"):
+            sliding_window_attention(past, past, past, 1)
