@@ -4,13 +4,13 @@
 (Q.K^T mode, ``padding=-inf``), a softmax over the band and ``diagonaled_mm`` (probs.V mode). Two
 paths, one result, each a few custom ops of :mod:`longformer_ops.kernels`:
 
-- on a library with the fused kernels (the CPU libraries; on CUDA the forward only), one op
+- on a library with the fused kernels (the CPU and CUDA libraries), one op
   computes scores, softmax and context per tile of queries, so the ``[b, n, h, 2w+1]`` band
   never exists in memory (at n = 4096, 12 heads, w = 256: 100 MiB not allocated, faulted in and
   written; ``bench/NOTES.md``); it also gives each row's log-sum-exp, from which its backward op
   recomputes each tile's probabilities and gives dQ, dK and dV (FlashAttention's backward): no
   band in training either;
-- otherwise (a library without them: CUDA in training) the three steps above, differentiable through the
+- otherwise (a library without them) the three steps above, differentiable through the
   band ops' own autograd, the softmax in place on the one band (:func:`longformer_ops.band_softmax_`).
 """
 

@@ -61,20 +61,30 @@ static void launch(int64_t grid_x, int64_t grid_y, unsigned threads, const std::
 # Every argument a kernel may take, in the order of the C entry points ``run_<kernel>`` written below
 # (each passes its kernel the ones it takes).
 ARGUMENTS = [("dilation", "int*"), ("out", "float*"), ("t1", "float*"), ("t2", "float*"), ("q", "float*"),
-             ("k", "float*"), ("v", "float*"), ("key_bias", "float*"), ("lse", "float*"), ("band", "int64_t"),
+             ("k", "float*"), ("v", "float*"), ("key_bias", "float*"), ("lse", "float*"), ("grad", "float*"),
+             ("grad_lse", "float*"), ("grad_q", "float*"), ("grad_k", "float*"), ("grad_v", "float*"), ("band", "int64_t"),
              ("batch", "int64_t"), ("head_dim", "int64_t"), ("heads", "int64_t"), ("n", "int64_t"),
              ("padding", "double"), ("window", "int64_t"), ("scale", "double"), ("dropout", "double"),
              ("seed", "int64_t")]
 
+# A PrimFunc of several kernels (the fused backward) is generated on its own without TVM's common
+# subexpression elimination: with it, expressions its kernels share are computed by the host code
+# and passed to them as extra parameters, and the host code is not C the harness could run.
 _GENERATE = """
 import json, sys
 import tvm
 from tvm_kernels.schedules import cuda
-functions = {f"{op}_{'causal' if a else 'symmetric'}": cuda.HAND_WRITTEN[op]("float32", a).with_attr(
-    "global_symbol", f"{op}_{'causal' if a else 'symmetric'}") for op in cuda.HAND_WRITTEN for a in (False, True)}
 target = tvm.target.Target({"kind": "cuda", "arch": "sm_80"}, host={"kind": "llvm"})
-source = tvm.compile(tvm.IRModule(functions), target=target).mod.imports[0].inspect_source()
-json.dump({"source": source, "threads": cuda.THREADS, "tile_rows": cuda.TILE_ROWS}, open(sys.argv[1], "w"))
+def source(ops, **config):
+    functions = {f"{op}_{'causal' if a else 'symmetric'}": cuda.HAND_WRITTEN[op]("float32", a).with_attr(
+        "global_symbol", f"{op}_{'causal' if a else 'symmetric'}") for op in ops for a in (False, True)}
+    with tvm.transform.PassContext(config=config):
+        code = tvm.compile(tvm.IRModule(functions), target=target).mod.imports[0].inspect_source()
+    return code[code.index('extern "C" __global__'):]
+several = ("attention_backward",)
+bodies = [source([op for op in cuda.HAND_WRITTEN if op not in several]),
+          source(several, **{"tirx.disable_cse_tir": True})]
+json.dump({"bodies": bodies, "threads": cuda.THREADS, "tile_rows": cuda.TILE_ROWS}, open(sys.argv[1], "w"))
 """
 
 
@@ -88,17 +98,17 @@ def build(directory: Path) -> tuple[Path, dict]:
     generated = directory / "generated.json"
     subprocess.run([sys.executable, "-c", _GENERATE, str(generated)], cwd=REPO, check=True)
     info = json.loads(generated.read_text())
-    source = info["source"]
-    body = source[source.index('extern "C" __global__'):]
+    body = "\n".join(info["bodies"])
     body = body.replace("__shared__ alignas(64)", "alignas(64) __shared__")  # attribute order C++ accepts
-    wrappers = []
-    for name, parameters in re.findall(r'__global__ void __launch_bounds__\(\d+\) (\w+)_kernel\(([^)]*)\) \{', body):
-        passed = [p.split()[-1].removesuffix("_ptr") for p in parameters.split(",")]
-        signature = ", ".join(f"{ctype} {arg}" for arg, ctype in ARGUMENTS)
-        call = ", ".join(f"{arg}" for arg in passed)
-        wrappers.append(f'extern "C" void run_{name}({signature}) {{\n'
-                        f'  launch((n + {info["tile_rows"]} - 1) / {info["tile_rows"]}, batch * heads, {info["threads"]},\n'
-                        f'         [&] {{ {name}_kernel({call}); }});\n}}\n')
+    launches: dict[str, list[str]] = {}  # a function's kernels in launch order (TVM: name_kernel, name_kernel_1, ...)
+    for name, suffix, parameters in re.findall(
+            r'__global__ void __launch_bounds__\(\d+\) (\w+?)_kernel(_\d+)?\(([^)]*)\) \{', body):
+        call = ", ".join(p.split()[-1].removesuffix("_ptr") for p in parameters.split(","))
+        launches.setdefault(name, []).append(
+            f'  launch((n + {info["tile_rows"]} - 1) / {info["tile_rows"]}, batch * heads, {info["threads"]},\n'
+            f'         [&] {{ {name}_kernel{suffix}({call}); }});\n')
+    signature = ", ".join(f"{ctype} {arg}" for arg, ctype in ARGUMENTS)
+    wrappers = [f'extern "C" void run_{name}({signature}) {{\n{"".join(calls)}}}\n' for name, calls in launches.items()]
     (directory / "kernels.cpp").write_text(SHIM + body + "\n".join(wrappers))
     library = directory / "kernels.so"
     subprocess.run([cxx_compiler(), "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread",

@@ -57,7 +57,7 @@ def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64, 
                                                                                                          device=q.device)
     factor = None
     if dropout is not None:
-        factor = _dropout_factor(dropout, q.shape, w, autoregressive)
+        factor = _dropout_factor(dropout, q.shape, w, autoregressive).to(q.device)
         torch.manual_seed(dropout[1])
     out = sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=key_padding_mask,
                                    dropout_p=0.0 if dropout is None else dropout[0])
@@ -143,8 +143,9 @@ def test_gradients_of_a_subset_of_inputs(cpu_library, needs):
 
 
 def _without_fused_kernels(monkeypatch, band_softmax: bool):
-    """Make the libraries look as if they had no fused kernels (CUDA's today): the three steps run,
-    their softmax on the band softmax kernel when ``band_softmax``, else on torch's ops (CUDA's today)."""
+    """Make the libraries look as if they had no fused kernels: the three steps run, their softmax
+    on the band softmax kernel when ``band_softmax``, else on torch's ops (CUDA's, which has no
+    band softmax kernel)."""
     keep = ("softmax_",) if band_softmax else ()
     monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: name.startswith(keep) if keep else False)
 
@@ -153,7 +154,7 @@ def _without_fused_kernels(monkeypatch, band_softmax: bool):
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "key-padding-mask"])
 def test_library_without_the_fused_kernels_runs_the_band_products(monkeypatch, autoregressive, masked, softmax):
-    """A library without them (the CUDA ones) gives the same results through the three steps."""
+    """A library without them gives the same results through the three steps."""
     _without_fused_kernels(monkeypatch, softmax == "band-softmax-kernel")
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 77, 3, 20, generator=g, dtype=torch.float64) for _ in range(3))
@@ -284,6 +285,22 @@ def test_dropout_matches_reference(cpu_library, size, dtype, autoregressive, wit
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+@pytest.mark.parametrize("size", MASKED_SIZES, ids=str)
+def test_cuda_dropout_matches_reference(size, dtype, autoregressive):
+    """The CUDA fused kernels' dropout: the CPU kernels' mask (the reference re-implements it),
+    forward and gradients (the fused backward regenerates it)."""
+    q, k, v, w, d, mask, _ = _masked_case(size, dtype, autoregressive, "cuda dropout", device="cuda")
+    dropout = (0.3, 1234 + size[1])
+    factor = _dropout_factor(dropout, q.shape, w, autoregressive)
+    torch.manual_seed(dropout[1])
+    out = sliding_window_attention(q, k, v, w, d, autoregressive, key_padding_mask=mask, dropout_p=dropout[0])
+    _assert_close(out, q, k, v, w, d, autoregressive, 1 / math.sqrt(q.shape[-1]), dtype, mask.cpu(), factor)
+    _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(q.shape[-1]), dtype, mask, dropout)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dilation_kind", DILATIONS)
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
@@ -308,7 +325,7 @@ def test_cuda_key_padding_mask_matches_reference(size, dtype, autoregressive):
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("size", MASKED_SIZES[:3], ids=str)
 def test_three_step_dropout_matches_reference(monkeypatch, device, size, autoregressive):
-    """The three steps (CUDA's path; forced on CPU) drop with torch's dropout on the [b, n, h, c]
+    """The three steps (forced) drop with torch's dropout on the [b, n, h, c]
     probabilities: the same mask drawn again from the same seed gives the reference, values and
     gradients (float64, float32 on CUDA, which has no float64 library: the dtypes' bounds are the
     tests above)."""

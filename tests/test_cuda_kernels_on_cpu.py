@@ -127,3 +127,38 @@ def test_cuda_attention_code_matches_reference(kernels, case, dropout):
                               zero_scale=float(ref_lse[finite].norm()))
     except AssertionError as error:
         raise AssertionError(f"seed {seed}: {error}") from None
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+def test_cuda_attention_backward_code_matches_reference(kernels, case, dropout):
+    """The fused backward (its two kernels): dQ, dK, dV through the result and the log-sum-exp
+    together, against autograd of the float64 references, with masked keys, a row with no key (no
+    lse gradient there, as the layer passes) and the forward's dropout mask."""
+    batch, n, heads, head_dim, w, dilation, autoregressive = case
+    seed = stable_seed("cuda_on_cpu attention backward", str(case), dropout)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, grad = (torch.randn(batch, n, heads, head_dim, generator=g) for _ in range(4))
+    mask = torch.rand(batch, n, generator=g) < 0.2
+    mask[0, : min(n, 3)] = True
+    scale = 0.3
+    factor = (dropout_factor_reference(1234, batch, n, heads, band_width(w, autoregressive), dropout)
+              if dropout else None)
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out = sliding_window_attention_reference(*exact, w, dilation, autoregressive, scale, mask, factor)
+    ref_lse = sliding_window_lse_reference(*exact[:2], w, dilation, autoregressive, scale, mask)
+    grad_lse = torch.randn(batch, n, heads, generator=g).masked_fill_(ref_lse.isinf(), 0)
+    loss = (ref_out * grad.double()).sum() + (ref_lse.masked_fill(ref_lse.isinf(), 0) * grad_lse.double()).sum()
+    want = torch.autograd.grad(loss, exact)
+    got = [torch.full_like(q, float("nan")) for _ in range(3)]
+    _call(kernels, f"attention_backward_{'causal' if autoregressive else 'symmetric'}", q.shape, grad=grad, q=q, k=k,
+          v=v, key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")), out=ref_out.detach().float(),
+          lse=ref_lse.detach().float(), grad_lse=grad_lse, dilation=torch.tensor(dilation, dtype=torch.int32),
+          window=w, scale=scale, dropout=dropout, seed=1234, grad_q=got[0], grad_k=got[1], grad_v=got[2])
+    terms = float(grad.norm() + grad_lse.norm()) * max(float(x.abs().max()) for x in (q, k, v)) ** 2
+    try:
+        for name, x, y in zip("qkv", got, want, strict=True):
+            assert not x.isnan().any(), f"d{name}: an element was not written"
+            assert_normwise_close(x.double(), y, torch.float32, f"d{name}", zero_scale=terms, gradients=True)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None

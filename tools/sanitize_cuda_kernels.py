@@ -1,4 +1,4 @@
-"""Run every CUDA kernel (each band product and the fused attention forward; each dtype,
+"""Run every CUDA kernel (each band product and the fused attention forward and backward; each dtype,
 symmetric/causal, mixed dilation) once at an awkward size.
 
 Meant to run under NVIDIA's compute-sanitizer on a GPU machine (`make gpu-check`):
@@ -43,12 +43,23 @@ def main() -> int:
             with torch.no_grad():  # inference: the fused forward
                 a = sliding_window_attention(q, k, v, w, d, autoregressive, 0.5, key_padding_mask=mask)
             ref_a = sliding_window_attention_reference(q.double(), k.double(), v.double(), w, d, autoregressive, 0.5, mask)
+            # Training: the fused backward (its two kernels), through the result.
+            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+            grad = torch.randn(b, n, h, f, device="cuda", dtype=dtype)
+            grads = torch.autograd.grad(sliding_window_attention(*inputs, w, d, autoregressive, 0.5, key_padding_mask=mask),
+                                        inputs, grad)
+            exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+            ref_grads = torch.autograd.grad(
+                sliding_window_attention_reference(*exact, w, d, autoregressive, 0.5, mask), exact, grad.double())
+            torch.cuda.synchronize()
             tol = 1e-3 if dtype == torch.float32 else 0.1
-            for name, got, ref in (("qk", s, ref_s), ("pv", o, ref_o), ("attention", a, ref_a)):
+            checks = [("qk", s, ref_s), ("pv", o, ref_o), ("attention", a, ref_a)]
+            checks += [(f"d{name} (attention)", got, ref) for name, got, ref in zip("qkv", grads, ref_grads, strict=True)]
+            for name, got, ref in checks:
                 error = (got.double() - ref).abs().max().item()
                 ok = error <= tol * (1 + ref.abs().max().item())
                 failures += not ok
-                print(f"{name:9s} {str(dtype):15s} autoregressive={autoregressive!s:5s} max error {error:.2e} {'ok' if ok else 'FAIL'}")
+                print(f"{name:15s} {str(dtype):15s} autoregressive={autoregressive!s:5s} max error {error:.2e} {'ok' if ok else 'FAIL'}")
     return 1 if failures else 0
 
 

@@ -101,7 +101,7 @@ TARGETS: dict[str, KernelTarget] = {
             schedule_module="cuda",
             dtypes=("float32", "float16", "bfloat16"),
             cuda_archs=CUDA_ARCHS,
-            ops=OPS + FUSED_ATTENTION[:1],
+            ops=OPS + FUSED_ATTENTION,
             extra_sources=("cuda_toolchain.py",),
         ),
     )

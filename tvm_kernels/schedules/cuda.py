@@ -21,7 +21,9 @@ each a 4 x 4 register tile (rows x columns of the block's 64 x 64 sub-product):
 - pv / transposed: per chunk of 32 packed rows, the band weights of the tile's rows for
   them are gathered into shared memory (zero where invalid) and multiplied with those
   rows' features; the output features stay in registers across all chunks.
-- attention: qk's chunks with FlashAttention's online softmax between them (:func:`attention`).
+- attention: qk's chunks with FlashAttention's online softmax between them (:func:`attention`);
+  attention_backward: dQ per query tile, dK and dV per key tile, two kernels that recompute the
+  scores from the log-sum-exp (:func:`attention_backward`).
 
 Packed position p of a head with dilation d belongs to class r at index s of that class;
 classes r < n % d hold n // d + 1 rows, the rest n // d (:func:`_packed_row`). A band
@@ -92,12 +94,12 @@ def _block_ids(ids, bh, heads, dilation):
 
 @T.macro
 def _tile_rows(row_of, valid_from, valid_to, tx, p0, n, d, before, band):
-    """Tile row tx (packed p0 + tx): its sequence row (-1 past the end) and the band-column
+    """Tile row tx (packed p0 + tx): its sequence row (-1 outside the sequence) and the band-column
     distances x - tx with a valid partner, [valid_from, valid_to): the other row's class index
     index + x - tx - before must lie in [0, size), the band column in [0, band)."""
     if tx < TILE_ROWS:
         row_of[tx] = T.int64(-1)
-        if p0 + tx < n:
+        if p0 + tx >= T.int64(0) and p0 + tx < n:
             row, index, size = _packed_row(p0 + tx, n, d)
             row_of[tx] = row
             valid_from[tx] = T.max(before - index, T.int64(0))
@@ -469,4 +471,271 @@ def attention(dtype: str, autoregressive: bool, isa: str = ""):
     return main
 
 
-HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": attention}
+@T.macro
+def _row_deltas(delta, row_lse, part_sum, rows_of, grad, out, lse, grad_lse, b, h, head_dim, tx, acc_dtype, minus_inf):
+    """For the 64 packed rows ``rows_of`` (-1: none), four threads each: delta = rowsum(dO * O) less
+    the log-sum-exp's gradient (the backward's dS = P * (dP - delta)), and the row's log-sum-exp
+    (0 where it is -inf: a row with no key, whose P is then exp(-inf) = 0 at every column)."""
+    mine: T.let = tx // 4
+    part: T.let = tx % 4
+    row = T.alloc_buffer((1,), "int64", scope="local")
+    total = T.alloc_buffer((1,), acc_dtype, scope="local")
+    row[0] = rows_of[mine]
+    total[0] = T.Cast(acc_dtype, 0)
+    for x in range(head_dim // T.int64(4)):
+        total[0] = total[0] + T.Select(
+            row[0] >= T.int64(0),
+            T.Cast(acc_dtype, grad[b, T.max(row[0], T.int64(0)), h, x * T.int64(4) + T.Cast("int64", part)])
+            * T.Cast(acc_dtype, out[b, T.max(row[0], T.int64(0)), h, x * T.int64(4) + T.Cast("int64", part)]),
+            T.Cast(acc_dtype, 0))
+    part_sum[tx] = total[0]
+    T.tvm_storage_sync("shared")
+    if part == 0:
+        delta[mine] = part_sum[tx] + part_sum[tx + 1] + part_sum[tx + 2] + part_sum[tx + 3] - T.Select(
+            row[0] >= T.int64(0), grad_lse[b, T.max(row[0], T.int64(0)), h], T.Cast(acc_dtype, 0))
+        row_lse[mine] = T.Select(row[0] >= T.int64(0) and lse[b, T.max(row[0], T.int64(0)), h] != minus_inf,
+                                 lse[b, T.max(row[0], T.int64(0)), h], T.Cast(acc_dtype, 0))
+    T.tvm_storage_sync("shared")
+
+
+@T.macro
+def _dropout_factors(factors, rows, seed, bh, first_column, column_step, row_step, rows_along_u, dropout, acc_dtype):
+    """factors[i, u] = the dropout factor (0 or 1/(1-p)) at band column first_column + column_step * u
+    + row_step * i (clamped to 0: off the band, where P is 0) of the sequence row rows[i] (rows[u]
+    where ``rows_along_u``: the key-major kernel's queries), 1 without dropout. Registers only (a
+    branch cannot hold a barrier)."""
+    for i in T.unroll(4):
+        for u in T.unroll(4):
+            factors[i, u] = T.Cast(acc_dtype, 1)
+    if dropout > T.float64(0):
+        for i in T.unroll(4):
+            for u in T.unroll(4):
+                column: T.let = T.max(first_column + T.Cast("int64", column_step * u + row_step * i), T.int64(0))
+                if rows_along_u:
+                    factors[i, u] = dropout_factor(dropout_row_key(seed, bh, rows[u], bind=True), column, dropout,
+                                                   acc_dtype, bind=True)
+                else:
+                    factors[i, u] = dropout_factor(dropout_row_key(seed, bh, rows[i], bind=True), column, dropout,
+                                                   acc_dtype, bind=True)
+
+
+@T.macro
+def _stage_rows(rows, t, row_of, b, h, f0, head_dim, tx, acc_dtype):
+    """rows[x, f] = t[row_of[x]] at features f0 * 64 + f (0 outside the sequence or past head_dim)."""
+    for e in T.unroll(QK_KEYS * OUT_FEATURES // THREADS):
+        x: T.let = (tx + e * THREADS) // OUT_FEATURES
+        f: T.let = (tx + e * THREADS) % OUT_FEATURES
+        rows[x * OUT_FEATURES + f] = T.Select(
+            row_of[x] >= T.int64(0) and f0 * T.int64(OUT_FEATURES) + f < head_dim,
+            T.Cast(acc_dtype, t[b, T.max(row_of[x], T.int64(0)), h, T.min(f0 * T.int64(OUT_FEATURES) + f, head_dim - T.int64(1))]),
+            T.Cast(acc_dtype, 0))
+
+
+@T.macro
+def _accumulate_rows(acc, weights, rows, tx):
+    """acc[i, u] += sum over x of weights[ty * 4 + i, x] * rows[x, tc + 16 u]: 64 x 64 weights
+    ([row, x], S_STRIDE apart) times 64 staged rows of 64 features."""
+    for x in T.unroll(QK_KEYS):
+        for i in T.unroll(4):
+            for u in T.unroll(4):
+                acc[i, u] = acc[i, u] + weights[(tx // SPAN * 4 + i) * S_STRIDE + x] * rows[x * OUT_FEATURES + tx % SPAN + u * SPAN]
+
+
+def attention_backward(dtype: str, autoregressive: bool, isa: str = ""):
+    """The fused attention's backward; same arguments and results as the CPU's
+    (:func:`tvm_kernels.schedules.cpu.attention_backward`): dQ, dK, dV with no band in memory.
+
+    Two kernels, no atomics. Per query tile (as the forward), for each chunk of 64 packed keys:
+    the scores again and P = exp(score - lse), dP = dO . V^T (both the qk micro-kernel), dS =
+    P * (dP * Z - delta) into shared memory, and dQ += dS . K in registers. Per key tile, for each
+    chunk of 64 packed queries whose bands reach it: the same scores and dP transposed (keys as
+    the micro-kernel's rows), dV += (P * Z)^T dO and dK += dS^T Q in registers. The scores and dP
+    are computed twice, once per kernel: two products more than FlashAttention-2's atomic dQ, in
+    exchange for plain stores and sums in a fixed order. delta = rowsum(dO * O) - d lse per row;
+    Z the forward's dropout factors, regenerated.
+    """
+    acc_dtype = accumulation_dtype(dtype)
+    causal = 1 if autoregressive else 0
+    minus_inf = tirx.const(float("-inf"), acc_dtype)
+
+    @T.prim_func
+    def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
+             key_bias_handle: T.handle, out_handle: T.handle, lse_handle: T.handle, grad_lse_handle: T.handle,
+             dilation_handle: T.handle, window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64,
+             grad_q_handle: T.handle, grad_k_handle: T.handle, grad_v_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        grad = T.match_buffer(grad_handle, (batch, n, heads, head_dim), dtype)
+        q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
+        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
+        lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
+        grad_lse = T.match_buffer(grad_lse_handle, (batch, n, heads), acc_dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        grad_q = T.match_buffer(grad_q_handle, (batch, n, heads, head_dim), dtype)
+        grad_k = T.match_buffer(grad_k_handle, (batch, n, heads, head_dim), dtype)
+        grad_v = T.match_buffer(grad_v_handle, (batch, n, heads, head_dim), dtype)
+        # dQ, per query tile.
+        for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
+            for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
+                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    queries = T.alloc_buffer((QK_FEATURES * Q_STRIDE,), acc_dtype, scope="shared")  # [feature, row]
+                    keys = T.alloc_buffer((QK_FEATURES * K_STRIDE,), acc_dtype, scope="shared")  # [feature, key]
+                    scores = T.alloc_buffer((TILE_ROWS * S_STRIDE,), acc_dtype, scope="shared")  # [row, key]: P, then dS
+                    key_rows = T.alloc_buffer((QK_KEYS * OUT_FEATURES,), acc_dtype, scope="shared")  # [key, feature]
+                    query_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
+                    valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                    valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                    key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                    row_lse = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
+                    delta = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
+                    part_sum = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
+                    acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    grad_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    factors = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    my_rows = T.alloc_buffer((4,), "int64", scope="local")
+                    ids = T.alloc_buffer((3,), "int64", scope="local")
+                    _block_ids(ids, bh, heads, dilation)
+                    b: T.let = ids[0]
+                    h: T.let = ids[1]
+                    d: T.let = ids[2]
+                    w: T.let = window
+                    band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                    p0: T.let = tile * T.int64(TILE_ROWS)
+                    ty: T.let = tx // SPAN
+                    tc: T.let = tx % SPAN
+                    _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
+                    T.tvm_storage_sync("shared")
+                    _row_deltas(delta, row_lse, part_sum, query_row, grad, out, lse, grad_lse, b, h, head_dim, tx,
+                                acc_dtype, minus_inf)
+                    for i in T.unroll(4):
+                        my_rows[i] = query_row[ty * 4 + i]
+                    for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                grad_acc[i, u] = T.Cast(acc_dtype, 0)
+                        for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
+                            _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
+                            _qk_chunk(acc, queries, keys, q, k, query_row, key_row, b, h, head_dim, tx, acc_dtype)
+                            for i in T.unroll(4):
+                                for u in T.unroll(4):
+                                    # Band column j of row a is chunk column a + j (see qk).
+                                    a: T.let = ty * 4 + i
+                                    j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", tc + u * SPAN - a)
+                                    scores[a * S_STRIDE + tc + u * SPAN] = T.Select(
+                                        j >= valid_from[a] and j < valid_to[a],
+                                        T.exp(acc[i, u] * T.Cast(acc_dtype, scale)
+                                              + key_bias[b, T.max(key_row[tc + u * SPAN], T.int64(0))] - row_lse[a]),
+                                        T.Cast(acc_dtype, 0))
+                            _qk_chunk(acc, queries, keys, grad, v, query_row, key_row, b, h, head_dim, tx, acc_dtype)
+                            _dropout_factors(factors, my_rows, seed, bh, chunk * T.int64(QK_KEYS) + T.Cast("int64", tc - ty * 4),
+                                             SPAN, -1, False, dropout, acc_dtype)
+                            for i in T.unroll(4):
+                                for u in T.unroll(4):
+                                    a: T.let = ty * 4 + i
+                                    scores[a * S_STRIDE + tc + u * SPAN] = scores[a * S_STRIDE + tc + u * SPAN] * (
+                                        acc[i, u] * factors[i, u] - delta[a])
+                            _stage_rows(key_rows, k, key_row, b, h, f0, head_dim, tx, acc_dtype)
+                            T.tvm_storage_sync("shared")
+                            _accumulate_rows(grad_acc, scores, key_rows, tx)
+                            T.tvm_storage_sync("shared")
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * SPAN)
+                                if my_rows[i] >= T.int64(0) and f < head_dim:
+                                    grad_q[b, my_rows[i], h, f] = T.Cast(dtype, grad_acc[i, u] * T.Cast(acc_dtype, scale))
+        # dK and dV, per key tile.
+        for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
+            for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
+                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    keys_t = T.alloc_buffer((QK_FEATURES * Q_STRIDE,), acc_dtype, scope="shared")  # [feature, key]
+                    queries_t = T.alloc_buffer((QK_FEATURES * K_STRIDE,), acc_dtype, scope="shared")  # [feature, query]
+                    weights = T.alloc_buffer((TILE_ROWS * S_STRIDE,), acc_dtype, scope="shared")  # [key, query]: P * Z, then dS
+                    query_rows = T.alloc_buffer((QK_KEYS * OUT_FEATURES,), acc_dtype, scope="shared")  # [query, feature]: dO, then Q
+                    key_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
+                    query_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                    valid_from = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # the queries' valid band columns
+                    valid_to = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")
+                    row_lse = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")
+                    delta = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")
+                    part_sum = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
+                    acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    probs = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    grad_k_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    grad_v_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    factors = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                    their_rows = T.alloc_buffer((4,), "int64", scope="local")
+                    ids = T.alloc_buffer((3,), "int64", scope="local")
+                    _block_ids(ids, bh, heads, dilation)
+                    b: T.let = ids[0]
+                    h: T.let = ids[1]
+                    d: T.let = ids[2]
+                    w: T.let = window
+                    band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                    p0: T.let = tile * T.int64(TILE_ROWS)
+                    ty: T.let = tx // SPAN
+                    tc: T.let = tx % SPAN
+                    _chunk_rows(key_row, TILE_ROWS, tx, p0, n, d)
+                    for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                grad_k_acc[i, u] = T.Cast(acc_dtype, 0)
+                                grad_v_acc[i, u] = T.Cast(acc_dtype, 0)
+                        for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
+                            # Chunk queries x: packed p0 - w_upper + 64 chunk + x, whose band column for
+                            # tile key kk is kk - x + band - 1 - 64 chunk.
+                            T.tvm_storage_sync("shared")
+                            _tile_rows(query_row, valid_from, valid_to, tx,
+                                       p0 - (band - T.int64(1) - w) + chunk * T.int64(QK_KEYS), n, d, w, band)
+                            T.tvm_storage_sync("shared")
+                            _row_deltas(delta, row_lse, part_sum, query_row, grad, out, lse, grad_lse, b, h, head_dim, tx,
+                                        acc_dtype, minus_inf)
+                            for u in T.unroll(4):
+                                their_rows[u] = query_row[tc + u * SPAN]
+                            _qk_chunk(acc, keys_t, queries_t, k, q, key_row, query_row, b, h, head_dim, tx, acc_dtype)
+                            for i in T.unroll(4):
+                                for u in T.unroll(4):
+                                    x: T.let = tc + u * SPAN
+                                    j: T.let = T.Cast("int64", ty * 4 + i - x) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
+                                    probs[i, u] = T.Select(
+                                        query_row[x] >= T.int64(0) and key_row[ty * 4 + i] >= T.int64(0)
+                                        and j >= valid_from[x] and j < valid_to[x],
+                                        T.exp(acc[i, u] * T.Cast(acc_dtype, scale)
+                                              + key_bias[b, T.max(key_row[ty * 4 + i], T.int64(0))] - row_lse[x]),
+                                        T.Cast(acc_dtype, 0))
+                            _qk_chunk(acc, keys_t, queries_t, v, grad, key_row, query_row, b, h, head_dim, tx, acc_dtype)
+                            _dropout_factors(factors, their_rows, seed, bh,
+                                             T.Cast("int64", ty * 4 - tc) + band - T.int64(1) - chunk * T.int64(QK_KEYS),
+                                             -SPAN, 1, True, dropout, acc_dtype)
+                            for i in T.unroll(4):
+                                for u in T.unroll(4):
+                                    weights[(ty * 4 + i) * S_STRIDE + tc + u * SPAN] = probs[i, u] * factors[i, u]
+                            _stage_rows(query_rows, grad, query_row, b, h, f0, head_dim, tx, acc_dtype)
+                            T.tvm_storage_sync("shared")
+                            _accumulate_rows(grad_v_acc, weights, query_rows, tx)
+                            T.tvm_storage_sync("shared")
+                            for i in T.unroll(4):
+                                for u in T.unroll(4):
+                                    weights[(ty * 4 + i) * S_STRIDE + tc + u * SPAN] = probs[i, u] * (
+                                        acc[i, u] * factors[i, u] - delta[tc + u * SPAN])
+                            _stage_rows(query_rows, q, query_row, b, h, f0, head_dim, tx, acc_dtype)
+                            T.tvm_storage_sync("shared")
+                            _accumulate_rows(grad_k_acc, weights, query_rows, tx)
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                row: T.let = key_row[ty * 4 + i]
+                                f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * SPAN)
+                                if row >= T.int64(0) and f < head_dim:
+                                    grad_k[b, row, h, f] = T.Cast(dtype, grad_k_acc[i, u] * T.Cast(acc_dtype, scale))
+                                    grad_v[b, row, h, f] = T.Cast(dtype, grad_v_acc[i, u])
+
+    return main
+
+
+HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": attention,
+                "attention_backward": attention_backward}
