@@ -40,9 +40,9 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ``[batch, seq_len]``, True for keys no query attends to (padding); a query left with no key
     gets 0. Returns ``[batch, seq_len, heads, head_dim]`` in the inputs' dtype.
 
-    Differentiable in ``q``, ``k``, ``v`` (once). Where the library has the fused kernels (CPU),
-    neither inference nor training keeps a band in memory (the backward recomputes each tile's
-    probabilities from the rows' log-sum-exp); on CUDA, inference.
+    Differentiable in ``q``, ``k``, ``v`` (once). Where the library has the fused kernels (CPU and
+    CUDA), neither inference nor training keeps a band in memory (the backward recomputes each
+    tile's probabilities from the rows' log-sum-exp).
     ``dropout_p``: attention dropout, as ``torch.nn.functional.dropout`` on the probabilities
     (each zeroed with probability ``dropout_p``, the rest scaled by ``1 / (1 - dropout_p)``);
     pass 0 outside training. On the fused kernels the mask comes from a counter-based generator
