@@ -12,7 +12,10 @@
 # Seen on an H200 (2026-11-26, bench/NOTES.md): the tests were 97% done after 220 s with 8 workers
 # (all 16 threads each then), memcheck + racecheck took 41 s, the bench's first 7 of 40 cases 4 min,
 # 190 s of it compiled FlexAttention's first compile: hence flex is a step of its own, not a default
-# one; run STEPS=flex as a second call.
+# one. For this workplace's lent machines (15 device minutes, 10 per call, at most 8 files back):
+#   call 1 (timeout_s 590): LIMITS="tests=240 memcheck=60 racecheck=60 bench=200" tools/gpu_check.sh /tmp/gc;
+#                           tar czf $OUT/gc.tgz -C /tmp gc
+#   call 2, while warm:     STEPS=flex LIMITS="flex=220" tools/gpu_check.sh /tmp/gc2; tar czf $OUT/gc2.tgz -C /tmp gc2
 #
 # The lent GPU machines have a CUDA build of torch and no network (/work/.library/device): nothing
 # is pip-installed from an index there. What their image lacks (apache-tvm-ffi, which loads our
