@@ -81,13 +81,15 @@ step tests "$PYTHON" -m pytest -q -rfE -p no:cacheprovider tests -k "cuda or lay
 unset OMP_NUM_THREADS
 step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$PYTHON" tools/sanitize_cuda_kernels.py
 step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 "$PYTHON" tools/sanitize_cuda_kernels.py
-# Every op and method but flex, both dtypes, dilated backward too; then flex, whose compiles are slow.
+# Every op and method but flex, both dtypes, dilated backward too; then flex, whose compiles are slow,
+# beside ours and ours as the three steps (the band products and torch's softmax: the fused
+# backward against the path CUDA training took before it).
 step bench "$PYTHON" -m bench --device cuda --out "$out" ${BENCH_ARGS:---dtype float32,bfloat16 --seq-lens 16384,4096 \
     --methods tvm,full,sdpa,sliding_chunks --passes forward,forward+backward --dilated-passes forward,forward+backward --repeats 5}
 gpu_name=$("$PYTHON" -c "from bench.machine import device_name; print(device_name('cuda'))")
 step flex "$PYTHON" -m bench --device cuda --out "$out" --name "$gpu_name-flex" --dtype bfloat16,float32 --seq-lens 16384 \
-    --ops local_attention --methods tvm,flex --passes forward,forward+backward --dilated-passes forward,forward+backward \
-    --repeats 5 --no-memory
+    --ops local_attention --methods tvm,tvm_steps_torch_softmax,flex --passes forward,forward+backward \
+    --dilated-passes forward,forward+backward --repeats 5 --no-memory
 
 [ -f "$out/tests-summary.txt" ] && cat "$out/tests-summary.txt"
 [ -f "$out/tests.log" ] && tail -n 5 "$out/tests.log"
