@@ -89,6 +89,7 @@ step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 "$PYTHON" t
 # anchors: each case compiles anew.
 step bench "$PYTHON" -m bench --device cuda --out "$out" ${BENCH_ARGS:---dtype float32,bfloat16 --seq-lens 16384,4096 \
     --methods tvm,full,sdpa,sliding_chunks --passes forward,forward+backward --dilated-passes forward,forward+backward --repeats 5}
+gpu_name=""
 case " $STEPS " in  # (the results' name: only where the step runs, each import of torch costs device time)
     *" flex "*) gpu_name=$("$PYTHON" -c "from bench.machine import device_name; print(device_name('cuda'))") ;;
 esac
