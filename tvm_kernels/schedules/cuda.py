@@ -56,6 +56,7 @@ K_STRIDE = QK_KEYS + 4
 F_STRIDE = OUT_FEATURES + 4
 S_STRIDE = QK_KEYS + 4  # attention: the chunk's scores, [row, key]
 SPAN = 16  # threads along each axis of a 64 x 64 sub-product: 16 x 16 threads of 4 x 4 results
+ROW_PARTS = THREADS // TILE_ROWS  # threads per tile row in the row-wise passes (softmax, deltas): 4
 
 
 def _packed_row(p, n, d):
@@ -328,8 +329,7 @@ def attention(dtype: str, autoregressive: bool, isa: str = ""):
     """
     acc_dtype = accumulation_dtype(dtype)
     causal = 1 if autoregressive else 0
-    parts = THREADS // TILE_ROWS  # threads per row in the softmax
-    per_part = QK_KEYS // parts
+    per_part = QK_KEYS // ROW_PARTS
     minus_inf = tirx.const(float("-inf"), acc_dtype)
 
     @T.prim_func
@@ -376,8 +376,8 @@ def attention(dtype: str, autoregressive: bool, isa: str = ""):
                     p0: T.let = tile * T.int64(TILE_ROWS)
                     ty: T.let = tx // SPAN
                     tc: T.let = tx % SPAN
-                    mine: T.let = tx // parts  # the softmax's row of this thread, and its part of the chunk
-                    part: T.let = tx % parts
+                    mine: T.let = tx // ROW_PARTS  # the softmax's row of this thread, and its part of the chunk
+                    part: T.let = tx % ROW_PARTS
                     _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
                     for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
                         T.tvm_storage_sync("shared")
@@ -417,8 +417,8 @@ def attention(dtype: str, autoregressive: bool, isa: str = ""):
                             part_max[tx] = top[0]
                             T.tvm_storage_sync("shared")
                             old_max: T.let = row_max[mine]
-                            new_max: T.let = T.max(T.max(T.max(old_max, part_max[mine * parts]), T.max(part_max[mine * parts + 1], part_max[mine * parts + 2])),
-                                               part_max[mine * parts + 3])
+                            new_max: T.let = T.max(T.max(T.max(old_max, part_max[mine * ROW_PARTS]), T.max(part_max[mine * ROW_PARTS + 1], part_max[mine * ROW_PARTS + 2])),
+                                               part_max[mine * ROW_PARTS + 3])
                             shift: T.let = T.Select(new_max == minus_inf, T.Cast(acc_dtype, 0), new_max)
                             total = T.alloc_buffer((1,), acc_dtype, scope="local")
                             kept = T.alloc_buffer((per_part,), acc_dtype, scope="local")
@@ -476,17 +476,17 @@ def _row_deltas(delta, row_lse, part_sum, rows_of, grad, out, lse, grad_lse, b, 
     """For the 64 packed rows ``rows_of`` (-1: none), four threads each: delta = rowsum(dO * O) less
     the log-sum-exp's gradient (the backward's dS = P * (dP - delta)), and the row's log-sum-exp
     (0 where it is -inf: a row with no key, whose P is then exp(-inf) = 0 at every column)."""
-    mine: T.let = tx // 4
-    part: T.let = tx % 4
+    mine: T.let = tx // ROW_PARTS
+    part: T.let = tx % ROW_PARTS
     row = T.alloc_buffer((1,), "int64", scope="local")
     total = T.alloc_buffer((1,), acc_dtype, scope="local")
     row[0] = rows_of[mine]
     total[0] = T.Cast(acc_dtype, 0)
-    for x in range(head_dim // T.int64(4)):
+    for x in range(head_dim // T.int64(ROW_PARTS)):
         total[0] = total[0] + T.Select(
             row[0] >= T.int64(0),
-            T.Cast(acc_dtype, grad[b, T.max(row[0], T.int64(0)), h, x * T.int64(4) + T.Cast("int64", part)])
-            * T.Cast(acc_dtype, out[b, T.max(row[0], T.int64(0)), h, x * T.int64(4) + T.Cast("int64", part)]),
+            T.Cast(acc_dtype, grad[b, T.max(row[0], T.int64(0)), h, x * T.int64(ROW_PARTS) + T.Cast("int64", part)])
+            * T.Cast(acc_dtype, out[b, T.max(row[0], T.int64(0)), h, x * T.int64(ROW_PARTS) + T.Cast("int64", part)]),
             T.Cast(acc_dtype, 0))
     part_sum[tx] = total[0]
     T.tvm_storage_sync("shared")
