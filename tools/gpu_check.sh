@@ -7,15 +7,16 @@
 #   tools/gpu_check.sh [OUTDIR]      # there, from the repository root (default: $OUT, else ./gpu-check)
 #   STEPS="tests bench" tools/gpu_check.sh   # some steps only (a lent machine's call lasts 10 minutes)
 #   LIMITS="tests=240 bench=270"             # seconds per step (killed past it; the others still run)
-#   PYTEST_ARGS="-n 8" BENCH_ARGS="--seq-lens 4096 ..." TESTS_K="cuda or layer"   # replace those steps' defaults
+#   PYTEST_ARGS="-n 8" BENCH_ARGS="--seq-lens 4096 ..." FLEX_ARGS=... TESTS_K="cuda or layer"   # replace defaults
 #
-# Seen on an H200 (2026-11-26, bench/NOTES.md): the tests were 97% done after 220 s with 8 workers
-# (all 16 threads each then), memcheck + racecheck took 41 s, the bench's first 7 of 40 cases 4 min,
-# 190 s of it compiled FlexAttention's first compile: hence flex is a step of its own, not a default
-# one. For this workplace's lent machines (15 device minutes, 10 per call, at most 8 files back):
-#   call 1 (timeout_s 590): LIMITS="tests=240 memcheck=60 racecheck=60 bench=200" tools/gpu_check.sh /tmp/gc;
+# Seen on an H200 (third run, bench/NOTES.md): tests 36 s (8 workers of 2 threads; with all 16
+# threads each, over 220 s), memcheck 11 s, racecheck 52 s, the bench 70 s (the 20 cases of NOTES' BENCH_ARGS, memory probes
+# included); the flex step 371 s, nearly all of it compiling FlexAttention (190 s for its first
+# compile): hence a step of its own. For this workplace's lent machines (15 device minutes, 10 per
+# call, at most 8 files back), two calls, ~10 device minutes with the start:
+#   call 1 (timeout_s 590): LIMITS="tests=240 memcheck=60 racecheck=90 bench=200" tools/gpu_check.sh /tmp/gc;
 #                           tar czf $OUT/gc.tgz -C /tmp gc
-#   call 2, while warm:     STEPS=flex LIMITS="flex=220" tools/gpu_check.sh /tmp/gc2; tar czf $OUT/gc2.tgz -C /tmp gc2
+#   call 2, at once (a machine goes back 30 s idle): STEPS=flex LIMITS="flex=420" tools/gpu_check.sh /tmp/gc2; tar czf $OUT/gc2.tgz -C /tmp gc2
 #
 # The lent GPU machines have a CUDA build of torch and no network (/work/.library/device): nothing
 # is pip-installed from an index there. What their image lacks (apache-tvm-ffi, which loads our
@@ -93,9 +94,9 @@ gpu_name=""
 case " $STEPS " in  # (the results' name: only where the step runs, each import of torch costs device time)
     *" flex "*) gpu_name=$("$PYTHON" -c "from bench.machine import device_name; print(device_name('cuda'))") ;;
 esac
-step flex "$PYTHON" -m bench --device cuda --out "$out" --name "$gpu_name-flex" --dtype bfloat16 --seq-lens 16384 \
-    --ops local_attention --methods tvm,tvm_steps_torch_softmax,flex --passes forward,forward+backward \
-    --dilated-passes forward,forward+backward --repeats 5 --no-memory
+step flex "$PYTHON" -m bench --device cuda --out "$out" --name "$gpu_name-flex" ${FLEX_ARGS:---dtype bfloat16 \
+    --seq-lens 16384 --ops local_attention --methods tvm,tvm_steps_torch_softmax,flex --passes forward,forward+backward \
+    --dilated-passes forward,forward+backward --repeats 5 --no-memory}
 
 [ -f "$out/tests-summary.txt" ] && cat "$out/tests-summary.txt"
 [ -f "$out/tests.log" ] && tail -n 5 "$out/tests.log"
