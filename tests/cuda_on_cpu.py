@@ -39,6 +39,27 @@ static std::barrier<>* block_barrier;
 #define CUDART_INF_F INFINITY
 template <class A, class B> auto max(A a, B b) { return a > b ? a : (decltype(a + b))b; }
 template <class A, class B> auto min(A a, B b) { return a < b ? a : (decltype(a + b))b; }
+// mma.sync m16n8k16 for a warp (tvm_kernels/schedules/cuda.py's fragment layout, float operands):
+// every thread of the block calls it together; each publishes its fragments, then computes its
+// accumulator elements from its warp's. An element's owner is the inverse of the kernel's mapping:
+// A(row, k) is element k%2 + 2(row/8) + 4(k/8) of lane 4(row%8) + (k%8)/2; B(k, col) element
+// k%2 + 2(k/8) of lane 4 col + (k%8)/2; C element i is (g + 8(i/2), 2t + i%2).
+static float mma_a[1024][8], mma_b[1024][4];
+static void longformer_mma_m16n8k16(float* c, const float* a, const float* b) {
+  unsigned me = threadIdx.x, warp = me - me % 32, g = me % 32 / 4, t = me % 4;
+  std::copy(a, a + 8, mma_a[me]);
+  std::copy(b, b + 4, mma_b[me]);
+  block_barrier->arrive_and_wait();
+  for (unsigned i = 0; i < 4; ++i) {
+    unsigned row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    float sum = 0;
+    for (unsigned k = 0; k < 16; ++k)
+      sum += mma_a[warp + 4 * (row % 8) + k % 8 / 2][k % 2 + 2 * (row / 8) + 4 * (k / 8)]
+           * mma_b[warp + 4 * col + k % 8 / 2][k % 2 + 2 * (k / 8)];
+    c[i] += sum;
+  }
+  block_barrier->arrive_and_wait();
+}
 // Blocks (x fastest) one after another, each by `threads` threads.
 static void launch(int64_t grid_x, int64_t grid_y, unsigned threads, const std::function<void()>& kernel) {
   std::barrier<> barrier(threads);
@@ -82,6 +103,8 @@ def source(ops, **config):
         code = tvm.compile(tvm.IRModule(functions), target=target).mod.imports[0].inspect_source()
     return code[code.index('extern "C" __global__'):]
 several = ("attention_backward",)
+# The tensor-core forward (the half types' on a GPU) with float operands and the shim's emulated mma.
+cuda.HAND_WRITTEN["attention_mma"] = lambda dtype, a: cuda.attention_mma(dtype, a, operand_dtype=dtype)
 bodies = [source([op for op in cuda.HAND_WRITTEN if op not in several]),
           source(several, **{"tirx.disable_cse_tir": True})]
 json.dump({"bodies": bodies, "threads": cuda.THREADS, "tile_rows": cuda.TILE_ROWS}, open(sys.argv[1], "w"))

@@ -95,13 +95,15 @@ def test_cuda_kernel_code_matches_reference(kernels, op, case):
         raise AssertionError(f"seed {seed}: {error}") from None
 
 
+@pytest.mark.parametrize("kernel", ["attention", "attention_mma"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
-def test_cuda_attention_code_matches_reference(kernels, case, dropout):
-    """The fused forward: result and log-sum-exp, with masked keys (one row's keys all masked
-    where the window allows), and its dropout mask the CPU kernels' (the reference re-implements it)."""
+def test_cuda_attention_code_matches_reference(kernels, case, dropout, kernel):
+    """The fused forward (float32's, and the half types' tensor-core kernel with float operands):
+    result and log-sum-exp, with masked keys (one row's keys all masked where the window allows),
+    and its dropout mask the CPU kernels' (the reference re-implements it)."""
     batch, n, heads, head_dim, w, dilation, autoregressive = case
-    seed = stable_seed("cuda_on_cpu attention", str(case), dropout)
+    seed = stable_seed("cuda_on_cpu attention", str(case), dropout)  # (the same inputs for both kernels)
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(batch, n, heads, head_dim, generator=g) for _ in range(3))
     mask = torch.rand(batch, n, generator=g) < 0.2
@@ -109,7 +111,7 @@ def test_cuda_attention_code_matches_reference(kernels, case, dropout):
     scale = 0.3
     key_bias = torch.zeros(batch, n).masked_fill_(mask, float("-inf"))
     out, lse = torch.full_like(q, float("nan")), torch.full((batch, n, heads), float("nan"))
-    _call(kernels, f"attention_{'causal' if autoregressive else 'symmetric'}", q.shape, q=q, k=k, v=v,
+    _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, q=q, k=k, v=v,
           key_bias=key_bias, dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=scale,
           dropout=dropout, seed=1234, out=out, lse=lse)
     factor = (dropout_factor_reference(1234, batch, n, heads, band_width(w, autoregressive), dropout)

@@ -21,7 +21,8 @@ each a 4 x 4 register tile (rows x columns of the block's 64 x 64 sub-product):
 - pv / transposed: per chunk of 32 packed rows, the band weights of the tile's rows for
   them are gathered into shared memory (zero where invalid) and multiplied with those
   rows' features; the output features stay in registers across all chunks.
-- attention: qk's chunks with FlashAttention's online softmax between them (:func:`attention`);
+- attention: qk's chunks with FlashAttention's online softmax between them (:func:`attention`),
+  both products on tensor cores (``mma.sync``) for the half types (:func:`attention_mma`);
   attention_backward: dQ per query tile, dK and dV per key tile, two kernels that recompute the
   scores from the log-sum-exp (:func:`attention_backward`).
 
@@ -30,8 +31,8 @@ classes r < n % d hold n // d + 1 rows, the rest n // d (:func:`_packed_row`). A
 column of packed query p (index s, class size m) is valid when its key's class index
 s + j - w lies in [0, m).
 
-Every sum runs in float32 in the same order for every dtype; inputs are converted when they
-are staged. ``head_dim`` must be a multiple of ``FEATURE_MULTIPLE`` (the runtime
+Every sum runs in float32; inputs are converted when they are staged, except for the tensor-core
+forward, which stages them in their own dtype and rounds its probabilities to it for P.V. ``head_dim`` must be a multiple of ``FEATURE_MULTIPLE`` (the runtime
 zero-pads), feature blocks past it are guarded.
 """
 
@@ -40,7 +41,9 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvm_kernels.compute import accumulation_dtype, dropout_factor, dropout_row_key
+from tvm.backend.cuda.op import cuda_func_call
+
+from tvm_kernels.compute import accumulation_dtype, dropout_factor, dropout_row_key, is_half
 
 FEATURE_MULTIPLE = 16  # qk stages features 16 at a time, unguarded
 THREADS = 256
@@ -57,6 +60,7 @@ F_STRIDE = OUT_FEATURES + 4
 S_STRIDE = QK_KEYS + 4  # attention: the chunk's scores, [row, key]
 SPAN = 16  # threads along each axis of a 64 x 64 sub-product: 16 x 16 threads of 4 x 4 results
 ROW_PARTS = THREADS // TILE_ROWS  # threads per tile row in the row-wise passes (softmax, deltas): 4
+PER_PART = QK_KEYS // ROW_PARTS  # the softmax's columns of a chunk per thread
 
 
 def _packed_row(p, n, d):
@@ -316,8 +320,63 @@ def transposed(dtype: str, autoregressive: bool, isa: str = ""):
     return _band_times_rows(dtype, autoregressive, transposed=True)
 
 
+@T.macro
+def _online_softmax(scores, row_max, row_sum, rescale, part_max, part_sum, query_row, tx, chunk, bh, seed, dropout,
+                    acc_dtype, minus_inf):
+    """FlashAttention's online softmax over one chunk of the tile's scores ([row, key] in shared
+    memory, -inf off the band), four threads per row: each row's new maximum over its four parts of
+    the chunk, then its probabilities (in place, dropout applied after the sum) and their sum;
+    rescale[row] is what the row's earlier results are to be multiplied by. -inf rows stay at 0."""
+    mine: T.let = tx // ROW_PARTS  # this thread's row, and its part of the chunk
+    part: T.let = tx % ROW_PARTS
+    top = T.alloc_buffer((1,), acc_dtype, scope="local")
+    top[0] = minus_inf
+    for x in range(PER_PART):
+        top[0] = T.max(top[0], scores[mine * S_STRIDE + part * PER_PART + x])
+    part_max[tx] = top[0]
+    T.tvm_storage_sync("shared")
+    old_max: T.let = row_max[mine]
+    new_max: T.let = T.max(T.max(T.max(old_max, part_max[mine * ROW_PARTS]), T.max(part_max[mine * ROW_PARTS + 1], part_max[mine * ROW_PARTS + 2])),
+                       part_max[mine * ROW_PARTS + 3])
+    shift: T.let = T.Select(new_max == minus_inf, T.Cast(acc_dtype, 0), new_max)
+    total = T.alloc_buffer((1,), acc_dtype, scope="local")
+    kept = T.alloc_buffer((PER_PART,), acc_dtype, scope="local")
+    total[0] = T.Cast(acc_dtype, 0)
+    for x in T.unroll(PER_PART):
+        kept[x] = T.exp(scores[mine * S_STRIDE + part * PER_PART + x] - shift)
+        total[0] = total[0] + kept[x]
+    my_row: T.let = query_row[mine]
+    if dropout > T.float64(0):
+        # The same mask as the CPU's (band column j = chunk column - row), after
+        # the sum. (Registers only in here: TVM cannot place a sync in a branch.)
+        row_key: T.let = dropout_row_key(seed, bh, my_row, bind=True)
+        for x in T.unroll(PER_PART):
+            # (Columns off the band, where the probability is 0, clamped to 0.)
+            kept[x] = kept[x] * dropout_factor(
+                row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", part * PER_PART + x - mine), T.int64(0)),
+                dropout, acc_dtype, bind=True)
+    for x in T.unroll(PER_PART):
+        scores[mine * S_STRIDE + part * PER_PART + x] = kept[x]
+    part_sum[tx] = total[0]
+    T.tvm_storage_sync("shared")
+    if part == 0:
+        rescale[mine] = T.exp(old_max - shift)
+        row_sum[mine] = row_sum[mine] * T.exp(old_max - shift) + (
+            part_sum[tx] + part_sum[tx + 1] + part_sum[tx + 2] + part_sum[tx + 3])
+        row_max[mine] = new_max
+    T.tvm_storage_sync("shared")
+
+
 def attention(dtype: str, autoregressive: bool, isa: str = ""):
-    """Fused local attention forward; same arguments and results as the CPU's
+    """Fused local attention forward: :func:`attention_mma` (tensor cores) for the half types,
+    :func:`attention_fma` for float32."""
+    if is_half(dtype):
+        return attention_mma(dtype, autoregressive)
+    return attention_fma(dtype, autoregressive)
+
+
+def attention_fma(dtype: str, autoregressive: bool):
+    """Fused local attention forward on float32 FMAs; same arguments and results as the CPU's
     (:func:`tvm_kernels.schedules.cpu.attention`): ``out = softmax(scale * Q.K^T + key_bias on the
     band) . V`` (dropout after the softmax's sum), and each row's log-sum-exp, with no band in memory.
 
@@ -329,7 +388,6 @@ def attention(dtype: str, autoregressive: bool, isa: str = ""):
     """
     acc_dtype = accumulation_dtype(dtype)
     causal = 1 if autoregressive else 0
-    per_part = QK_KEYS // ROW_PARTS
     minus_inf = tirx.const(float("-inf"), acc_dtype)
 
     @T.prim_func
@@ -376,8 +434,6 @@ def attention(dtype: str, autoregressive: bool, isa: str = ""):
                     p0: T.let = tile * T.int64(TILE_ROWS)
                     ty: T.let = tx // SPAN
                     tc: T.let = tx % SPAN
-                    mine: T.let = tx // ROW_PARTS  # the softmax's row of this thread, and its part of the chunk
-                    part: T.let = tx % ROW_PARTS
                     _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
                     for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
                         T.tvm_storage_sync("shared")
@@ -408,44 +464,8 @@ def attention(dtype: str, autoregressive: bool, isa: str = ""):
                                                         T.min(f0 * T.int64(OUT_FEATURES) + f, head_dim - T.int64(1))]),
                                     T.Cast(acc_dtype, 0))
                             T.tvm_storage_sync("shared")
-                            # Online softmax: each row's new maximum over its four parts of the chunk,
-                            # then its probabilities (in place) and their sum; -inf rows stay at 0.
-                            top = T.alloc_buffer((1,), acc_dtype, scope="local")
-                            top[0] = minus_inf
-                            for x in range(per_part):
-                                top[0] = T.max(top[0], scores[mine * S_STRIDE + part * per_part + x])
-                            part_max[tx] = top[0]
-                            T.tvm_storage_sync("shared")
-                            old_max: T.let = row_max[mine]
-                            new_max: T.let = T.max(T.max(T.max(old_max, part_max[mine * ROW_PARTS]), T.max(part_max[mine * ROW_PARTS + 1], part_max[mine * ROW_PARTS + 2])),
-                                               part_max[mine * ROW_PARTS + 3])
-                            shift: T.let = T.Select(new_max == minus_inf, T.Cast(acc_dtype, 0), new_max)
-                            total = T.alloc_buffer((1,), acc_dtype, scope="local")
-                            kept = T.alloc_buffer((per_part,), acc_dtype, scope="local")
-                            total[0] = T.Cast(acc_dtype, 0)
-                            for x in T.unroll(per_part):
-                                kept[x] = T.exp(scores[mine * S_STRIDE + part * per_part + x] - shift)
-                                total[0] = total[0] + kept[x]
-                            my_row: T.let = query_row[mine]
-                            if dropout > T.float64(0):
-                                # The same mask as the CPU's (band column j = chunk column - row), after
-                                # the sum. (Registers only in here: TVM cannot place a sync in a branch.)
-                                row_key: T.let = dropout_row_key(seed, bh, my_row, bind=True)
-                                for x in T.unroll(per_part):
-                                    # (Columns off the band, where the probability is 0, clamped to 0.)
-                                    kept[x] = kept[x] * dropout_factor(
-                                        row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", part * per_part + x - mine), T.int64(0)),
-                                        dropout, acc_dtype, bind=True)
-                            for x in T.unroll(per_part):
-                                scores[mine * S_STRIDE + part * per_part + x] = kept[x]
-                            part_sum[tx] = total[0]
-                            T.tvm_storage_sync("shared")
-                            if part == 0:
-                                rescale[mine] = T.exp(old_max - shift)
-                                row_sum[mine] = row_sum[mine] * T.exp(old_max - shift) + (
-                                    part_sum[tx] + part_sum[tx + 1] + part_sum[tx + 2] + part_sum[tx + 3])
-                                row_max[mine] = new_max
-                            T.tvm_storage_sync("shared")
+                            _online_softmax(scores, row_max, row_sum, rescale, part_max, part_sum, query_row, tx, chunk, bh,
+                                            seed, dropout, acc_dtype, minus_inf)
                             for i in T.unroll(4):
                                 for u in T.unroll(4):
                                     context[i, u] = context[i, u] * rescale[ty * 4 + i]
@@ -463,6 +483,204 @@ def attention(dtype: str, autoregressive: bool, isa: str = ""):
                                 if row >= T.int64(0) and f < head_dim:
                                     out[b, row, h, f] = T.Cast(dtype, T.Select(total_a > T.Cast(acc_dtype, 0), context[i, u] / total_a,
                                                                               T.Cast(acc_dtype, 0)))
+                        if tx < TILE_ROWS:
+                            row: T.let = query_row[tx]
+                            if row >= T.int64(0):
+                                lse[b, row, h] = T.Select(row_sum[tx] > T.Cast(acc_dtype, 0), row_max[tx] + T.log(row_sum[tx]), minus_inf)
+
+    return main
+
+
+# Tensor cores: mma.sync m16n8k16 (A, 16 x 16 in bfloat16 or float16, times B, 16 x 8, into float32
+# accumulators) for a warp of 32 threads. Lane l holds, with g = l // 4 and t = l % 4 (the PTX ISA's
+# "matrix fragments for mma.m16n8k16 with floating point type"):
+#   A element i < 8 at row g + 8 ((i // 2) % 2), column 2t + i % 2 + 8 (i // 4);
+#   B element i < 4 at row 2t + i % 2 + 8 (i // 2), column g;
+#   C element i < 4 at row g + 8 (i // 2), column 2t + i % 2.
+# Pairs of consecutive elements are one 32-bit register of the instruction.
+WARP = 32
+WARP_ROWS = 16  # each warp's rows of a 64 x 64 sub-product: one mma tile
+WARP_COLS = 32  # and its columns: four mma tiles of 8
+FEATURE_BLOCK = 64  # features staged per pass (the scores) and output features per pass (P.V)
+# Operand rows in shared memory, 8 elements past the row: a fragment load's 8 rows x 4 pairs then
+# fall into 32 different banks (rows 36 words apart).
+OP_STRIDE = FEATURE_BLOCK + 8
+MMA_PTX_TYPE = {"bfloat16": "bf16", "float16": "f16"}
+
+
+def _a_element(i: int):
+    """(row, column) offsets from (g, 2t) of A fragment element i."""
+    return 8 * ((i // 2) % 2), i % 2 + 8 * (i // 4)
+
+
+def _b_element(i: int):
+    """Row (k) offset from 2t of B fragment element i (its column is g)."""
+    return i % 2 + 8 * (i // 2)
+
+
+def _c_element(i: int):
+    """(row, column) offsets from (g, 2t) of accumulator element i."""
+    return 8 * (i // 2), i % 2
+
+
+def _mma_source(operand_dtype: str) -> str:
+    """The CUDA device function ``longformer_mma_m16n8k16(c, a, b)``: c[0:4] += a . b, each pointer
+    to this thread's fragment. float32 operands have no such instruction: the CPU harness
+    (tests/cuda_on_cpu.py) compiles that variant, with its own emulation of the warp's product."""
+    if operand_dtype not in MMA_PTX_TYPE:
+        return "// longformer_mma_m16n8k16: the CPU harness defines it\n"
+    ptx = MMA_PTX_TYPE[operand_dtype]
+    return (
+        "__device__ __forceinline__ void longformer_mma_m16n8k16(float* c, const void* a, const void* b) {\n"
+        "  const unsigned* A = reinterpret_cast<const unsigned*>(a);\n"
+        "  const unsigned* B = reinterpret_cast<const unsigned*>(b);\n"
+        f'  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 '
+        '{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"\n'
+        '               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])\n'
+        '               : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "r"(B[0]), "r"(B[1]));\n'
+        "}\n")
+
+
+def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = None):
+    """Fused local attention forward on tensor cores; the arguments, results and structure of
+    :func:`attention_fma` (tiles of 64 packed queries, chunks of 64 packed keys, the online softmax
+    in shared memory), with both 64 x 64 products as ``mma.sync`` (float32 accumulation): each of
+    the 8 warps computes 16 rows x 32 columns of them. Q and K are staged in their own dtype 64
+    features at a time, V transposed (features x keys) into K's buffer, and the probabilities are
+    rounded to that dtype for P.V (as FlashAttention does). ``operand_dtype`` float32 (only with
+    dtype float32) is for the CPU harness, which emulates the instruction."""
+    operand = operand_dtype or dtype
+    acc_dtype = accumulation_dtype(dtype)
+    causal = 1 if autoregressive else 0
+    minus_inf = tirx.const(float("-inf"), acc_dtype)
+    source = _mma_source(operand)
+
+    def mma(c, c_offset, a, b):
+        return cuda_func_call("longformer_mma_m16n8k16", T.address_of(c[c_offset]), T.address_of(a[0]),
+                              T.address_of(b[0]), source_code=source)
+
+    @T.prim_func
+    def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
+             dilation_handle: T.handle, window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64,
+             out_handle: T.handle, lse_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        head_dim = T.int64()
+        q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
+        dilation = T.match_buffer(dilation_handle, (heads,), "int32")
+        out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
+        lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
+        for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
+            for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
+                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                    queries = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared")  # [row, feature]
+                    keys = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [key, feature]; V: [feature, key]
+                    scores = T.alloc_buffer((TILE_ROWS * S_STRIDE,), acc_dtype, scope="shared")  # [row, key]
+                    query_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
+                    valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                    valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                    key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                    row_max = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
+                    row_sum = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
+                    rescale = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
+                    part_max = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
+                    part_sum = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
+                    acc = T.alloc_buffer((4 * 4,), acc_dtype, scope="local")  # 4 mma tiles' accumulators
+                    context = T.alloc_buffer((4 * 4,), acc_dtype, scope="local")
+                    a_frag = T.alloc_buffer((8,), operand, scope="local")
+                    b_frag = T.alloc_buffer((4,), operand, scope="local")
+                    ids = T.alloc_buffer((3,), "int64", scope="local")
+                    _block_ids(ids, bh, heads, dilation)
+                    b: T.let = ids[0]
+                    h: T.let = ids[1]
+                    d: T.let = ids[2]
+                    w: T.let = window
+                    band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                    p0: T.let = tile * T.int64(TILE_ROWS)
+                    g: T.let = tx % WARP // 4
+                    t2: T.let = tx % 4 * 2
+                    row0: T.let = tx // WARP % (TILE_ROWS // WARP_ROWS) * WARP_ROWS  # the warp's rows
+                    col0: T.let = tx // WARP // (TILE_ROWS // WARP_ROWS) * WARP_COLS  # its keys, or features
+                    blocks: T.let = (head_dim + T.int64(FEATURE_BLOCK - 1)) // T.int64(FEATURE_BLOCK)
+                    _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
+                    for f0 in range(blocks):
+                        T.tvm_storage_sync("shared")
+                        if tx < TILE_ROWS:
+                            row_max[tx] = minus_inf
+                            row_sum[tx] = T.Cast(acc_dtype, 0)
+                        for x in T.unroll(16):
+                            context[x] = T.Cast(acc_dtype, 0)
+                        for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
+                            _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
+                            for x in T.unroll(16):
+                                acc[x] = T.Cast(acc_dtype, 0)
+                            for fb in range(blocks):
+                                T.tvm_storage_sync("shared")
+                                for e in T.unroll(TILE_ROWS * FEATURE_BLOCK // THREADS):
+                                    r: T.let = (tx + e * THREADS) // FEATURE_BLOCK
+                                    f: T.let = (tx + e * THREADS) % FEATURE_BLOCK
+                                    feature: T.let = fb * T.int64(FEATURE_BLOCK) + T.Cast("int64", f)
+                                    queries[r * OP_STRIDE + f] = T.Select(
+                                        query_row[r] >= T.int64(0) and feature < head_dim,
+                                        T.Cast(operand, q[b, T.max(query_row[r], T.int64(0)), h, T.min(feature, head_dim - T.int64(1))]),
+                                        T.Cast(operand, 0))
+                                    keys[r * OP_STRIDE + f] = T.Select(
+                                        key_row[r] >= T.int64(0) and feature < head_dim,
+                                        T.Cast(operand, k[b, T.max(key_row[r], T.int64(0)), h, T.min(feature, head_dim - T.int64(1))]),
+                                        T.Cast(operand, 0))
+                                T.tvm_storage_sync("shared")
+                                for step in T.unroll(FEATURE_BLOCK // 16):
+                                    for i in T.unroll(8):
+                                        a_frag[i] = queries[(row0 + g + _a_element(i)[0]) * OP_STRIDE + step * 16 + t2 + _a_element(i)[1]]
+                                    for tile_n in T.unroll(WARP_COLS // 8):
+                                        for i in T.unroll(4):
+                                            b_frag[i] = keys[(col0 + tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
+                                        T.evaluate(mma(acc, tile_n * 4, a_frag, b_frag))
+                            T.tvm_storage_sync("shared")
+                            for tile_n in T.unroll(WARP_COLS // 8):
+                                for i in T.unroll(4):
+                                    # Band column j of row a is chunk column a + j (see qk).
+                                    a: T.let = row0 + g + _c_element(i)[0]
+                                    kk: T.let = col0 + tile_n * 8 + t2 + _c_element(i)[1]
+                                    j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - a)
+                                    scores[a * S_STRIDE + kk] = T.Select(
+                                        j >= valid_from[a] and j < valid_to[a],
+                                        acc[tile_n * 4 + i] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[kk], T.int64(0))],
+                                        minus_inf)
+                            for e in T.unroll(QK_KEYS * FEATURE_BLOCK // THREADS):
+                                kk: T.let = (tx + e * THREADS) // FEATURE_BLOCK
+                                f: T.let = (tx + e * THREADS) % FEATURE_BLOCK
+                                feature: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", f)
+                                keys[f * OP_STRIDE + kk] = T.Select(
+                                    key_row[kk] >= T.int64(0) and feature < head_dim,
+                                    T.Cast(operand, v[b, T.max(key_row[kk], T.int64(0)), h, T.min(feature, head_dim - T.int64(1))]),
+                                    T.Cast(operand, 0))
+                            T.tvm_storage_sync("shared")
+                            _online_softmax(scores, row_max, row_sum, rescale, part_max, part_sum, query_row, tx, chunk, bh,
+                                            seed, dropout, acc_dtype, minus_inf)
+                            for x in T.unroll(16):
+                                context[x] = context[x] * rescale[row0 + g + _c_element(x % 4)[0]]
+                            for step in T.unroll(QK_KEYS // 16):
+                                for i in T.unroll(8):
+                                    a_frag[i] = T.Cast(operand, scores[(row0 + g + _a_element(i)[0]) * S_STRIDE + step * 16 + t2 + _a_element(i)[1]])
+                                for tile_n in T.unroll(WARP_COLS // 8):
+                                    for i in T.unroll(4):
+                                        b_frag[i] = keys[(col0 + tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
+                                    T.evaluate(mma(context, tile_n * 4, a_frag, b_frag))
+                            T.tvm_storage_sync("shared")
+                        for x in T.unroll(16):
+                            a: T.let = row0 + g + _c_element(x % 4)[0]
+                            f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", col0 + x // 4 * 8 + t2 + _c_element(x % 4)[1])
+                            row: T.let = query_row[a]
+                            total_a: T.let = row_sum[a]
+                            if row >= T.int64(0) and f < head_dim:
+                                out[b, row, h, f] = T.Cast(dtype, T.Select(total_a > T.Cast(acc_dtype, 0), context[x] / total_a,
+                                                                          T.Cast(acc_dtype, 0)))
                         if tx < TILE_ROWS:
                             row: T.let = query_row[tx]
                             if row >= T.int64(0):
