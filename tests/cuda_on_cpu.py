@@ -4,8 +4,10 @@ logic (tiles, packed rows, staging, synchronisation) against the references.
 TVM lowers ``tvm_kernels/schedules/cuda.py`` to CUDA C++; :func:`build` compiles that source with
 the host C++ compiler and a small shim: each CUDA thread of a block is a ``std::thread``, the
 block's ``__shared__`` arrays are statics (blocks run one after another), ``__syncthreads`` is a
-barrier of the block's threads. float32 only (the kernels' logic does not depend on the dtype; the
-half types' conversions are TVM's). What it cannot show: speed, and races between threads that
+barrier of the block's threads, each block launched with its kernel's ``__launch_bounds__``.
+float32 only (the kernels' logic does not depend on the dtype; the half types' conversions are
+TVM's): the half types' tensor-core forward is built with float operands, and the shim emulates its
+warp instructions (``mma.sync``, the quad shuffles) from the layout the kernel assumes. What it cannot show: speed, and races between threads that
 the barrier happens to order (``make gpu-check``'s racecheck covers those on a GPU).
 """
 
@@ -60,6 +62,20 @@ static void longformer_mma_m16n8k16(float* c, const float* a, const float* b) {
   }
   block_barrier->arrive_and_wait();
 }
+// A value's maximum and sum over the 4 lanes of a quad (__shfl_xor_sync by 1 and 2), likewise.
+static float quad_values[1024];
+static float quad_reduce(float x, bool sum) {
+  unsigned me = threadIdx.x, quad = me - me % 4;
+  quad_values[me] = x;
+  block_barrier->arrive_and_wait();
+  float result = quad_values[quad];
+  for (unsigned lane = 1; lane < 4; ++lane)
+    result = sum ? result + quad_values[quad + lane] : std::max(result, quad_values[quad + lane]);
+  block_barrier->arrive_and_wait();
+  return result;
+}
+static float longformer_quad_max(float x) { return quad_reduce(x, false); }
+static float longformer_quad_sum(float x) { return quad_reduce(x, true); }
 // Blocks (x fastest) one after another, each by `threads` threads.
 static void launch(int64_t grid_x, int64_t grid_y, unsigned threads, const std::function<void()>& kernel) {
   std::barrier<> barrier(threads);
@@ -107,7 +123,7 @@ several = ("attention_backward",)
 cuda.HAND_WRITTEN["attention_mma"] = lambda dtype, a: cuda.attention_mma(dtype, a, operand_dtype=dtype)
 bodies = [source([op for op in cuda.HAND_WRITTEN if op not in several]),
           source(several, **{"tirx.disable_cse_tir": True})]
-json.dump({"bodies": bodies, "threads": cuda.THREADS, "tile_rows": cuda.TILE_ROWS}, open(sys.argv[1], "w"))
+json.dump({"bodies": bodies, "tile_rows": cuda.TILE_ROWS}, open(sys.argv[1], "w"))
 """
 
 
@@ -124,11 +140,11 @@ def build(directory: Path) -> tuple[Path, dict]:
     body = "\n".join(info["bodies"])
     body = body.replace("__shared__ alignas(64)", "alignas(64) __shared__")  # attribute order C++ accepts
     launches: dict[str, list[str]] = {}  # a function's kernels in launch order (TVM: name_kernel, name_kernel_1, ...)
-    for name, suffix, parameters in re.findall(
-            r'__global__ void __launch_bounds__\(\d+\) (\w+?)_kernel(_\d+)?\(([^)]*)\) \{', body):
+    for threads, name, suffix, parameters in re.findall(
+            r'__global__ void __launch_bounds__\((\d+)\) (\w+?)_kernel(_\d+)?\(([^)]*)\) \{', body):
         call = ", ".join(p.split()[-1].removesuffix("_ptr") for p in parameters.split(","))
         launches.setdefault(name, []).append(
-            f'  launch((n + {info["tile_rows"]} - 1) / {info["tile_rows"]}, batch * heads, {info["threads"]},\n'
+            f'  launch((n + {info["tile_rows"]} - 1) / {info["tile_rows"]}, batch * heads, {threads},\n'
             f'         [&] {{ {name}_kernel{suffix}({call}); }});\n')
     signature = ", ".join(f"{ctype} {arg}" for arg, ctype in ARGUMENTS)
     wrappers = [f'extern "C" void run_{name}({signature}) {{\n{"".join(calls)}}}\n' for name, calls in launches.items()]

@@ -22,7 +22,8 @@ each a 4 x 4 register tile (rows x columns of the block's 64 x 64 sub-product):
   them are gathered into shared memory (zero where invalid) and multiplied with those
   rows' features; the output features stay in registers across all chunks.
 - attention: qk's chunks with FlashAttention's online softmax between them (:func:`attention`),
-  both products on tensor cores (``mma.sync``) for the half types (:func:`attention_mma`);
+  for the half types on tensor cores (``mma.sync``) in FlashAttention-2's layout, 128 threads of
+  16 query rows each, the softmax in registers (:func:`attention_mma`);
   attention_backward: dQ per query tile, dK and dV per key tile, two kernels that recompute the
   scores from the log-sum-exp (:func:`attention_backward`).
 
@@ -499,13 +500,26 @@ def attention_fma(dtype: str, autoregressive: bool):
 #   C element i < 4 at row g + 8 (i // 2), column 2t + i % 2.
 # Pairs of consecutive elements are one 32-bit register of the instruction.
 WARP = 32
-WARP_ROWS = 16  # each warp's rows of a 64 x 64 sub-product: one mma tile
-WARP_COLS = 32  # and its columns: four mma tiles of 8
+WARP_ROWS = 16  # each warp's query rows: one mma tile
+MMA_THREADS = TILE_ROWS // WARP_ROWS * WARP  # 4 warps
 FEATURE_BLOCK = 64  # features staged per pass (the scores) and output features per pass (P.V)
 # Operand rows in shared memory, 8 elements past the row: a fragment load's 8 rows x 4 pairs then
 # fall into 32 different banks (rows 36 words apart).
 OP_STRIDE = FEATURE_BLOCK + 8
 MMA_PTX_TYPE = {"bfloat16": "bf16", "float16": "f16"}
+# The maximum and the sum of a value over the 4 lanes of a quad (one row of an accumulator tile);
+# one source per function: TVM emits each function's source once, by name.
+QUAD_SOURCE = {
+    "max": """__device__ __forceinline__ float longformer_quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+""",
+    "sum": """__device__ __forceinline__ float longformer_quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+"""}
 
 
 def _a_element(i: int):
@@ -542,22 +556,28 @@ def _mma_source(operand_dtype: str) -> str:
 
 
 def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = None):
-    """Fused local attention forward on tensor cores; the arguments, results and structure of
-    :func:`attention_fma` (tiles of 64 packed queries, chunks of 64 packed keys, the online softmax
-    in shared memory), with both 64 x 64 products as ``mma.sync`` (float32 accumulation): each of
-    the 8 warps computes 16 rows x 32 columns of them. Q and K are staged in their own dtype 64
-    features at a time, V transposed (features x keys) into K's buffer, and the probabilities are
-    rounded to that dtype for P.V (as FlashAttention does). ``operand_dtype`` float32 (only with
-    dtype float32) is for the CPU harness, which emulates the instruction."""
+    """Fused local attention forward on tensor cores (``mma.sync``, float32 accumulation), laid out
+    as FlashAttention-2: per tile of 64 packed queries, 4 warps of 16 query rows each, and per chunk
+    of 64 packed keys (as :func:`attention_fma`) each warp computes its rows' scores against all 64
+    keys into registers, so that a row's scores sit in the 4 lanes of one quad: the online softmax
+    runs on the accumulators (a row's maximum and sum over its lanes by two shuffles), and the
+    probabilities, rounded to the input dtype, are already the A fragments of P.V (the score tiles
+    of keys 16s..16s+15 are P.V's step s). Only Q, K and V (transposed: features x keys) pass
+    through shared memory, in their own dtype, 64 features at a time. ``operand_dtype`` float32
+    (only with dtype float32) is for the CPU harness, which emulates the instructions."""
     operand = operand_dtype or dtype
     acc_dtype = accumulation_dtype(dtype)
     causal = 1 if autoregressive else 0
     minus_inf = tirx.const(float("-inf"), acc_dtype)
     source = _mma_source(operand)
+    tiles = QK_KEYS // 8  # mma tiles of 8 columns across a chunk's keys, and across 64 output features
 
     def mma(c, c_offset, a, b):
         return cuda_func_call("longformer_mma_m16n8k16", T.address_of(c[c_offset]), T.address_of(a[0]),
                               T.address_of(b[0]), source_code=source)
+
+    def quad(reduction, x):
+        return cuda_func_call(f"longformer_quad_{reduction}", x, source_code=QUAD_SOURCE[reduction], return_type="float32")
 
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
@@ -577,21 +597,20 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
         lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
         for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
             for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
-                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                for tx in T.thread_binding(MMA_THREADS, thread="threadIdx.x"):
                     queries = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared")  # [row, feature]
-                    keys = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [key, feature]; V: [feature, key]
-                    scores = T.alloc_buffer((TILE_ROWS * S_STRIDE,), acc_dtype, scope="shared")  # [row, key]
+                    keys = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
+                    values = T.alloc_buffer((FEATURE_BLOCK * OP_STRIDE,), operand, scope="shared")  # [feature, key]
                     query_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
                     valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                     valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                     key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
-                    row_max = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
-                    row_sum = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
-                    rescale = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
-                    part_max = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
-                    part_sum = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
-                    acc = T.alloc_buffer((4 * 4,), acc_dtype, scope="local")  # 4 mma tiles' accumulators
-                    context = T.alloc_buffer((4 * 4,), acc_dtype, scope="local")
+                    acc = T.alloc_buffer((tiles * 4,), acc_dtype, scope="local")  # scores, then probabilities
+                    context = T.alloc_buffer((tiles * 4,), acc_dtype, scope="local")
+                    row_max = T.alloc_buffer((2,), acc_dtype, scope="local")  # of rows g and g + 8
+                    row_sum = T.alloc_buffer((2,), acc_dtype, scope="local")
+                    rescale = T.alloc_buffer((2,), acc_dtype, scope="local")
+                    reduced = T.alloc_buffer((2,), acc_dtype, scope="local")
                     a_frag = T.alloc_buffer((8,), operand, scope="local")
                     b_frag = T.alloc_buffer((4,), operand, scope="local")
                     ids = T.alloc_buffer((3,), "int64", scope="local")
@@ -604,26 +623,25 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                     p0: T.let = tile * T.int64(TILE_ROWS)
                     g: T.let = tx % WARP // 4
                     t2: T.let = tx % 4 * 2
-                    row0: T.let = tx // WARP % (TILE_ROWS // WARP_ROWS) * WARP_ROWS  # the warp's rows
-                    col0: T.let = tx // WARP // (TILE_ROWS // WARP_ROWS) * WARP_COLS  # its keys, or features
+                    row0: T.let = tx // WARP * WARP_ROWS + g  # this thread's rows: row0 and row0 + 8
                     blocks: T.let = (head_dim + T.int64(FEATURE_BLOCK - 1)) // T.int64(FEATURE_BLOCK)
                     _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
                     for f0 in range(blocks):
-                        T.tvm_storage_sync("shared")
-                        if tx < TILE_ROWS:
-                            row_max[tx] = minus_inf
-                            row_sum[tx] = T.Cast(acc_dtype, 0)
-                        for x in T.unroll(16):
+                        for r in T.unroll(2):
+                            row_max[r] = minus_inf
+                            row_sum[r] = T.Cast(acc_dtype, 0)
+                        for x in T.unroll(tiles * 4):
                             context[x] = T.Cast(acc_dtype, 0)
                         for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
+                            T.tvm_storage_sync("shared")  # the last chunk's products are done with keys, values
                             _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
-                            for x in T.unroll(16):
+                            for x in T.unroll(tiles * 4):
                                 acc[x] = T.Cast(acc_dtype, 0)
                             for fb in range(blocks):
                                 T.tvm_storage_sync("shared")
-                                for e in T.unroll(TILE_ROWS * FEATURE_BLOCK // THREADS):
-                                    r: T.let = (tx + e * THREADS) // FEATURE_BLOCK
-                                    f: T.let = (tx + e * THREADS) % FEATURE_BLOCK
+                                for e in T.unroll(TILE_ROWS * FEATURE_BLOCK // MMA_THREADS):
+                                    r: T.let = (tx + e * MMA_THREADS) // FEATURE_BLOCK
+                                    f: T.let = (tx + e * MMA_THREADS) % FEATURE_BLOCK
                                     feature: T.let = fb * T.int64(FEATURE_BLOCK) + T.Cast("int64", f)
                                     queries[r * OP_STRIDE + f] = T.Select(
                                         query_row[r] >= T.int64(0) and feature < head_dim,
@@ -633,61 +651,87 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                         key_row[r] >= T.int64(0) and feature < head_dim,
                                         T.Cast(operand, k[b, T.max(key_row[r], T.int64(0)), h, T.min(feature, head_dim - T.int64(1))]),
                                         T.Cast(operand, 0))
+                                    if fb == T.int64(0):
+                                        out_feature: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", f)
+                                        values[f * OP_STRIDE + r] = T.Select(
+                                            key_row[r] >= T.int64(0) and out_feature < head_dim,
+                                            T.Cast(operand, v[b, T.max(key_row[r], T.int64(0)), h, T.min(out_feature, head_dim - T.int64(1))]),
+                                            T.Cast(operand, 0))
                                 T.tvm_storage_sync("shared")
                                 for step in T.unroll(FEATURE_BLOCK // 16):
                                     for i in T.unroll(8):
-                                        a_frag[i] = queries[(row0 + g + _a_element(i)[0]) * OP_STRIDE + step * 16 + t2 + _a_element(i)[1]]
-                                    for tile_n in T.unroll(WARP_COLS // 8):
+                                        a_frag[i] = queries[(row0 + _a_element(i)[0]) * OP_STRIDE + step * 16 + t2 + _a_element(i)[1]]
+                                    for tile_n in T.unroll(tiles):
                                         for i in T.unroll(4):
-                                            b_frag[i] = keys[(col0 + tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
+                                            b_frag[i] = keys[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
                                         T.evaluate(mma(acc, tile_n * 4, a_frag, b_frag))
-                            T.tvm_storage_sync("shared")
-                            for tile_n in T.unroll(WARP_COLS // 8):
-                                for i in T.unroll(4):
-                                    # Band column j of row a is chunk column a + j (see qk).
-                                    a: T.let = row0 + g + _c_element(i)[0]
-                                    kk: T.let = col0 + tile_n * 8 + t2 + _c_element(i)[1]
-                                    j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - a)
-                                    scores[a * S_STRIDE + kk] = T.Select(
-                                        j >= valid_from[a] and j < valid_to[a],
-                                        acc[tile_n * 4 + i] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[kk], T.int64(0))],
-                                        minus_inf)
-                            for e in T.unroll(QK_KEYS * FEATURE_BLOCK // THREADS):
-                                kk: T.let = (tx + e * THREADS) // FEATURE_BLOCK
-                                f: T.let = (tx + e * THREADS) % FEATURE_BLOCK
-                                feature: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", f)
-                                keys[f * OP_STRIDE + kk] = T.Select(
-                                    key_row[kk] >= T.int64(0) and feature < head_dim,
-                                    T.Cast(operand, v[b, T.max(key_row[kk], T.int64(0)), h, T.min(feature, head_dim - T.int64(1))]),
-                                    T.Cast(operand, 0))
-                            T.tvm_storage_sync("shared")
-                            _online_softmax(scores, row_max, row_sum, rescale, part_max, part_sum, query_row, tx, chunk, bh,
-                                            seed, dropout, acc_dtype, minus_inf)
-                            for x in T.unroll(16):
-                                context[x] = context[x] * rescale[row0 + g + _c_element(x % 4)[0]]
+                            # Scores, -inf off the band (band column j of row a is chunk column a + j, see
+                            # qk), and each row's maximum over its quad.
+                            for r in T.unroll(2):
+                                reduced[r] = minus_inf
+                            for x in T.unroll(tiles * 4):
+                                a: T.let = row0 + _c_element(x % 4)[0]
+                                kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+                                j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - a)
+                                acc[x] = T.Select(j >= valid_from[a] and j < valid_to[a],
+                                                  acc[x] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[kk], T.int64(0))],
+                                                  minus_inf)
+                                reduced[x % 4 // 2] = T.max(reduced[x % 4 // 2], acc[x])
+                            for r in T.unroll(2):
+                                reduced[r] = quad("max", reduced[r])  # (stored: a let would repeat the shuffles)
+                            for r in T.unroll(2):
+                                new_max: T.let = T.max(row_max[r], reduced[r])
+                                shift: T.let = T.Select(new_max == minus_inf, T.Cast(acc_dtype, 0), new_max)
+                                rescale[r] = T.exp(row_max[r] - shift)
+                                row_max[r] = new_max
+                                reduced[r] = shift
+                            for r in T.unroll(2):
+                                row_sum[r] = row_sum[r] * rescale[r]
+                            for x in T.unroll(tiles * 4):
+                                acc[x] = T.exp(acc[x] - reduced[x % 4 // 2])
+                                context[x] = context[x] * rescale[x % 4 // 2]
+                            for r in T.unroll(2):
+                                reduced[r] = T.Cast(acc_dtype, 0)
+                            for x in T.unroll(tiles * 4):
+                                reduced[x % 4 // 2] = reduced[x % 4 // 2] + acc[x]
+                            for r in T.unroll(2):
+                                reduced[r] = quad("sum", reduced[r])
+                            for r in T.unroll(2):
+                                row_sum[r] = row_sum[r] + reduced[r]
+                            if dropout > T.float64(0):
+                                # The same mask as the CPU's, after the sum (off-band columns, whose
+                                # probability is 0, clamped to column 0).
+                                for r in T.unroll(2):
+                                    row_key: T.let = dropout_row_key(seed, bh, query_row[row0 + r * 8], bind=True)
+                                    for x in T.unroll(tiles * 2):
+                                        kk: T.let = x // 2 * 8 + t2 + x % 2
+                                        acc[x // 2 * 4 + r * 2 + x % 2] = acc[x // 2 * 4 + r * 2 + x % 2] * dropout_factor(
+                                            row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - row0 - r * 8), T.int64(0)),
+                                            dropout, acc_dtype, bind=True)
+                            # P.V: step s takes the probabilities of keys 16s .. 16s + 15, score tiles 2s
+                            # and 2s + 1: A element i is element i % 4 of tile 2s + i // 4.
                             for step in T.unroll(QK_KEYS // 16):
                                 for i in T.unroll(8):
-                                    a_frag[i] = T.Cast(operand, scores[(row0 + g + _a_element(i)[0]) * S_STRIDE + step * 16 + t2 + _a_element(i)[1]])
-                                for tile_n in T.unroll(WARP_COLS // 8):
+                                    a_frag[i] = T.Cast(operand, acc[(step * 2 + i // 4) * 4 + i % 4])
+                                for tile_n in T.unroll(tiles):
                                     for i in T.unroll(4):
-                                        b_frag[i] = keys[(col0 + tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
+                                        b_frag[i] = values[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
                                     T.evaluate(mma(context, tile_n * 4, a_frag, b_frag))
-                            T.tvm_storage_sync("shared")
-                        for x in T.unroll(16):
-                            a: T.let = row0 + g + _c_element(x % 4)[0]
-                            f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", col0 + x // 4 * 8 + t2 + _c_element(x % 4)[1])
+                        for x in T.unroll(tiles * 4):
+                            a: T.let = row0 + _c_element(x % 4)[0]
+                            f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
                             row: T.let = query_row[a]
-                            total_a: T.let = row_sum[a]
+                            total: T.let = row_sum[x % 4 // 2]
                             if row >= T.int64(0) and f < head_dim:
-                                out[b, row, h, f] = T.Cast(dtype, T.Select(total_a > T.Cast(acc_dtype, 0), context[x] / total_a,
+                                out[b, row, h, f] = T.Cast(dtype, T.Select(total > T.Cast(acc_dtype, 0), context[x] / total,
                                                                           T.Cast(acc_dtype, 0)))
-                        if tx < TILE_ROWS:
-                            row: T.let = query_row[tx]
-                            if row >= T.int64(0):
-                                lse[b, row, h] = T.Select(row_sum[tx] > T.Cast(acc_dtype, 0), row_max[tx] + T.log(row_sum[tx]), minus_inf)
+                        for r in T.unroll(2):
+                            row: T.let = query_row[row0 + r * 8]
+                            if t2 == 0 and row >= T.int64(0):
+                                lse[b, row, h] = T.Select(row_sum[r] > T.Cast(acc_dtype, 0),
+                                                          row_max[r] + T.log(row_sum[r]), minus_inf)
 
     return main
-
 
 @T.macro
 def _row_deltas(delta, row_lse, part_sum, rows_of, grad, out, lse, grad_lse, b, h, head_dim, tx, acc_dtype, minus_inf):
