@@ -10,10 +10,10 @@
 #   PYTEST_ARGS="-n 8" BENCH_ARGS="--seq-lens 4096 ..." FLEX_ARGS=... TESTS_K="cuda or layer"   # replace defaults
 #
 # Seen on an H200 (third run, bench/NOTES.md): tests 36 s (8 workers of 2 threads; with all 16
-# threads each, over 220 s), memcheck 11 s, racecheck 52 s, the bench 70 s (the 20 cases of NOTES' BENCH_ARGS, memory probes
-# included); the flex step 371 s, nearly all of it compiling FlexAttention (190 s for its first
-# compile): hence a step of its own. For this workplace's lent machines (15 device minutes, 10 per
-# call, at most 8 files back), two calls, ~10 device minutes with the start:
+# threads each, over 220 s), memcheck 11 s, racecheck 52 s, the bench 70 s (its default cases,
+# memory probes included); the flex step 371 s, nearly all of it compiling FlexAttention (190 s
+# for its first compile): hence a step of its own. For this workplace's lent machines (15 device
+# minutes, 10 per call, at most 8 files back), two calls, ~10 device minutes with the start:
 #   call 1 (timeout_s 590): LIMITS="tests=240 memcheck=60 racecheck=90 bench=200" tools/gpu_check.sh /tmp/gc;
 #                           tar czf $OUT/gc.tgz -C /tmp gc
 #   call 2, at once (a machine goes back 30 s idle): STEPS=flex LIMITS="flex=420" tools/gpu_check.sh /tmp/gc2; tar czf $OUT/gc2.tgz -C /tmp gc2
@@ -84,12 +84,14 @@ step tests "$PYTHON" -m pytest -q -rfE -p no:cacheprovider tests -k "${TESTS_K:-
 unset OMP_NUM_THREADS
 step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$PYTHON" tools/sanitize_cuda_kernels.py
 step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 "$PYTHON" tools/sanitize_cuda_kernels.py
-# Every op and method but flex, both dtypes, dilated backward too; then flex, whose compiles are slow,
-# beside ours and ours as the three steps (the band products and torch's softmax: the fused
-# backward against the path CUDA training took before it); bfloat16 only, the dtype of issue 24's
-# anchors: each case compiles anew.
-step bench "$PYTHON" -m bench --device cuda --out "$out" ${BENCH_ARGS:---dtype float32,bfloat16 --seq-lens 16384,4096 \
-    --methods tvm,full,sdpa,sliding_chunks --passes forward,forward+backward --dilated-passes forward,forward+backward --repeats 5}
+# Ours (fused; and as the three steps: the band products and torch's softmax) against transformers'
+# sliding chunks, the band products too, both dtypes, undilated and dilated, both passes: 70 s on
+# an H200. Full attention and SDPA with a mask: name them in BENCH_ARGS (results for them are in
+# bench/results/nvidia-h200-attention.*). Then flex, whose compiles are slow, in bfloat16 (the
+# dtype of issue 24's anchors; each case compiles anew).
+step bench "$PYTHON" -m bench --device cuda --out "$out" ${BENCH_ARGS:---dtype float32,bfloat16 --seq-lens 16384 \
+    --ops local_attention,qk_band,pv_band,transposed_band --methods tvm,tvm_steps_torch_softmax,sliding_chunks \
+    --passes forward,forward+backward --dilated-passes forward,forward+backward --repeats 5}
 gpu_name=""
 case " $STEPS " in  # (the results' name: only where the step runs, each import of torch costs device time)
     *" flex "*) gpu_name=$("$PYTHON" -c "from bench.machine import device_name; print(device_name('cuda'))") ;;
