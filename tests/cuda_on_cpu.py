@@ -7,8 +7,9 @@ block's ``__shared__`` arrays are statics (blocks run one after another), ``__sy
 barrier of the block's threads, each block launched with its kernel's ``__launch_bounds__``.
 float32 only (the kernels' logic does not depend on the dtype; the half types' conversions are
 TVM's): the half types' tensor-core forward is built with float operands, and the shim emulates its
-warp instructions (``mma.sync``, the quad shuffles) from the layout the kernel assumes. What it cannot show: speed, and races between threads that
-the barrier happens to order (``make gpu-check``'s racecheck covers those on a GPU).
+warp instructions (``mma.sync``, the quad shuffles) from the layout the kernel assumes (which an
+H200 confirmed, bench/NOTES.md). What it cannot show: speed, and races between threads that the
+barrier happens to order (``make gpu-check``'s racecheck covers those on a GPU).
 """
 
 from __future__ import annotations

@@ -33,16 +33,16 @@ column of packed query p (index s, class size m) is valid when its key's class i
 s + j - w lies in [0, m).
 
 Every sum runs in float32; inputs are converted when they are staged, except for the tensor-core
-forward, which stages them in their own dtype and rounds its probabilities to it for P.V. ``head_dim`` must be a multiple of ``FEATURE_MULTIPLE`` (the runtime
-zero-pads), feature blocks past it are guarded.
+forward, which stages them in their own dtype and rounds its probabilities to it for P.V.
+``head_dim`` must be a multiple of ``FEATURE_MULTIPLE`` (the runtime zero-pads), feature blocks
+past it are guarded.
 """
 
 from __future__ import annotations
 
 from tvm import tirx
+from tvm.backend.cuda.op import cuda_func_call  # a CUDA device function's source, called from TIR
 from tvm.script import tirx as T
-
-from tvm.backend.cuda.op import cuda_func_call
 
 from tvm_kernels.compute import accumulation_dtype, dropout_factor, dropout_row_key, is_half
 
