@@ -119,9 +119,10 @@ def source(ops, **config):
     with tvm.transform.PassContext(config=config):
         code = tvm.compile(tvm.IRModule(functions), target=target).mod.imports[0].inspect_source()
     return code[code.index('extern "C" __global__'):]
-several = ("attention_backward",)
-# The tensor-core forward (the half types' on a GPU) with float operands and the shim's emulated mma.
+several = ("attention_backward", "attention_backward_mma")
+# The tensor-core kernels (the half types' on a GPU) with float operands and the shim's emulated mma.
 cuda.HAND_WRITTEN["attention_mma"] = lambda dtype, a: cuda.attention_mma(dtype, a, operand_dtype=dtype)
+cuda.HAND_WRITTEN["attention_backward_mma"] = lambda dtype, a: cuda.attention_backward(dtype, a, operand_dtype=dtype)
 bodies = [source([op for op in cuda.HAND_WRITTEN if op not in several]),
           source(several, **{"tirx.disable_cse_tir": True})]
 json.dump({"bodies": bodies, "tile_rows": cuda.TILE_ROWS}, open(sys.argv[1], "w"))

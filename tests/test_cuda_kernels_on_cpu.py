@@ -131,12 +131,14 @@ def test_cuda_attention_code_matches_reference(kernels, case, dropout, kernel):
         raise AssertionError(f"seed {seed}: {error}") from None
 
 
+@pytest.mark.parametrize("kernel", ["attention_backward", "attention_backward_mma"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
-def test_cuda_attention_backward_code_matches_reference(kernels, case, dropout):
-    """The fused backward (its two kernels): dQ, dK, dV through the result and the log-sum-exp
-    together, against autograd of the float64 references, with masked keys, a row with no key (no
-    lse gradient there, as the layer passes) and the forward's dropout mask."""
+def test_cuda_attention_backward_code_matches_reference(kernels, case, dropout, kernel):
+    """The fused backward (its two kernels; the half types' with dQ on tensor cores, built with float
+    operands): dQ, dK, dV through the result and the log-sum-exp together, against autograd of the
+    float64 references, with masked keys, a row with no key (no lse gradient there, as the layer
+    passes) and the forward's dropout mask."""
     batch, n, heads, head_dim, w, dilation, autoregressive = case
     seed = stable_seed("cuda_on_cpu attention backward", str(case), dropout)
     g = torch.Generator().manual_seed(seed)
@@ -153,7 +155,7 @@ def test_cuda_attention_backward_code_matches_reference(kernels, case, dropout):
     loss = (ref_out * grad.double()).sum() + (ref_lse.masked_fill(ref_lse.isinf(), 0) * grad_lse.double()).sum()
     want = torch.autograd.grad(loss, exact)
     got = [torch.full_like(q, float("nan")) for _ in range(3)]
-    _call(kernels, f"attention_backward_{'causal' if autoregressive else 'symmetric'}", q.shape, grad=grad, q=q, k=k,
+    _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, grad=grad, q=q, k=k,
           v=v, key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")), out=ref_out.detach().float(),
           lse=ref_lse.detach().float(), grad_lse=grad_lse, dilation=torch.tensor(dilation, dtype=torch.int32),
           window=w, scale=scale, dropout=dropout, seed=1234, grad_q=got[0], grad_k=got[1], grad_v=got[2])

@@ -24,8 +24,8 @@ each a 4 x 4 register tile (rows x columns of the block's 64 x 64 sub-product):
 - attention: qk's chunks with FlashAttention's online softmax between them (:func:`attention`),
   for the half types on tensor cores (``mma.sync``) in FlashAttention-2's layout, 128 threads of
   16 query rows each, the softmax in registers (:func:`attention_mma`);
-  attention_backward: dQ per query tile, dK and dV per key tile, two kernels that recompute the
-  scores from the log-sum-exp (:func:`attention_backward`).
+  attention_backward: dQ per query tile (on tensor cores for the half types), dK and dV per key
+  tile, two kernels that recompute the scores from the log-sum-exp (:func:`attention_backward`).
 
 Packed position p of a head with dilation d belongs to class r at index s of that class;
 classes r < n % d hold n // d + 1 rows, the rest n // d (:func:`_packed_row`). A band
@@ -555,6 +555,17 @@ def _mma_source(operand_dtype: str) -> str:
         "}\n")
 
 
+def _mma(c, c_offset, a, b, source: str):
+    """c[c_offset:c_offset + 4] += a . b on tensor cores (``source``: :func:`_mma_source`)."""
+    return cuda_func_call("longformer_mma_m16n8k16", T.address_of(c[c_offset]), T.address_of(a[0]),
+                          T.address_of(b[0]), source_code=source)
+
+
+def _quad(reduction: str, x):
+    """The maximum or sum of x over this thread's quad."""
+    return cuda_func_call(f"longformer_quad_{reduction}", x, source_code=QUAD_SOURCE[reduction], return_type="float32")
+
+
 def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = None):
     """Fused local attention forward on tensor cores (``mma.sync``, float32 accumulation), laid out
     as FlashAttention-2: per tile of 64 packed queries, 4 warps of 16 query rows each, and per chunk
@@ -571,13 +582,6 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
     minus_inf = tirx.const(float("-inf"), acc_dtype)
     source = _mma_source(operand)
     tiles = QK_KEYS // 8  # mma tiles of 8 columns across a chunk's keys, and across 64 output features
-
-    def mma(c, c_offset, a, b):
-        return cuda_func_call("longformer_mma_m16n8k16", T.address_of(c[c_offset]), T.address_of(a[0]),
-                              T.address_of(b[0]), source_code=source)
-
-    def quad(reduction, x):
-        return cuda_func_call(f"longformer_quad_{reduction}", x, source_code=QUAD_SOURCE[reduction], return_type="float32")
 
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
@@ -664,7 +668,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                     for tile_n in T.unroll(tiles):
                                         for i in T.unroll(4):
                                             b_frag[i] = keys[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
-                                        T.evaluate(mma(acc, tile_n * 4, a_frag, b_frag))
+                                        T.evaluate(_mma(acc, tile_n * 4, a_frag, b_frag, source))
                             # Scores, -inf off the band (band column j of row a is chunk column a + j, see
                             # qk), and each row's maximum over its quad.
                             for r in T.unroll(2):
@@ -678,7 +682,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                                   minus_inf)
                                 reduced[x % 4 // 2] = T.max(reduced[x % 4 // 2], acc[x])
                             for r in T.unroll(2):
-                                reduced[r] = quad("max", reduced[r])  # (stored: a let would repeat the shuffles)
+                                reduced[r] = _quad("max", reduced[r])  # (stored: a let would repeat the shuffles)
                             for r in T.unroll(2):
                                 new_max: T.let = T.max(row_max[r], reduced[r])
                                 shift: T.let = T.Select(new_max == minus_inf, T.Cast(acc_dtype, 0), new_max)
@@ -695,7 +699,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                             for x in T.unroll(tiles * 4):
                                 reduced[x % 4 // 2] = reduced[x % 4 // 2] + acc[x]
                             for r in T.unroll(2):
-                                reduced[r] = quad("sum", reduced[r])
+                                reduced[r] = _quad("sum", reduced[r])
                             for r in T.unroll(2):
                                 row_sum[r] = row_sum[r] + reduced[r]
                             if dropout > T.float64(0):
@@ -716,7 +720,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                 for tile_n in T.unroll(tiles):
                                     for i in T.unroll(4):
                                         b_frag[i] = values[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
-                                    T.evaluate(mma(context, tile_n * 4, a_frag, b_frag))
+                                    T.evaluate(_mma(context, tile_n * 4, a_frag, b_frag, source))
                         for x in T.unroll(tiles * 4):
                             a: T.let = row0 + _c_element(x % 4)[0]
                             f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
@@ -803,7 +807,307 @@ def _accumulate_rows(acc, weights, rows, tx):
                 acc[i, u] = acc[i, u] + weights[(tx // SPAN * 4 + i) * S_STRIDE + x] * rows[x * OUT_FEATURES + tx % SPAN + u * SPAN]
 
 
-def attention_backward(dtype: str, autoregressive: bool, isa: str = ""):
+@T.macro
+def _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q):
+    """dQ, per query tile: the first kernel of :func:`attention_backward` on float32 FMAs."""
+    for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
+        for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
+            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                queries = T.alloc_buffer((QK_FEATURES * Q_STRIDE,), acc_dtype, scope="shared")  # [feature, row]
+                keys = T.alloc_buffer((QK_FEATURES * K_STRIDE,), acc_dtype, scope="shared")  # [feature, key]
+                scores = T.alloc_buffer((TILE_ROWS * S_STRIDE,), acc_dtype, scope="shared")  # [row, key]: P, then dS
+                key_rows = T.alloc_buffer((QK_KEYS * OUT_FEATURES,), acc_dtype, scope="shared")  # [key, feature]
+                query_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
+                valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                row_lse = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
+                delta = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
+                part_sum = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
+                acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                grad_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                factors = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                my_rows = T.alloc_buffer((4,), "int64", scope="local")
+                ids = T.alloc_buffer((3,), "int64", scope="local")
+                _block_ids(ids, bh, heads, dilation)
+                b: T.let = ids[0]
+                h: T.let = ids[1]
+                d: T.let = ids[2]
+                w: T.let = window
+                band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                p0: T.let = tile * T.int64(TILE_ROWS)
+                ty: T.let = tx // SPAN
+                tc: T.let = tx % SPAN
+                _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
+                T.tvm_storage_sync("shared")
+                _row_deltas(delta, row_lse, part_sum, query_row, grad, out, lse, grad_lse, b, h, head_dim, tx,
+                            acc_dtype, minus_inf)
+                for i in T.unroll(4):
+                    my_rows[i] = query_row[ty * 4 + i]
+                for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
+                    for i in T.unroll(4):
+                        for u in T.unroll(4):
+                            grad_acc[i, u] = T.Cast(acc_dtype, 0)
+                    for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
+                        _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
+                        _qk_chunk(acc, queries, keys, q, k, query_row, key_row, b, h, head_dim, tx, acc_dtype)
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                # Band column j of row a is chunk column a + j (see qk).
+                                a: T.let = ty * 4 + i
+                                j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", tc + u * SPAN - a)
+                                scores[a * S_STRIDE + tc + u * SPAN] = T.Select(
+                                    j >= valid_from[a] and j < valid_to[a],
+                                    T.exp(acc[i, u] * T.Cast(acc_dtype, scale)
+                                          + key_bias[b, T.max(key_row[tc + u * SPAN], T.int64(0))] - row_lse[a]),
+                                    T.Cast(acc_dtype, 0))
+                        _qk_chunk(acc, queries, keys, grad, v, query_row, key_row, b, h, head_dim, tx, acc_dtype)
+                        _dropout_factors(factors, my_rows, seed, bh, chunk * T.int64(QK_KEYS) + T.Cast("int64", tc - ty * 4),
+                                         SPAN, -1, False, dropout, acc_dtype)
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                a: T.let = ty * 4 + i
+                                scores[a * S_STRIDE + tc + u * SPAN] = scores[a * S_STRIDE + tc + u * SPAN] * (
+                                    acc[i, u] * factors[i, u] - delta[a])
+                        _stage_rows(key_rows, k, key_row, b, h, f0, head_dim, tx, acc_dtype)
+                        T.tvm_storage_sync("shared")
+                        _accumulate_rows(grad_acc, scores, key_rows, tx)
+                        T.tvm_storage_sync("shared")
+                    for i in T.unroll(4):
+                        for u in T.unroll(4):
+                            f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * SPAN)
+                            if my_rows[i] >= T.int64(0) and f < head_dim:
+                                grad_q[b, my_rows[i], h, f] = T.Cast(dtype, grad_acc[i, u] * T.Cast(acc_dtype, scale))
+
+
+@T.macro
+def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n,
+                          heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q, operand, source):
+    """dQ, per query tile, on tensor cores in the forward's layout (:func:`attention_mma`): per chunk
+    of 64 keys each warp's 16 rows get S = Q K^T and dP = dO V^T as accumulator tiles, then in
+    registers P = exp(S - lse), dS = P (dP Z - delta), and dQ += dS . K with dS as the A fragments
+    (K transposed in shared memory). delta = rowsum(dO * O) - d lse per row, over the row's quad."""
+    for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
+        for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
+            for tx in T.thread_binding(MMA_THREADS, thread="threadIdx.x"):
+                queries = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared")  # [row, feature]
+                grads = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared")  # dO: [row, feature]
+                keys = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
+                values = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
+                keys_t = T.alloc_buffer((FEATURE_BLOCK * OP_STRIDE,), operand, scope="shared")  # [feature, key]
+                query_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
+                valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
+                key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                scores = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # S, then P, then dS
+                grad_p = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # dP
+                grad_acc = T.alloc_buffer((FEATURE_BLOCK // 8 * 4,), acc_dtype, scope="local")  # dQ / scale
+                row_lse = T.alloc_buffer((2,), acc_dtype, scope="local")  # of rows g and g + 8 (0 for no key)
+                delta = T.alloc_buffer((2,), acc_dtype, scope="local")
+                a_frag = T.alloc_buffer((8,), operand, scope="local")
+                b_frag = T.alloc_buffer((4,), operand, scope="local")
+                ids = T.alloc_buffer((3,), "int64", scope="local")
+                _block_ids(ids, bh, heads, dilation)
+                b: T.let = ids[0]
+                h: T.let = ids[1]
+                d: T.let = ids[2]
+                w: T.let = window
+                band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                p0: T.let = tile * T.int64(TILE_ROWS)
+                g: T.let = tx % WARP // 4
+                t2: T.let = tx % 4 * 2
+                row0: T.let = tx // WARP * WARP_ROWS + g  # this thread's rows: row0 and row0 + 8
+                blocks: T.let = (head_dim + T.int64(FEATURE_BLOCK - 1)) // T.int64(FEATURE_BLOCK)
+                _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
+                T.tvm_storage_sync("shared")
+                for r in T.unroll(2):
+                    # Each lane of the row's quad sums every fourth feature of dO * O.
+                    row: T.let = query_row[row0 + r * 8]
+                    delta[r] = T.Cast(acc_dtype, 0)
+                    for x in range(head_dim // T.int64(4)):
+                        feature: T.let = x * T.int64(4) + T.Cast("int64", tx % 4)
+                        delta[r] = delta[r] + T.Select(
+                            row >= T.int64(0),
+                            T.Cast(acc_dtype, grad[b, T.max(row, T.int64(0)), h, feature])
+                            * T.Cast(acc_dtype, out[b, T.max(row, T.int64(0)), h, feature]),
+                            T.Cast(acc_dtype, 0))
+                    row_lse[r] = T.Select(row >= T.int64(0) and lse[b, T.max(row, T.int64(0)), h] != minus_inf,
+                                          lse[b, T.max(row, T.int64(0)), h], T.Cast(acc_dtype, 0))
+                for r in T.unroll(2):
+                    delta[r] = _quad("sum", delta[r])
+                for r in T.unroll(2):
+                    row: T.let = query_row[row0 + r * 8]
+                    delta[r] = delta[r] - T.Select(row >= T.int64(0), grad_lse[b, T.max(row, T.int64(0)), h],
+                                                   T.Cast(acc_dtype, 0))
+                for f0 in range(blocks):
+                    for x in T.unroll(FEATURE_BLOCK // 8 * 4):
+                        grad_acc[x] = T.Cast(acc_dtype, 0)
+                    for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
+                        T.tvm_storage_sync("shared")  # the last chunk's products are done with the buffers
+                        _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
+                        for x in T.unroll(QK_KEYS // 8 * 4):
+                            scores[x] = T.Cast(acc_dtype, 0)
+                            grad_p[x] = T.Cast(acc_dtype, 0)
+                        for fb in range(blocks):
+                            T.tvm_storage_sync("shared")
+                            for e in T.unroll(TILE_ROWS * FEATURE_BLOCK // MMA_THREADS):
+                                r: T.let = (tx + e * MMA_THREADS) // FEATURE_BLOCK
+                                f: T.let = (tx + e * MMA_THREADS) % FEATURE_BLOCK
+                                feature: T.let = fb * T.int64(FEATURE_BLOCK) + T.Cast("int64", f)
+                                clamped: T.let = T.min(feature, head_dim - T.int64(1))
+                                queries[r * OP_STRIDE + f] = T.Select(
+                                    query_row[r] >= T.int64(0) and feature < head_dim,
+                                    T.Cast(operand, q[b, T.max(query_row[r], T.int64(0)), h, clamped]), T.Cast(operand, 0))
+                                grads[r * OP_STRIDE + f] = T.Select(
+                                    query_row[r] >= T.int64(0) and feature < head_dim,
+                                    T.Cast(operand, grad[b, T.max(query_row[r], T.int64(0)), h, clamped]), T.Cast(operand, 0))
+                                keys[r * OP_STRIDE + f] = T.Select(
+                                    key_row[r] >= T.int64(0) and feature < head_dim,
+                                    T.Cast(operand, k[b, T.max(key_row[r], T.int64(0)), h, clamped]), T.Cast(operand, 0))
+                                values[r * OP_STRIDE + f] = T.Select(
+                                    key_row[r] >= T.int64(0) and feature < head_dim,
+                                    T.Cast(operand, v[b, T.max(key_row[r], T.int64(0)), h, clamped]), T.Cast(operand, 0))
+                                if fb == T.int64(0):
+                                    out_feature: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", f)
+                                    keys_t[f * OP_STRIDE + r] = T.Select(
+                                        key_row[r] >= T.int64(0) and out_feature < head_dim,
+                                        T.Cast(operand, k[b, T.max(key_row[r], T.int64(0)), h, T.min(out_feature, head_dim - T.int64(1))]),
+                                        T.Cast(operand, 0))
+                            T.tvm_storage_sync("shared")
+                            for step in T.unroll(FEATURE_BLOCK // 16):
+                                for i in T.unroll(8):
+                                    a_frag[i] = queries[(row0 + _a_element(i)[0]) * OP_STRIDE + step * 16 + t2 + _a_element(i)[1]]
+                                for tile_n in T.unroll(QK_KEYS // 8):
+                                    for i in T.unroll(4):
+                                        b_frag[i] = keys[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
+                                    T.evaluate(_mma(scores, tile_n * 4, a_frag, b_frag, source))
+                                for i in T.unroll(8):
+                                    a_frag[i] = grads[(row0 + _a_element(i)[0]) * OP_STRIDE + step * 16 + t2 + _a_element(i)[1]]
+                                for tile_n in T.unroll(QK_KEYS // 8):
+                                    for i in T.unroll(4):
+                                        b_frag[i] = values[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
+                                    T.evaluate(_mma(grad_p, tile_n * 4, a_frag, b_frag, source))
+                        if dropout > T.float64(0):  # dP * Z (off-band columns, where P is 0, clamped to column 0)
+                            for r in T.unroll(2):
+                                row_key: T.let = dropout_row_key(seed, bh, query_row[row0 + r * 8], bind=True)
+                                for x in T.unroll(QK_KEYS // 8 * 2):
+                                    kk: T.let = x // 2 * 8 + t2 + x % 2
+                                    grad_p[x // 2 * 4 + r * 2 + x % 2] = grad_p[x // 2 * 4 + r * 2 + x % 2] * dropout_factor(
+                                        row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - row0 - r * 8), T.int64(0)),
+                                        dropout, acc_dtype, bind=True)
+                        for x in T.unroll(QK_KEYS // 8 * 4):
+                            # Band column j of row a is chunk column a + j (see qk).
+                            a: T.let = row0 + _c_element(x % 4)[0]
+                            kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+                            j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - a)
+                            scores[x] = T.Select(
+                                j >= valid_from[a] and j < valid_to[a],
+                                T.exp(scores[x] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[kk], T.int64(0))]
+                                      - row_lse[x % 4 // 2]),
+                                T.Cast(acc_dtype, 0)) * (grad_p[x] - delta[x % 4 // 2])
+                        for step in T.unroll(QK_KEYS // 16):
+                            for i in T.unroll(8):
+                                a_frag[i] = T.Cast(operand, scores[(step * 2 + i // 4) * 4 + i % 4])
+                            for tile_n in T.unroll(FEATURE_BLOCK // 8):
+                                for i in T.unroll(4):
+                                    b_frag[i] = keys_t[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
+                                T.evaluate(_mma(grad_acc, tile_n * 4, a_frag, b_frag, source))
+                    for x in T.unroll(FEATURE_BLOCK // 8 * 4):
+                        row: T.let = query_row[row0 + _c_element(x % 4)[0]]
+                        f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
+                        if row >= T.int64(0) and f < head_dim:
+                            grad_q[b, row, h, f] = T.Cast(dtype, grad_acc[x] * T.Cast(acc_dtype, scale))
+
+
+@T.macro
+def _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v):
+    """dK and dV, per key tile: the second kernel of :func:`attention_backward` (float32 FMAs)."""
+    for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
+        for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
+            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                keys_t = T.alloc_buffer((QK_FEATURES * Q_STRIDE,), acc_dtype, scope="shared")  # [feature, key]
+                queries_t = T.alloc_buffer((QK_FEATURES * K_STRIDE,), acc_dtype, scope="shared")  # [feature, query]
+                weights = T.alloc_buffer((TILE_ROWS * S_STRIDE,), acc_dtype, scope="shared")  # [key, query]: P * Z, then dS
+                query_rows = T.alloc_buffer((QK_KEYS * OUT_FEATURES,), acc_dtype, scope="shared")  # [query, feature]: dO, then Q
+                key_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
+                query_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                valid_from = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # the queries' valid band columns
+                valid_to = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")
+                row_lse = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")
+                delta = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")
+                part_sum = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
+                acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                probs = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                grad_k_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                grad_v_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                factors = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                their_rows = T.alloc_buffer((4,), "int64", scope="local")
+                ids = T.alloc_buffer((3,), "int64", scope="local")
+                _block_ids(ids, bh, heads, dilation)
+                b: T.let = ids[0]
+                h: T.let = ids[1]
+                d: T.let = ids[2]
+                w: T.let = window
+                band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                p0: T.let = tile * T.int64(TILE_ROWS)
+                ty: T.let = tx // SPAN
+                tc: T.let = tx % SPAN
+                _chunk_rows(key_row, TILE_ROWS, tx, p0, n, d)
+                for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
+                    for i in T.unroll(4):
+                        for u in T.unroll(4):
+                            grad_k_acc[i, u] = T.Cast(acc_dtype, 0)
+                            grad_v_acc[i, u] = T.Cast(acc_dtype, 0)
+                    for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
+                        # Chunk queries x: packed p0 - w_upper + 64 chunk + x, whose band column for
+                        # tile key kk is kk - x + band - 1 - 64 chunk.
+                        T.tvm_storage_sync("shared")
+                        _tile_rows(query_row, valid_from, valid_to, tx,
+                                   p0 - (band - T.int64(1) - w) + chunk * T.int64(QK_KEYS), n, d, w, band)
+                        T.tvm_storage_sync("shared")
+                        _row_deltas(delta, row_lse, part_sum, query_row, grad, out, lse, grad_lse, b, h, head_dim, tx,
+                                    acc_dtype, minus_inf)
+                        for u in T.unroll(4):
+                            their_rows[u] = query_row[tc + u * SPAN]
+                        _qk_chunk(acc, keys_t, queries_t, k, q, key_row, query_row, b, h, head_dim, tx, acc_dtype)
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                x: T.let = tc + u * SPAN
+                                j: T.let = T.Cast("int64", ty * 4 + i - x) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
+                                probs[i, u] = T.Select(
+                                    query_row[x] >= T.int64(0) and key_row[ty * 4 + i] >= T.int64(0)
+                                    and j >= valid_from[x] and j < valid_to[x],
+                                    T.exp(acc[i, u] * T.Cast(acc_dtype, scale)
+                                          + key_bias[b, T.max(key_row[ty * 4 + i], T.int64(0))] - row_lse[x]),
+                                    T.Cast(acc_dtype, 0))
+                        _qk_chunk(acc, keys_t, queries_t, v, grad, key_row, query_row, b, h, head_dim, tx, acc_dtype)
+                        _dropout_factors(factors, their_rows, seed, bh,
+                                         T.Cast("int64", ty * 4 - tc) + band - T.int64(1) - chunk * T.int64(QK_KEYS),
+                                         -SPAN, 1, True, dropout, acc_dtype)
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                weights[(ty * 4 + i) * S_STRIDE + tc + u * SPAN] = probs[i, u] * factors[i, u]
+                        _stage_rows(query_rows, grad, query_row, b, h, f0, head_dim, tx, acc_dtype)
+                        T.tvm_storage_sync("shared")
+                        _accumulate_rows(grad_v_acc, weights, query_rows, tx)
+                        T.tvm_storage_sync("shared")
+                        for i in T.unroll(4):
+                            for u in T.unroll(4):
+                                weights[(ty * 4 + i) * S_STRIDE + tc + u * SPAN] = probs[i, u] * (
+                                    acc[i, u] * factors[i, u] - delta[tc + u * SPAN])
+                        _stage_rows(query_rows, q, query_row, b, h, f0, head_dim, tx, acc_dtype)
+                        T.tvm_storage_sync("shared")
+                        _accumulate_rows(grad_k_acc, weights, query_rows, tx)
+                    for i in T.unroll(4):
+                        for u in T.unroll(4):
+                            row: T.let = key_row[ty * 4 + i]
+                            f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * SPAN)
+                            if row >= T.int64(0) and f < head_dim:
+                                grad_k[b, row, h, f] = T.Cast(dtype, grad_k_acc[i, u] * T.Cast(acc_dtype, scale))
+                                grad_v[b, row, h, f] = T.Cast(dtype, grad_v_acc[i, u])
+
+
+def attention_backward(dtype: str, autoregressive: bool, isa: str = "", operand_dtype: str | None = None):
     """The fused attention's backward; same arguments and results as the CPU's
     (:func:`tvm_kernels.schedules.cpu.attention_backward`): dQ, dK, dV with no band in memory.
 
@@ -814,11 +1118,16 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str = ""):
     the micro-kernel's rows), dV += (P * Z)^T dO and dK += dS^T Q in registers. The scores and dP
     are computed twice, once per kernel: two products more than FlashAttention-2's atomic dQ, in
     exchange for plain stores and sums in a fixed order. delta = rowsum(dO * O) - d lse per row;
-    Z the forward's dropout factors, regenerated.
+    Z the forward's dropout factors, regenerated. For the half types the dQ kernel runs on tensor
+    cores (:func:`_query_tile_grads_mma`); ``operand_dtype`` float32 builds that kernel with float
+    operands for the CPU harness, as :func:`attention_mma`.
     """
     acc_dtype = accumulation_dtype(dtype)
     causal = 1 if autoregressive else 0
     minus_inf = tirx.const(float("-inf"), acc_dtype)
+    operand = operand_dtype or dtype
+    tensor_cores = operand_dtype is not None or is_half(dtype)
+    source = _mma_source(operand)
 
     @T.prim_func
     def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
@@ -843,159 +1152,12 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str = ""):
         grad_k = T.match_buffer(grad_k_handle, (batch, n, heads, head_dim), dtype)
         grad_v = T.match_buffer(grad_v_handle, (batch, n, heads, head_dim), dtype)
         # dQ, per query tile.
-        for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
-            for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
-                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                    queries = T.alloc_buffer((QK_FEATURES * Q_STRIDE,), acc_dtype, scope="shared")  # [feature, row]
-                    keys = T.alloc_buffer((QK_FEATURES * K_STRIDE,), acc_dtype, scope="shared")  # [feature, key]
-                    scores = T.alloc_buffer((TILE_ROWS * S_STRIDE,), acc_dtype, scope="shared")  # [row, key]: P, then dS
-                    key_rows = T.alloc_buffer((QK_KEYS * OUT_FEATURES,), acc_dtype, scope="shared")  # [key, feature]
-                    query_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
-                    valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
-                    valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
-                    key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
-                    row_lse = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
-                    delta = T.alloc_buffer((TILE_ROWS,), acc_dtype, scope="shared")
-                    part_sum = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
-                    acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    grad_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    factors = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    my_rows = T.alloc_buffer((4,), "int64", scope="local")
-                    ids = T.alloc_buffer((3,), "int64", scope="local")
-                    _block_ids(ids, bh, heads, dilation)
-                    b: T.let = ids[0]
-                    h: T.let = ids[1]
-                    d: T.let = ids[2]
-                    w: T.let = window
-                    band: T.let = T.int64(2 - causal) * window + T.int64(1)
-                    p0: T.let = tile * T.int64(TILE_ROWS)
-                    ty: T.let = tx // SPAN
-                    tc: T.let = tx % SPAN
-                    _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
-                    T.tvm_storage_sync("shared")
-                    _row_deltas(delta, row_lse, part_sum, query_row, grad, out, lse, grad_lse, b, h, head_dim, tx,
-                                acc_dtype, minus_inf)
-                    for i in T.unroll(4):
-                        my_rows[i] = query_row[ty * 4 + i]
-                    for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
-                        for i in T.unroll(4):
-                            for u in T.unroll(4):
-                                grad_acc[i, u] = T.Cast(acc_dtype, 0)
-                        for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
-                            _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
-                            _qk_chunk(acc, queries, keys, q, k, query_row, key_row, b, h, head_dim, tx, acc_dtype)
-                            for i in T.unroll(4):
-                                for u in T.unroll(4):
-                                    # Band column j of row a is chunk column a + j (see qk).
-                                    a: T.let = ty * 4 + i
-                                    j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", tc + u * SPAN - a)
-                                    scores[a * S_STRIDE + tc + u * SPAN] = T.Select(
-                                        j >= valid_from[a] and j < valid_to[a],
-                                        T.exp(acc[i, u] * T.Cast(acc_dtype, scale)
-                                              + key_bias[b, T.max(key_row[tc + u * SPAN], T.int64(0))] - row_lse[a]),
-                                        T.Cast(acc_dtype, 0))
-                            _qk_chunk(acc, queries, keys, grad, v, query_row, key_row, b, h, head_dim, tx, acc_dtype)
-                            _dropout_factors(factors, my_rows, seed, bh, chunk * T.int64(QK_KEYS) + T.Cast("int64", tc - ty * 4),
-                                             SPAN, -1, False, dropout, acc_dtype)
-                            for i in T.unroll(4):
-                                for u in T.unroll(4):
-                                    a: T.let = ty * 4 + i
-                                    scores[a * S_STRIDE + tc + u * SPAN] = scores[a * S_STRIDE + tc + u * SPAN] * (
-                                        acc[i, u] * factors[i, u] - delta[a])
-                            _stage_rows(key_rows, k, key_row, b, h, f0, head_dim, tx, acc_dtype)
-                            T.tvm_storage_sync("shared")
-                            _accumulate_rows(grad_acc, scores, key_rows, tx)
-                            T.tvm_storage_sync("shared")
-                        for i in T.unroll(4):
-                            for u in T.unroll(4):
-                                f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * SPAN)
-                                if my_rows[i] >= T.int64(0) and f < head_dim:
-                                    grad_q[b, my_rows[i], h, f] = T.Cast(dtype, grad_acc[i, u] * T.Cast(acc_dtype, scale))
+        if tensor_cores:
+            _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q, operand, source)
+        else:
+            _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q)
         # dK and dV, per key tile.
-        for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
-            for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
-                for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                    keys_t = T.alloc_buffer((QK_FEATURES * Q_STRIDE,), acc_dtype, scope="shared")  # [feature, key]
-                    queries_t = T.alloc_buffer((QK_FEATURES * K_STRIDE,), acc_dtype, scope="shared")  # [feature, query]
-                    weights = T.alloc_buffer((TILE_ROWS * S_STRIDE,), acc_dtype, scope="shared")  # [key, query]: P * Z, then dS
-                    query_rows = T.alloc_buffer((QK_KEYS * OUT_FEATURES,), acc_dtype, scope="shared")  # [query, feature]: dO, then Q
-                    key_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
-                    query_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
-                    valid_from = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # the queries' valid band columns
-                    valid_to = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")
-                    row_lse = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")
-                    delta = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")
-                    part_sum = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
-                    acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    probs = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    grad_k_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    grad_v_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    factors = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    their_rows = T.alloc_buffer((4,), "int64", scope="local")
-                    ids = T.alloc_buffer((3,), "int64", scope="local")
-                    _block_ids(ids, bh, heads, dilation)
-                    b: T.let = ids[0]
-                    h: T.let = ids[1]
-                    d: T.let = ids[2]
-                    w: T.let = window
-                    band: T.let = T.int64(2 - causal) * window + T.int64(1)
-                    p0: T.let = tile * T.int64(TILE_ROWS)
-                    ty: T.let = tx // SPAN
-                    tc: T.let = tx % SPAN
-                    _chunk_rows(key_row, TILE_ROWS, tx, p0, n, d)
-                    for f0 in range((head_dim + T.int64(OUT_FEATURES - 1)) // T.int64(OUT_FEATURES)):
-                        for i in T.unroll(4):
-                            for u in T.unroll(4):
-                                grad_k_acc[i, u] = T.Cast(acc_dtype, 0)
-                                grad_v_acc[i, u] = T.Cast(acc_dtype, 0)
-                        for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
-                            # Chunk queries x: packed p0 - w_upper + 64 chunk + x, whose band column for
-                            # tile key kk is kk - x + band - 1 - 64 chunk.
-                            T.tvm_storage_sync("shared")
-                            _tile_rows(query_row, valid_from, valid_to, tx,
-                                       p0 - (band - T.int64(1) - w) + chunk * T.int64(QK_KEYS), n, d, w, band)
-                            T.tvm_storage_sync("shared")
-                            _row_deltas(delta, row_lse, part_sum, query_row, grad, out, lse, grad_lse, b, h, head_dim, tx,
-                                        acc_dtype, minus_inf)
-                            for u in T.unroll(4):
-                                their_rows[u] = query_row[tc + u * SPAN]
-                            _qk_chunk(acc, keys_t, queries_t, k, q, key_row, query_row, b, h, head_dim, tx, acc_dtype)
-                            for i in T.unroll(4):
-                                for u in T.unroll(4):
-                                    x: T.let = tc + u * SPAN
-                                    j: T.let = T.Cast("int64", ty * 4 + i - x) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
-                                    probs[i, u] = T.Select(
-                                        query_row[x] >= T.int64(0) and key_row[ty * 4 + i] >= T.int64(0)
-                                        and j >= valid_from[x] and j < valid_to[x],
-                                        T.exp(acc[i, u] * T.Cast(acc_dtype, scale)
-                                              + key_bias[b, T.max(key_row[ty * 4 + i], T.int64(0))] - row_lse[x]),
-                                        T.Cast(acc_dtype, 0))
-                            _qk_chunk(acc, keys_t, queries_t, v, grad, key_row, query_row, b, h, head_dim, tx, acc_dtype)
-                            _dropout_factors(factors, their_rows, seed, bh,
-                                             T.Cast("int64", ty * 4 - tc) + band - T.int64(1) - chunk * T.int64(QK_KEYS),
-                                             -SPAN, 1, True, dropout, acc_dtype)
-                            for i in T.unroll(4):
-                                for u in T.unroll(4):
-                                    weights[(ty * 4 + i) * S_STRIDE + tc + u * SPAN] = probs[i, u] * factors[i, u]
-                            _stage_rows(query_rows, grad, query_row, b, h, f0, head_dim, tx, acc_dtype)
-                            T.tvm_storage_sync("shared")
-                            _accumulate_rows(grad_v_acc, weights, query_rows, tx)
-                            T.tvm_storage_sync("shared")
-                            for i in T.unroll(4):
-                                for u in T.unroll(4):
-                                    weights[(ty * 4 + i) * S_STRIDE + tc + u * SPAN] = probs[i, u] * (
-                                        acc[i, u] * factors[i, u] - delta[tc + u * SPAN])
-                            _stage_rows(query_rows, q, query_row, b, h, f0, head_dim, tx, acc_dtype)
-                            T.tvm_storage_sync("shared")
-                            _accumulate_rows(grad_k_acc, weights, query_rows, tx)
-                        for i in T.unroll(4):
-                            for u in T.unroll(4):
-                                row: T.let = key_row[ty * 4 + i]
-                                f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * SPAN)
-                                if row >= T.int64(0) and f < head_dim:
-                                    grad_k[b, row, h, f] = T.Cast(dtype, grad_k_acc[i, u] * T.Cast(acc_dtype, scale))
-                                    grad_v[b, row, h, f] = T.Cast(dtype, grad_v_acc[i, u])
-
+        _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v)
     return main
 
 
