@@ -1,8 +1,10 @@
-"""The CUDA kernels' generated code (the band products and the fused attention forward), run on the
-CPU (``cuda_on_cpu``), against the references:
+"""The CUDA kernels' generated code (the band products, the fused attention forward and backward,
+and the half types' tensor-core variants built with float operands), run on the CPU
+(``cuda_on_cpu``), against the references:
 odd lengths, a window near and past the sequence length, several dilations (one larger than the
 sequence), both window kinds, head_dim not a multiple of the output feature block, batch 2.
-On a GPU the same kernels run in ``test_diagonaled_mm`` and under compute-sanitizer."""
+On a GPU the same kernels run in ``test_diagonaled_mm`` and ``test_attention`` and under
+compute-sanitizer."""
 
 from __future__ import annotations
 
