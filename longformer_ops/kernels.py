@@ -64,6 +64,14 @@ def _pad_features(x: Tensor, multiple: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, extra)) if extra else x
 
 
+def _fused_input(x: Tensor, multiple: int) -> Tensor:
+    """``x`` as the fused kernels read it: features zero-padded to ``multiple``, contiguous, and its
+    data 16-byte aligned (the CUDA kernels stage 16 bytes per load; a contiguous view may start
+    anywhere in its storage, and is then copied)."""
+    x = _pad_features(x, multiple).contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 @functools.lru_cache(maxsize=256)
 def _dilation_tensor(dilation: tuple[int, ...], device: torch.device) -> Tensor:
     # Cached so that a layer called every step does not copy its dilations to the GPU each time.
@@ -270,7 +278,7 @@ def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressi
     library = _library(q)
     f = q.shape[-1]
     # Zero features change no score and give zero output columns, dropped below.
-    q, k, v = (_pad_features(x, library.feature_multiple).contiguous() for x in (q, k, v))
+    q, k, v = (_fused_input(x, library.feature_multiple) for x in (q, k, v))
     kernel_out = out if q.shape[-1] == f else new_output(q, q.shape)
     library.function(function_name(FUSED, autoregressive))(
         q, k, v, _key_bias(key_padding_mask, q), _dilation_tensor(tuple(dilation), q.device), w, scale,
@@ -312,7 +320,7 @@ def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
         return grads
     library = _library(q)
     f = q.shape[-1]
-    padded = [_pad_features(x, library.feature_multiple).contiguous() for x in (grad, q, k, v, out)]
+    padded = [_fused_input(x, library.feature_multiple) for x in (grad, q, k, v, out)]
     if padded[1].shape[-1] != f:
         grads = tuple(new_output(padded[1], padded[1].shape) for _ in range(3))
     grad, q, k, v, out = padded

@@ -7,7 +7,7 @@ block's ``__shared__`` arrays are statics (blocks run one after another), ``__sy
 barrier of the block's threads, each block launched with its kernel's ``__launch_bounds__``.
 float32 only (the kernels' logic does not depend on the dtype; the half types' conversions are
 TVM's): the half types' tensor-core forward is built with float operands, and the shim emulates its
-warp instructions (``mma.sync``, the quad shuffles) from the layout the kernel assumes (which an
+warp instructions (``mma.sync``, ``ldmatrix``, the quad shuffles) from the layouts the kernels assume (which an
 H200 confirmed, bench/NOTES.md). What it cannot show: speed, and races between threads that the
 barrier happens to order (``make gpu-check``'s racecheck covers those on a GPU).
 """
@@ -15,6 +15,7 @@ barrier happens to order (``make gpu-check``'s racecheck covers those on a GPU).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -77,6 +78,30 @@ static float quad_reduce(float x, bool sum) {
 }
 static float longformer_quad_max(float x) { return quad_reduce(x, false); }
 static float longformer_quad_sum(float x) { return quad_reduce(x, true); }
+// ldmatrix.x4 (and .trans) likewise: each lane publishes the address of its row (row l % 8 of matrix
+// l / 8), then takes elements (g, 2t + {0, 1}) of each matrix m into dst[2m], dst[2m + 1] (.trans:
+// (2t + {0, 1}, g)), as the PTX ISA lays out the 16-bit case.
+static const float* ldmatrix_rows[1024];
+static void ldmatrix(float* dst, const float* src, bool transposed) {
+  unsigned me = threadIdx.x, warp = me - me % 32, g = me % 32 / 4, t = me % 4;
+  ldmatrix_rows[me] = src;
+  block_barrier->arrive_and_wait();
+  for (unsigned m = 0; m < 4; ++m)
+    for (unsigned e = 0; e < 2; ++e)
+      dst[2 * m + e] = transposed ? ldmatrix_rows[warp + 8 * m + 2 * t + e][g] : ldmatrix_rows[warp + 8 * m + g][2 * t + e];
+  block_barrier->arrive_and_wait();
+}
+static void longformer_ldmatrix_x4(float* dst, const float* src) { ldmatrix(dst, src, false); }
+static void longformer_ldmatrix_x4_trans(float* dst, const float* src) { ldmatrix(dst, src, true); }
+// The staging's 16-byte copies: VECTOR (8) elements, here floats.
+static void longformer_copy16(float* dst, const float* src) { std::copy(src, src + 8, dst); }
+static void longformer_zero16(float* dst) { std::fill(dst, dst + 8, 0.0f); }
+// The deltas' dot product of 8 elements (16 bytes of a half type on the GPU).
+static float longformer_dot8(const float* a, const float* b) {
+  float sum = 0;
+  for (int i = 0; i < 8; ++i) sum += a[i] * b[i];
+  return sum;
+}
 // Blocks (x fastest) one after another, each by `threads` threads.
 static void launch(int64_t grid_x, int64_t grid_y, unsigned threads, const std::function<void()>& kernel) {
   std::barrier<> barrier(threads);
@@ -129,15 +154,31 @@ json.dump({"bodies": bodies, "tile_rows": cuda.TILE_ROWS}, open(sys.argv[1], "w"
 """
 
 
+SANITIZE_ENV = "CUDA_ON_CPU_SANITIZE"
+
+
 def cxx_compiler() -> str | None:
     return shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def asan_preload() -> str | None:
+    """LD_PRELOAD for a process that loads a harness built under AddressSanitizer: the compiler's
+    runtime, and the C++ library after it (without it, the runtime's exception interceptor finds
+    no ``__cxa_throw`` and aborts); None if the compiler has no such runtime."""
+    compiler = cxx_compiler()
+    if compiler is None:
+        return None
+    found = [subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+             for name in ("libasan.so", "libstdc++.so")]
+    return " ".join(found) if all(os.path.isabs(path) and os.path.exists(path) for path in found) else None
 
 
 def build(directory: Path) -> tuple[Path, dict]:
     """Generates the kernels' CUDA source (in a fresh process: the TVM compiler must stay out of the
     test process) and compiles it for the CPU; returns the library and the launch geometry."""
     generated = directory / "generated.json"
-    subprocess.run([sys.executable, "-c", _GENERATE, str(generated)], cwd=REPO, check=True)
+    environment = {name: value for name, value in os.environ.items() if name != "LD_PRELOAD"}  # (the sanitizer's)
+    subprocess.run([sys.executable, "-c", _GENERATE, str(generated)], cwd=REPO, check=True, env=environment)
     info = json.loads(generated.read_text())
     body = "\n".join(info["bodies"])
     body = body.replace("__shared__ alignas(64)", "alignas(64) __shared__")  # attribute order C++ accepts
@@ -152,6 +193,10 @@ def build(directory: Path) -> tuple[Path, dict]:
     wrappers = [f'extern "C" void run_{name}({signature}) {{\n{"".join(calls)}}}\n' for name, calls in launches.items()]
     (directory / "kernels.cpp").write_text(SHIM + body + "\n".join(wrappers))
     library = directory / "kernels.so"
-    subprocess.run([cxx_compiler(), "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread",
+    # With SANITIZE_ENV=address, under AddressSanitizer: a kernel that reads or writes past one of its
+    # arrays (a device function's pointer into a buffer TVM sized for less) fails however the
+    # compiler laid the arrays out (the process must preload its runtime: :func:`asan_preload`).
+    sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer"] if os.environ.get(SANITIZE_ENV) == "address" else []
+    subprocess.run([cxx_compiler(), "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", *sanitize,
                     str(directory / "kernels.cpp"), "-o", str(library)], check=True)
     return library, info

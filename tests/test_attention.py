@@ -456,3 +456,26 @@ def test_non_contiguous_inputs(cpu_library, with_grad):
     _assert_close(out, q, k, v, 5, [1, 2, 3], False, 1 / math.sqrt(24), torch.float64)
     if with_grad:
         _check_gradients(q, k, v, 5, [1, 2, 3], False, 1 / math.sqrt(24))
+
+
+@pytest.mark.parametrize("with_grad", [False, True], ids=["fused", "autograd"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))])
+def test_inputs_not_16_byte_aligned(device, with_grad):
+    """Contiguous views starting 2 bytes into their storage: the CUDA kernels stage 16 bytes per load,
+    so the runtime copies such inputs first (a misaligned load there is a fatal CUDA error)."""
+    b, n, h, f, w = 1, 70, 2, 32, 9
+    storage = torch.randn(4 * b * n * h * f + 1, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    storage = storage.to(device)
+    q, k, v, grad = (storage[1 + i * b * n * h * f:1 + (i + 1) * b * n * h * f].view(b, n, h, f) for i in range(4))
+    assert all(x.is_contiguous() and x.data_ptr() % 16 for x in (q, k, v, grad))
+    assert kernels._fused_input(q, 16).data_ptr() % 16 == 0
+    q, k, v = (x.requires_grad_(with_grad) for x in (q, k, v))
+    out = sliding_window_attention(q, k, v, w, [1, 3])
+    _assert_close(out, q, k, v, w, [1, 3], False, 1 / math.sqrt(f), torch.bfloat16)
+    if with_grad:
+        got = torch.autograd.grad(out, (q, k, v), grad)
+        exact = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
+        want = torch.autograd.grad(sliding_window_attention_reference(*exact, w, [1, 3], False, 1 / math.sqrt(f)),
+                                   exact, grad.double().cpu())
+        for name, x, y in zip("qkv", got, want, strict=True):
+            assert_normwise_close(x, y, torch.bfloat16, f"d{name}", zero_scale=0.0, gradients=True)

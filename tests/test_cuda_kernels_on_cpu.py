@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -168,3 +171,23 @@ def test_cuda_attention_backward_code_matches_reference(kernels, case, dropout, 
             assert_normwise_close(x.double(), y, torch.float32, f"d{name}", zero_scale=terms, gradients=True)
     except AssertionError as error:
         raise AssertionError(f"seed {seed}: {error}") from None
+
+
+@pytest.mark.skipif(os.environ.get(cuda_on_cpu.SANITIZE_ENV) is not None, reason="the run under the sanitizer itself")
+@pytest.mark.skipif(cuda_on_cpu.asan_preload() is None, reason="the C++ compiler has no AddressSanitizer runtime")
+def test_tensor_core_kernels_stay_inside_their_arrays(tmp_path):
+    """The tensor-core kernels hand their device functions (ldmatrix, mma, the 16-byte copies)
+    pointers into arrays that TVM sizes from the accesses it sees. Under AddressSanitizer (a
+    process of its own, the runtime preloaded), their forward and backward on three cases (one
+    head_dim past a feature block) touch nothing outside those arrays. An array sized for a
+    pointer's first element only passed every case above on the CPU and failed 206 tests on an H200
+    (bench/NOTES.md); this test fails on it."""
+    environment = dict(os.environ, **{cuda_on_cpu.SANITIZE_ENV: "address", "LD_PRELOAD": cuda_on_cpu.asan_preload(),
+                                      "ASAN_OPTIONS": f"detect_leaks=0:log_path={tmp_path / 'asan'}"})
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                             "-k", "mma and (70 or 100)"], env=environment, capture_output=True, text=True,
+                            cwd=cuda_on_cpu.REPO)
+    reports = sorted(tmp_path.glob("asan*"))
+    assert not reports, reports[0].read_text()[:4000]
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert " passed" in result.stdout and "12 passed" in result.stdout, result.stdout[-2000:]

@@ -503,9 +503,18 @@ WARP = 32
 WARP_ROWS = 16  # each warp's query rows: one mma tile
 MMA_THREADS = TILE_ROWS // WARP_ROWS * WARP  # 4 warps
 FEATURE_BLOCK = 64  # features staged per pass (the scores) and output features per pass (P.V)
-# Operand rows in shared memory, 8 elements past the row: a fragment load's 8 rows x 4 pairs then
-# fall into 32 different banks (rows 36 words apart).
+# Operand rows in shared memory, 8 elements (16 bytes) past the row: the 8 rows of an ldmatrix
+# phase (16 bytes each, 144 bytes apart) then fall into 8 different groups of 4 banks.
 OP_STRIDE = FEATURE_BLOCK + 8
+VECTOR = 8  # operand elements per staging load: 16 bytes of the half types
+# ldmatrix.x4 (PTX ISA, "warp-level matrix load instruction: ldmatrix"): lane l gives the address of
+# row l % 8 of matrix l // 8 (8 elements, 16 bytes) and receives in its register m elements
+# (l // 4, 2 (l % 4) + {0, 1}) of matrix m; with .trans elements (2 (l % 4) + {0, 1}, l // 4). So,
+# with lo = l % 8, m1 = l // 8 % 2, m2 = l // 16 and k0 the step's first feature (first key for P.V):
+#   A fragment of 16 rows from [row, feature]: row 8 m1 + lo, column k0 + 8 m2;
+#   B fragments of two tiles of 8 keys from [key, feature] (Q.K^T): row 8 m2 + lo, column k0 + 8 m1;
+#   B fragments of two tiles of 8 features from [key, feature] (P.V, dS.K; .trans): row k0 + 8 m1 + lo,
+#   column 8 m2 (the first tile's B in dst[0:4], the second's in dst[4:8]).
 MMA_PTX_TYPE = {"bfloat16": "bf16", "float16": "f16"}
 # The maximum and the sum of a value over the 4 lanes of a quad (one row of an accumulator tile);
 # one source per function: TVM emits each function's source once, by name.
@@ -520,16 +529,6 @@ QUAD_SOURCE = {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 """}
-
-
-def _a_element(i: int):
-    """(row, column) offsets from (g, 2t) of A fragment element i."""
-    return 8 * ((i // 2) % 2), i % 2 + 8 * (i // 4)
-
-
-def _b_element(i: int):
-    """Row (k) offset from 2t of B fragment element i (its column is g)."""
-    return i % 2 + 8 * (i // 2)
 
 
 def _c_element(i: int):
@@ -555,10 +554,73 @@ def _mma_source(operand_dtype: str) -> str:
         "}\n")
 
 
-def _mma(c, c_offset, a, b, source: str):
-    """c[c_offset:c_offset + 4] += a . b on tensor cores (``source``: :func:`_mma_source`)."""
-    return cuda_func_call("longformer_mma_m16n8k16", T.address_of(c[c_offset]), T.address_of(a[0]),
-                          T.address_of(b[0]), source_code=source)
+def _mma(c, c_offset, a, b, b_offset, source: str):
+    """c[c_offset:c_offset + 4] += a . b[b_offset:b_offset + 4] on tensor cores (``source``:
+    :func:`_mma_source`)."""
+    return cuda_func_call("longformer_mma_m16n8k16", c.access_ptr("rw", offset=c_offset, extent=4),
+                          a.access_ptr("r", offset=0, extent=8), b.access_ptr("r", offset=b_offset, extent=4),
+                          source_code=source)
+
+
+def _ldmatrix_source(operand_dtype: str, transposed: bool) -> str:
+    """The CUDA device function ``longformer_ldmatrix_x4[_trans](dst, src)``: ``ldmatrix`` of four
+    8 x 8 matrices of 16-bit elements from shared memory (the ldmatrix note by VECTOR); the CPU harness defines
+    the float-operand variant."""
+    name = "longformer_ldmatrix_x4" + ("_trans" if transposed else "")
+    if operand_dtype not in MMA_PTX_TYPE:
+        return f"// {name}: the CPU harness defines it\n"
+    return (
+        f"__device__ __forceinline__ void {name}(void* dst, const void* src) {{\n"
+        "  unsigned* d = reinterpret_cast<unsigned*>(dst);\n"
+        "  unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(src));\n"
+        f'  asm volatile("ldmatrix.sync.aligned.m8n8.x4{".trans" if transposed else ""}.shared.b16 '
+        '{%0,%1,%2,%3}, [%4];"\n'
+        '               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(address));\n'
+        "}\n")
+
+
+def _ldmatrix(dst, buf, offset, transposed: bool, operand_dtype: str):
+    """dst[0:8] = this lane's share of the four matrices whose rows the warp's lanes address, this
+    lane's row at buf[offset] (the ldmatrix note by VECTOR)."""
+    name = "longformer_ldmatrix_x4" + ("_trans" if transposed else "")
+    return cuda_func_call(name, dst.access_ptr("w", offset=0, extent=8), buf.access_ptr("r", offset=offset, extent=8),
+                          source_code=_ldmatrix_source(operand_dtype, transposed))
+
+
+# 16-byte copies between global and shared memory, and zeroing (device functions: TVM's own
+# vectorized loop of these copies fails in its CUDA codegen inside these kernels); the CPU harness
+# defines the float-operand variants (VECTOR floats).
+COPY_SOURCE = {
+    "copy": "__device__ __forceinline__ void longformer_copy16(void* dst, const void* src) {\n"
+            "  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);\n}\n",
+    "zero": "__device__ __forceinline__ void longformer_zero16(void* dst) {\n"
+            "  *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);\n}\n"}
+
+
+def _copy_source(operand_dtype: str, kind: str) -> str:
+    if operand_dtype not in MMA_PTX_TYPE:
+        return f"// longformer_{kind}16: the CPU harness defines it\n"
+    return COPY_SOURCE[kind]
+
+
+@T.macro
+def _stage_operand(buf, t, row_of, b, h, feature0, head_dim, tx, operand):
+    """buf[r * OP_STRIDE + f] = t[row_of[r], feature0 + f] for 64 rows and 64 features (0 for rows of
+    -1 and features past head_dim, a multiple of FEATURE_MULTIPLE), VECTOR elements (16 bytes) per
+    load and store: each row's 8 pieces by 8 consecutive threads (coalesced, and in shared memory
+    8 x 16 bytes of one row per phase: no bank conflict). The inputs' data must be 16-byte aligned
+    (longformer_ops.kernels makes it so)."""
+    for e in T.unroll(QK_KEYS * FEATURE_BLOCK // VECTOR // MMA_THREADS):
+        r: T.let = (tx + e * MMA_THREADS) // (FEATURE_BLOCK // VECTOR)
+        f: T.let = (tx + e * MMA_THREADS) % (FEATURE_BLOCK // VECTOR) * VECTOR
+        feature: T.let = feature0 + T.Cast("int64", f)
+        row: T.let = row_of[r]  # (bound: a condition may not read shared memory)
+        if row >= T.int64(0) and feature < head_dim:
+            T.evaluate(cuda_func_call("longformer_copy16", buf.access_ptr("w", offset=r * OP_STRIDE + f, extent=VECTOR),
+                                      T.address_of(t[b, row, h, feature]), source_code=_copy_source(operand, "copy")))
+        else:
+            T.evaluate(cuda_func_call("longformer_zero16", buf.access_ptr("w", offset=r * OP_STRIDE + f, extent=VECTOR),
+                                      source_code=_copy_source(operand, "zero")))
 
 
 def _quad(reduction: str, x):
@@ -573,8 +635,10 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
     keys into registers, so that a row's scores sit in the 4 lanes of one quad: the online softmax
     runs on the accumulators (a row's maximum and sum over its lanes by two shuffles), and the
     probabilities, rounded to the input dtype, are already the A fragments of P.V (the score tiles
-    of keys 16s..16s+15 are P.V's step s). Only Q, K and V (transposed: features x keys) pass
-    through shared memory, in their own dtype, 64 features at a time. ``operand_dtype`` float32
+    of keys 16s..16s+15 are P.V's step s). Only Q, K and V pass through shared memory, as rows in
+    their own dtype, 64 features at a time, staged 16 bytes per load; the warps take their
+    fragments with ``ldmatrix`` (V's transposed by its ``.trans``). Where head_dim fits one block of
+    64 features the tile's queries are staged once, not per chunk. ``operand_dtype`` float32
     (only with dtype float32) is for the CPU harness, which emulates the instructions."""
     operand = operand_dtype or dtype
     acc_dtype = accumulation_dtype(dtype)
@@ -604,7 +668,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                 for tx in T.thread_binding(MMA_THREADS, thread="threadIdx.x"):
                     queries = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared")  # [row, feature]
                     keys = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
-                    values = T.alloc_buffer((FEATURE_BLOCK * OP_STRIDE,), operand, scope="shared")  # [feature, key]
+                    values = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
                     query_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
                     valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                     valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
@@ -616,7 +680,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                     rescale = T.alloc_buffer((2,), acc_dtype, scope="local")
                     reduced = T.alloc_buffer((2,), acc_dtype, scope="local")
                     a_frag = T.alloc_buffer((8,), operand, scope="local")
-                    b_frag = T.alloc_buffer((4,), operand, scope="local")
+                    b_frag = T.alloc_buffer((8,), operand, scope="local")  # two tiles' B
                     ids = T.alloc_buffer((3,), "int64", scope="local")
                     _block_ids(ids, bh, heads, dilation)
                     b: T.let = ids[0]
@@ -627,7 +691,11 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                     p0: T.let = tile * T.int64(TILE_ROWS)
                     g: T.let = tx % WARP // 4
                     t2: T.let = tx % 4 * 2
-                    row0: T.let = tx // WARP * WARP_ROWS + g  # this thread's rows: row0 and row0 + 8
+                    warp_row: T.let = tx // WARP * WARP_ROWS  # this warp's first row
+                    row0: T.let = warp_row + g  # this thread's rows: row0 and row0 + 8
+                    lo: T.let = tx % 8  # ldmatrix's row and matrix of this lane (the ldmatrix note by VECTOR)
+                    m1: T.let = tx % WARP // 8 % 2
+                    m2: T.let = tx % WARP // 16
                     blocks: T.let = (head_dim + T.int64(FEATURE_BLOCK - 1)) // T.int64(FEATURE_BLOCK)
                     _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
                     for f0 in range(blocks):
@@ -643,32 +711,20 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                 acc[x] = T.Cast(acc_dtype, 0)
                             for fb in range(blocks):
                                 T.tvm_storage_sync("shared")
-                                for e in T.unroll(TILE_ROWS * FEATURE_BLOCK // MMA_THREADS):
-                                    r: T.let = (tx + e * MMA_THREADS) // FEATURE_BLOCK
-                                    f: T.let = (tx + e * MMA_THREADS) % FEATURE_BLOCK
-                                    feature: T.let = fb * T.int64(FEATURE_BLOCK) + T.Cast("int64", f)
-                                    queries[r * OP_STRIDE + f] = T.Select(
-                                        query_row[r] >= T.int64(0) and feature < head_dim,
-                                        T.Cast(operand, q[b, T.max(query_row[r], T.int64(0)), h, T.min(feature, head_dim - T.int64(1))]),
-                                        T.Cast(operand, 0))
-                                    keys[r * OP_STRIDE + f] = T.Select(
-                                        key_row[r] >= T.int64(0) and feature < head_dim,
-                                        T.Cast(operand, k[b, T.max(key_row[r], T.int64(0)), h, T.min(feature, head_dim - T.int64(1))]),
-                                        T.Cast(operand, 0))
-                                    if fb == T.int64(0):
-                                        out_feature: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", f)
-                                        values[f * OP_STRIDE + r] = T.Select(
-                                            key_row[r] >= T.int64(0) and out_feature < head_dim,
-                                            T.Cast(operand, v[b, T.max(key_row[r], T.int64(0)), h, T.min(out_feature, head_dim - T.int64(1))]),
-                                            T.Cast(operand, 0))
+                                if blocks > T.int64(1) or chunk == T.int64(0):  # else the tile's queries stay
+                                    _stage_operand(queries, q, query_row, b, h, fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                                _stage_operand(keys, k, key_row, b, h, fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                                if fb == T.int64(0):
+                                    _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
                                 T.tvm_storage_sync("shared")
                                 for step in T.unroll(FEATURE_BLOCK // 16):
-                                    for i in T.unroll(8):
-                                        a_frag[i] = queries[(row0 + _a_element(i)[0]) * OP_STRIDE + step * 16 + t2 + _a_element(i)[1]]
-                                    for tile_n in T.unroll(tiles):
-                                        for i in T.unroll(4):
-                                            b_frag[i] = keys[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
-                                        T.evaluate(_mma(acc, tile_n * 4, a_frag, b_frag, source))
+                                    T.evaluate(_ldmatrix(a_frag, queries, (warp_row + m1 * 8 + lo) * OP_STRIDE + step * 16 + m2 * 8,
+                                                         False, operand))
+                                    for pair in T.unroll(tiles // 2):
+                                        T.evaluate(_ldmatrix(b_frag, keys, (pair * 16 + m2 * 8 + lo) * OP_STRIDE + step * 16 + m1 * 8,
+                                                             False, operand))
+                                        T.evaluate(_mma(acc, pair * 8, a_frag, b_frag, 0, source))
+                                        T.evaluate(_mma(acc, pair * 8 + 4, a_frag, b_frag, 4, source))
                             # Scores, -inf off the band (band column j of row a is chunk column a + j, see
                             # qk), and each row's maximum over its quad.
                             for r in T.unroll(2):
@@ -717,10 +773,11 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                             for step in T.unroll(QK_KEYS // 16):
                                 for i in T.unroll(8):
                                     a_frag[i] = T.Cast(operand, acc[(step * 2 + i // 4) * 4 + i % 4])
-                                for tile_n in T.unroll(tiles):
-                                    for i in T.unroll(4):
-                                        b_frag[i] = values[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
-                                    T.evaluate(_mma(context, tile_n * 4, a_frag, b_frag, source))
+                                for pair in T.unroll(tiles // 2):
+                                    T.evaluate(_ldmatrix(b_frag, values, (step * 16 + m1 * 8 + lo) * OP_STRIDE + pair * 16 + m2 * 8,
+                                                         True, operand))
+                                    T.evaluate(_mma(context, pair * 8, a_frag, b_frag, 0, source))
+                                    T.evaluate(_mma(context, pair * 8 + 4, a_frag, b_frag, 4, source))
                         for x in T.unroll(tiles * 4):
                             a: T.let = row0 + _c_element(x % 4)[0]
                             f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
@@ -886,7 +943,7 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
     """dQ, per query tile, on tensor cores in the forward's layout (:func:`attention_mma`): per chunk
     of 64 keys each warp's 16 rows get S = Q K^T and dP = dO V^T as accumulator tiles, then in
     registers P = exp(S - lse), dS = P (dP Z - delta), and dQ += dS . K with dS as the A fragments
-    (K transposed in shared memory). delta = rowsum(dO * O) - d lse per row, over the row's quad."""
+    (K's B fragments by ``ldmatrix.trans`` from its rows). Staging and fragments as the forward's. delta = rowsum(dO * O) - d lse per row, over the row's quad."""
     for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
         for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
             for tx in T.thread_binding(MMA_THREADS, thread="threadIdx.x"):
@@ -894,7 +951,6 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                 grads = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared")  # dO: [row, feature]
                 keys = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
                 values = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
-                keys_t = T.alloc_buffer((FEATURE_BLOCK * OP_STRIDE,), operand, scope="shared")  # [feature, key]
                 query_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
                 valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                 valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
@@ -905,7 +961,7 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                 row_lse = T.alloc_buffer((2,), acc_dtype, scope="local")  # of rows g and g + 8 (0 for no key)
                 delta = T.alloc_buffer((2,), acc_dtype, scope="local")
                 a_frag = T.alloc_buffer((8,), operand, scope="local")
-                b_frag = T.alloc_buffer((4,), operand, scope="local")
+                b_frag = T.alloc_buffer((8,), operand, scope="local")  # two tiles' B
                 ids = T.alloc_buffer((3,), "int64", scope="local")
                 _block_ids(ids, bh, heads, dilation)
                 b: T.let = ids[0]
@@ -916,7 +972,11 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                 p0: T.let = tile * T.int64(TILE_ROWS)
                 g: T.let = tx % WARP // 4
                 t2: T.let = tx % 4 * 2
-                row0: T.let = tx // WARP * WARP_ROWS + g  # this thread's rows: row0 and row0 + 8
+                warp_row: T.let = tx // WARP * WARP_ROWS  # this warp's first row
+                row0: T.let = warp_row + g  # this thread's rows: row0 and row0 + 8
+                lo: T.let = tx % 8  # ldmatrix's row and matrix of this lane (the ldmatrix note by VECTOR)
+                m1: T.let = tx % WARP // 8 % 2
+                m2: T.let = tx % WARP // 16
                 blocks: T.let = (head_dim + T.int64(FEATURE_BLOCK - 1)) // T.int64(FEATURE_BLOCK)
                 _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
                 T.tvm_storage_sync("shared")
@@ -950,43 +1010,26 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                             grad_p[x] = T.Cast(acc_dtype, 0)
                         for fb in range(blocks):
                             T.tvm_storage_sync("shared")
-                            for e in T.unroll(TILE_ROWS * FEATURE_BLOCK // MMA_THREADS):
-                                r: T.let = (tx + e * MMA_THREADS) // FEATURE_BLOCK
-                                f: T.let = (tx + e * MMA_THREADS) % FEATURE_BLOCK
-                                feature: T.let = fb * T.int64(FEATURE_BLOCK) + T.Cast("int64", f)
-                                clamped: T.let = T.min(feature, head_dim - T.int64(1))
-                                queries[r * OP_STRIDE + f] = T.Select(
-                                    query_row[r] >= T.int64(0) and feature < head_dim,
-                                    T.Cast(operand, q[b, T.max(query_row[r], T.int64(0)), h, clamped]), T.Cast(operand, 0))
-                                grads[r * OP_STRIDE + f] = T.Select(
-                                    query_row[r] >= T.int64(0) and feature < head_dim,
-                                    T.Cast(operand, grad[b, T.max(query_row[r], T.int64(0)), h, clamped]), T.Cast(operand, 0))
-                                keys[r * OP_STRIDE + f] = T.Select(
-                                    key_row[r] >= T.int64(0) and feature < head_dim,
-                                    T.Cast(operand, k[b, T.max(key_row[r], T.int64(0)), h, clamped]), T.Cast(operand, 0))
-                                values[r * OP_STRIDE + f] = T.Select(
-                                    key_row[r] >= T.int64(0) and feature < head_dim,
-                                    T.Cast(operand, v[b, T.max(key_row[r], T.int64(0)), h, clamped]), T.Cast(operand, 0))
-                                if fb == T.int64(0):
-                                    out_feature: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", f)
-                                    keys_t[f * OP_STRIDE + r] = T.Select(
-                                        key_row[r] >= T.int64(0) and out_feature < head_dim,
-                                        T.Cast(operand, k[b, T.max(key_row[r], T.int64(0)), h, T.min(out_feature, head_dim - T.int64(1))]),
-                                        T.Cast(operand, 0))
+                            feature0: T.let = fb * T.int64(FEATURE_BLOCK)
+                            if blocks > T.int64(1) or chunk == T.int64(0):  # else the tile's Q and dO stay
+                                _stage_operand(queries, q, query_row, b, h, feature0, head_dim, tx, operand)
+                                _stage_operand(grads, grad, query_row, b, h, feature0, head_dim, tx, operand)
+                            _stage_operand(keys, k, key_row, b, h, feature0, head_dim, tx, operand)
+                            _stage_operand(values, v, key_row, b, h, feature0, head_dim, tx, operand)
                             T.tvm_storage_sync("shared")
                             for step in T.unroll(FEATURE_BLOCK // 16):
-                                for i in T.unroll(8):
-                                    a_frag[i] = queries[(row0 + _a_element(i)[0]) * OP_STRIDE + step * 16 + t2 + _a_element(i)[1]]
-                                for tile_n in T.unroll(QK_KEYS // 8):
-                                    for i in T.unroll(4):
-                                        b_frag[i] = keys[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
-                                    T.evaluate(_mma(scores, tile_n * 4, a_frag, b_frag, source))
-                                for i in T.unroll(8):
-                                    a_frag[i] = grads[(row0 + _a_element(i)[0]) * OP_STRIDE + step * 16 + t2 + _a_element(i)[1]]
-                                for tile_n in T.unroll(QK_KEYS // 8):
-                                    for i in T.unroll(4):
-                                        b_frag[i] = values[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
-                                    T.evaluate(_mma(grad_p, tile_n * 4, a_frag, b_frag, source))
+                                a_offset: T.let = (warp_row + m1 * 8 + lo) * OP_STRIDE + step * 16 + m2 * 8
+                                b_offset: T.let = (m2 * 8 + lo) * OP_STRIDE + step * 16 + m1 * 8
+                                T.evaluate(_ldmatrix(a_frag, queries, a_offset, False, operand))
+                                for pair in T.unroll(QK_KEYS // 16):
+                                    T.evaluate(_ldmatrix(b_frag, keys, b_offset + pair * 16 * OP_STRIDE, False, operand))
+                                    T.evaluate(_mma(scores, pair * 8, a_frag, b_frag, 0, source))
+                                    T.evaluate(_mma(scores, pair * 8 + 4, a_frag, b_frag, 4, source))
+                                T.evaluate(_ldmatrix(a_frag, grads, a_offset, False, operand))
+                                for pair in T.unroll(QK_KEYS // 16):
+                                    T.evaluate(_ldmatrix(b_frag, values, b_offset + pair * 16 * OP_STRIDE, False, operand))
+                                    T.evaluate(_mma(grad_p, pair * 8, a_frag, b_frag, 0, source))
+                                    T.evaluate(_mma(grad_p, pair * 8 + 4, a_frag, b_frag, 4, source))
                         if dropout > T.float64(0):  # dP * Z (off-band columns, where P is 0, clamped to column 0)
                             for r in T.unroll(2):
                                 row_key: T.let = dropout_row_key(seed, bh, query_row[row0 + r * 8], bind=True)
@@ -1005,13 +1048,18 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                                 T.exp(scores[x] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[kk], T.int64(0))]
                                       - row_lse[x % 4 // 2]),
                                 T.Cast(acc_dtype, 0)) * (grad_p[x] - delta[x % 4 // 2])
+                        if blocks > T.int64(1):  # dQ's features f0 of these keys (one block: already there)
+                            T.tvm_storage_sync("shared")
+                            _stage_operand(keys, k, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                            T.tvm_storage_sync("shared")
                         for step in T.unroll(QK_KEYS // 16):
                             for i in T.unroll(8):
                                 a_frag[i] = T.Cast(operand, scores[(step * 2 + i // 4) * 4 + i % 4])
-                            for tile_n in T.unroll(FEATURE_BLOCK // 8):
-                                for i in T.unroll(4):
-                                    b_frag[i] = keys_t[(tile_n * 8 + g) * OP_STRIDE + step * 16 + t2 + _b_element(i)]
-                                T.evaluate(_mma(grad_acc, tile_n * 4, a_frag, b_frag, source))
+                            for pair in T.unroll(FEATURE_BLOCK // 16):
+                                T.evaluate(_ldmatrix(b_frag, keys, (step * 16 + m1 * 8 + lo) * OP_STRIDE + pair * 16 + m2 * 8,
+                                                     True, operand))
+                                T.evaluate(_mma(grad_acc, pair * 8, a_frag, b_frag, 0, source))
+                                T.evaluate(_mma(grad_acc, pair * 8 + 4, a_frag, b_frag, 4, source))
                     for x in T.unroll(FEATURE_BLOCK // 8 * 4):
                         row: T.let = query_row[row0 + _c_element(x % 4)[0]]
                         f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
