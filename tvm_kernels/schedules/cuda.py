@@ -24,8 +24,8 @@ each a 4 x 4 register tile (rows x columns of the block's 64 x 64 sub-product):
 - attention: qk's chunks with FlashAttention's online softmax between them (:func:`attention`),
   for the half types on tensor cores (``mma.sync``) in FlashAttention-2's layout, 128 threads of
   16 query rows each, the softmax in registers (:func:`attention_mma`);
-  attention_backward: dQ per query tile (on tensor cores for the half types), dK and dV per key
-  tile, two kernels that recompute the scores from the log-sum-exp (:func:`attention_backward`).
+  attention_backward: dQ per query tile, dK and dV per key tile, two kernels that recompute the
+  scores from the log-sum-exp, both on tensor cores for the half types (:func:`attention_backward`).
 
 Packed position p of a head with dilation d belongs to class r at index s of that class;
 classes r < n % d hold n // d + 1 rows, the rest n // d (:func:`_packed_row`). A band
@@ -603,6 +603,33 @@ def _copy_source(operand_dtype: str, kind: str) -> str:
     return COPY_SOURCE[kind]
 
 
+# rowsum(a * b) over 8 elements (16 bytes of a half type per load) in float32: the dK/dV kernel's deltas.
+DOT8_SOURCE = """__device__ __forceinline__ float longformer_dot8(const void* a, const void* b) {{
+  uint4 x = *reinterpret_cast<const uint4*>(a), y = *reinterpret_cast<const uint4*>(b);
+  const {pair}* u = reinterpret_cast<const {pair}*>(&x);
+  const {pair}* v = reinterpret_cast<const {pair}*>(&y);
+  float sum = 0.0f;
+  for (int i = 0; i < 4; ++i) {{
+    float2 p = {widen}(u[i]), q = {widen}(v[i]);
+    sum += p.x * q.x + p.y * q.y;
+  }}
+  return sum;
+}}
+"""
+DOT8_TYPES = {"bfloat16": ("nv_bfloat162", "__bfloat1622float2"), "float16": ("half2", "__half22float2")}
+
+
+def _dot8(t1, t2, b, row, h, feature, operand_dtype: str):
+    """sum over f < 8 of t1[b, row, h, feature + f] * t2[b, row, h, feature + f], in float32."""
+    if operand_dtype in DOT8_TYPES:
+        pair, widen = DOT8_TYPES[operand_dtype]
+        source = DOT8_SOURCE.format(pair=pair, widen=widen)
+    else:
+        source = "// longformer_dot8: the CPU harness defines it\n"
+    return cuda_func_call("longformer_dot8", T.address_of(t1[b, row, h, feature]), T.address_of(t2[b, row, h, feature]),
+                          source_code=source, return_type="float32")
+
+
 @T.macro
 def _stage_operand(buf, t, row_of, b, h, feature0, head_dim, tx, operand):
     """buf[r * OP_STRIDE + f] = t[row_of[r], feature0 + f] for 64 rows and 64 features (0 for rows of
@@ -1155,6 +1182,159 @@ def _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                                 grad_v[b, row, h, f] = T.Cast(dtype, grad_v_acc[i, u])
 
 
+@T.macro
+def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n,
+                        heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v, operand, source):
+    """dK and dV, per key tile, on tensor cores: 4 warps of 16 keys; per chunk of 64 packed queries
+    whose bands reach the tile, S^T = K Q^T and dP^T = V dO^T as accumulator tiles (keys x
+    queries), then in registers P^T, P^T Z and dS^T = P^T (dP^T Z - delta), which are the A
+    fragments of dV += (P^T Z) dO and dK += dS^T Q (dO's and Q's B fragments by ``ldmatrix.trans``
+    from their rows). The tile's K and V are staged once where head_dim fits one block; each
+    chunk's deltas rowsum(dO * O) - d lse two threads per query, 16 bytes per load."""
+    for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
+        for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
+            for tx in T.thread_binding(MMA_THREADS, thread="threadIdx.x"):
+                keys = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
+                values = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
+                queries = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [query, feature]
+                grads = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # dO: [query, feature]
+                key_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
+                query_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                valid_from = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # the queries' valid band columns
+                valid_to = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")
+                row_lse = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")
+                delta = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")
+                part_sum = T.alloc_buffer((MMA_THREADS,), acc_dtype, scope="shared")
+                probs = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # S^T, then P^T Z
+                grad_p = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # dP^T, then dS^T
+                grad_k_acc = T.alloc_buffer((FEATURE_BLOCK // 8 * 4,), acc_dtype, scope="local")  # dK / scale
+                grad_v_acc = T.alloc_buffer((FEATURE_BLOCK // 8 * 4,), acc_dtype, scope="local")
+                my_key = T.alloc_buffer((2,), "int64", scope="local")  # sequence rows of keys g and g + 8
+                my_bias = T.alloc_buffer((2,), acc_dtype, scope="local")
+                total = T.alloc_buffer((1,), acc_dtype, scope="local")
+                a_frag = T.alloc_buffer((8,), operand, scope="local")
+                b_frag = T.alloc_buffer((8,), operand, scope="local")  # two tiles' B
+                ids = T.alloc_buffer((3,), "int64", scope="local")
+                _block_ids(ids, bh, heads, dilation)
+                b: T.let = ids[0]
+                h: T.let = ids[1]
+                d: T.let = ids[2]
+                w: T.let = window
+                band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                p0: T.let = tile * T.int64(TILE_ROWS)
+                g: T.let = tx % WARP // 4
+                t2: T.let = tx % 4 * 2
+                warp_row: T.let = tx // WARP * WARP_ROWS  # this warp's first key
+                row0: T.let = warp_row + g  # this thread's keys: row0 and row0 + 8
+                lo: T.let = tx % 8  # ldmatrix's row and matrix of this lane (the ldmatrix note by VECTOR)
+                m1: T.let = tx % WARP // 8 % 2
+                m2: T.let = tx % WARP // 16
+                blocks: T.let = (head_dim + T.int64(FEATURE_BLOCK - 1)) // T.int64(FEATURE_BLOCK)
+                _chunk_rows(key_row, TILE_ROWS, tx, p0, n, d)
+                T.tvm_storage_sync("shared")
+                for r in T.unroll(2):
+                    my_key[r] = key_row[row0 + r * 8]
+                    my_bias[r] = key_bias[b, T.max(my_key[r], T.int64(0))]
+                for f0 in range(blocks):
+                    for x in T.unroll(FEATURE_BLOCK // 8 * 4):
+                        grad_k_acc[x] = T.Cast(acc_dtype, 0)
+                        grad_v_acc[x] = T.Cast(acc_dtype, 0)
+                    for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
+                        # Chunk queries x: packed p0 - w_upper + 64 chunk + x, whose band column for
+                        # tile key kk is kk - x + band - 1 - 64 chunk.
+                        T.tvm_storage_sync("shared")  # the last chunk's products are done with the buffers
+                        _tile_rows(query_row, valid_from, valid_to, tx,
+                                   p0 - (band - T.int64(1) - w) + chunk * T.int64(QK_KEYS), n, d, w, band)
+                        T.tvm_storage_sync("shared")
+                        query: T.let = tx // 2
+                        row: T.let = query_row[query]
+                        total[0] = T.Cast(acc_dtype, 0)
+                        for piece in range(head_dim // T.int64(2 * VECTOR)):
+                            feature: T.let = piece * T.int64(2 * VECTOR) + T.Cast("int64", tx % 2 * VECTOR)
+                            total[0] = total[0] + T.Select(row >= T.int64(0), _dot8(grad, out, b, T.max(row, T.int64(0)), h, feature, operand),
+                                                           T.Cast(acc_dtype, 0))
+                        part_sum[tx] = total[0]
+                        T.tvm_storage_sync("shared")
+                        if tx % 2 == 0:
+                            delta[query] = part_sum[tx] + part_sum[tx + 1] - T.Select(
+                                row >= T.int64(0), grad_lse[b, T.max(row, T.int64(0)), h], T.Cast(acc_dtype, 0))
+                            row_lse[query] = T.Select(row >= T.int64(0) and lse[b, T.max(row, T.int64(0)), h] != minus_inf,
+                                                      lse[b, T.max(row, T.int64(0)), h], T.Cast(acc_dtype, 0))
+                        for x in T.unroll(QK_KEYS // 8 * 4):
+                            probs[x] = T.Cast(acc_dtype, 0)
+                            grad_p[x] = T.Cast(acc_dtype, 0)
+                        for fb in range(blocks):
+                            T.tvm_storage_sync("shared")
+                            feature0: T.let = fb * T.int64(FEATURE_BLOCK)
+                            if blocks > T.int64(1) or chunk == T.int64(0):  # else the tile's K and V stay
+                                _stage_operand(keys, k, key_row, b, h, feature0, head_dim, tx, operand)
+                                _stage_operand(values, v, key_row, b, h, feature0, head_dim, tx, operand)
+                            _stage_operand(queries, q, query_row, b, h, feature0, head_dim, tx, operand)
+                            _stage_operand(grads, grad, query_row, b, h, feature0, head_dim, tx, operand)
+                            T.tvm_storage_sync("shared")
+                            for step in T.unroll(FEATURE_BLOCK // 16):
+                                a_offset: T.let = (warp_row + m1 * 8 + lo) * OP_STRIDE + step * 16 + m2 * 8
+                                b_offset: T.let = (m2 * 8 + lo) * OP_STRIDE + step * 16 + m1 * 8
+                                T.evaluate(_ldmatrix(a_frag, keys, a_offset, False, operand))
+                                for pair in T.unroll(QK_KEYS // 16):
+                                    T.evaluate(_ldmatrix(b_frag, queries, b_offset + pair * 16 * OP_STRIDE, False, operand))
+                                    T.evaluate(_mma(probs, pair * 8, a_frag, b_frag, 0, source))
+                                    T.evaluate(_mma(probs, pair * 8 + 4, a_frag, b_frag, 4, source))
+                                T.evaluate(_ldmatrix(a_frag, values, a_offset, False, operand))
+                                for pair in T.unroll(QK_KEYS // 16):
+                                    T.evaluate(_ldmatrix(b_frag, grads, b_offset + pair * 16 * OP_STRIDE, False, operand))
+                                    T.evaluate(_mma(grad_p, pair * 8, a_frag, b_frag, 0, source))
+                                    T.evaluate(_mma(grad_p, pair * 8 + 4, a_frag, b_frag, 4, source))
+                        # P^T (0 off the band), then dS^T and P^T Z; with dropout Z at (query, band column).
+                        for x in T.unroll(QK_KEYS // 8 * 4):
+                            a: T.let = row0 + _c_element(x % 4)[0]
+                            col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+                            j: T.let = T.Cast("int64", a - col) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
+                            probs[x] = T.Select(
+                                query_row[col] >= T.int64(0) and my_key[x % 4 // 2] >= T.int64(0)
+                                and j >= valid_from[col] and j < valid_to[col],
+                                T.exp(probs[x] * T.Cast(acc_dtype, scale) + my_bias[x % 4 // 2] - row_lse[col]),
+                                T.Cast(acc_dtype, 0))
+                        if dropout > T.float64(0):
+                            for x in T.unroll(QK_KEYS // 8 * 4):
+                                a: T.let = row0 + _c_element(x % 4)[0]
+                                col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+                                j: T.let = T.Cast("int64", a - col) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
+                                factor: T.let = dropout_factor(dropout_row_key(seed, bh, query_row[col], bind=True),
+                                                               T.max(j, T.int64(0)), dropout, acc_dtype, bind=True)
+                                grad_p[x] = probs[x] * (grad_p[x] * factor - delta[col])
+                                probs[x] = probs[x] * factor
+                        else:
+                            for x in T.unroll(QK_KEYS // 8 * 4):
+                                col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+                                grad_p[x] = probs[x] * (grad_p[x] - delta[col])
+                        if blocks > T.int64(1):  # dK's and dV's features f0 of these queries
+                            T.tvm_storage_sync("shared")
+                            _stage_operand(queries, q, query_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                            _stage_operand(grads, grad, query_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                            T.tvm_storage_sync("shared")
+                        for step in T.unroll(QK_KEYS // 16):
+                            b_offset: T.let = (step * 16 + m1 * 8 + lo) * OP_STRIDE + m2 * 8
+                            for i in T.unroll(8):
+                                a_frag[i] = T.Cast(operand, probs[(step * 2 + i // 4) * 4 + i % 4])
+                            for pair in T.unroll(FEATURE_BLOCK // 16):
+                                T.evaluate(_ldmatrix(b_frag, grads, b_offset + pair * 16, True, operand))
+                                T.evaluate(_mma(grad_v_acc, pair * 8, a_frag, b_frag, 0, source))
+                                T.evaluate(_mma(grad_v_acc, pair * 8 + 4, a_frag, b_frag, 4, source))
+                            for i in T.unroll(8):
+                                a_frag[i] = T.Cast(operand, grad_p[(step * 2 + i // 4) * 4 + i % 4])
+                            for pair in T.unroll(FEATURE_BLOCK // 16):
+                                T.evaluate(_ldmatrix(b_frag, queries, b_offset + pair * 16, True, operand))
+                                T.evaluate(_mma(grad_k_acc, pair * 8, a_frag, b_frag, 0, source))
+                                T.evaluate(_mma(grad_k_acc, pair * 8 + 4, a_frag, b_frag, 4, source))
+                    for x in T.unroll(FEATURE_BLOCK // 8 * 4):
+                        row: T.let = my_key[x % 4 // 2]
+                        f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
+                        if row >= T.int64(0) and f < head_dim:
+                            grad_k[b, row, h, f] = T.Cast(dtype, grad_k_acc[x] * T.Cast(acc_dtype, scale))
+                            grad_v[b, row, h, f] = T.Cast(dtype, grad_v_acc[x])
+
+
 def attention_backward(dtype: str, autoregressive: bool, isa: str = "", operand_dtype: str | None = None):
     """The fused attention's backward; same arguments and results as the CPU's
     (:func:`tvm_kernels.schedules.cpu.attention_backward`): dQ, dK, dV with no band in memory.
@@ -1166,9 +1346,10 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str = "", operand_
     the micro-kernel's rows), dV += (P * Z)^T dO and dK += dS^T Q in registers. The scores and dP
     are computed twice, once per kernel: two products more than FlashAttention-2's atomic dQ, in
     exchange for plain stores and sums in a fixed order. delta = rowsum(dO * O) - d lse per row;
-    Z the forward's dropout factors, regenerated. For the half types the dQ kernel runs on tensor
-    cores (:func:`_query_tile_grads_mma`); ``operand_dtype`` float32 builds that kernel with float
-    operands for the CPU harness, as :func:`attention_mma`.
+    Z the forward's dropout factors, regenerated. That is the float32 kernels' layout (FMAs); for
+    the half types both kernels run on tensor cores in the forward's layout
+    (:func:`_query_tile_grads_mma`, :func:`_key_tile_grads_mma`); ``operand_dtype`` float32 builds
+    those with float operands for the CPU harness, as :func:`attention_mma`.
     """
     acc_dtype = accumulation_dtype(dtype)
     causal = 1 if autoregressive else 0
@@ -1205,7 +1386,10 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str = "", operand_
         else:
             _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q)
         # dK and dV, per key tile.
-        _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v)
+        if tensor_cores:
+            _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v, operand, source)
+        else:
+            _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v)
     return main
 
 
