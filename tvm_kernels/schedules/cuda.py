@@ -650,6 +650,36 @@ def _stage_operand(buf, t, row_of, b, h, feature0, head_dim, tx, operand):
                                       source_code=_copy_source(operand, "zero")))
 
 
+@T.macro
+def _rows_times_rows(acc, rows, others, a_frag, b_frag, warp_row, lo, m1, m2, operand, source):
+    """acc += this warp's 16 rows of ``rows`` times all 64 rows of ``others`` transposed, over one
+    staged block of 64 features (both [row, feature] in shared memory; fragments by ldmatrix): 8
+    accumulator tiles of 16 x 8 (Q.K^T, dO.V^T, and in the key-major kernel K.Q^T, V.dO^T)."""
+    for step in T.unroll(FEATURE_BLOCK // 16):
+        T.evaluate(_ldmatrix(a_frag, rows, (warp_row + m1 * 8 + lo) * OP_STRIDE + step * 16 + m2 * 8, False, operand))
+        for pair in T.unroll(QK_KEYS // 16):
+            T.evaluate(_ldmatrix(b_frag, others, (pair * 16 + m2 * 8 + lo) * OP_STRIDE + step * 16 + m1 * 8, False,
+                                 operand))
+            T.evaluate(_mma(acc, pair * 8, a_frag, b_frag, 0, source))
+            T.evaluate(_mma(acc, pair * 8 + 4, a_frag, b_frag, 4, source))
+
+
+@T.macro
+def _weights_times_rows(acc, weights, rows, a_frag, b_frag, lo, m1, m2, operand, source):
+    """acc += this warp's 16 x 64 weights (accumulator tiles in registers, rounded to the operand
+    dtype: the tiles of columns 16s .. 16s + 15, 2s and 2s + 1, are step s's A fragment, element i
+    being element i % 4 of tile 2s + i // 4) times the 64 rows of ``rows`` ([row, feature] in
+    shared memory, B fragments by ldmatrix.trans): 8 tiles of output features (P.V, dS.K, and in
+    the key-major kernel (P^T Z).dO, dS^T.Q)."""
+    for step in T.unroll(QK_KEYS // 16):
+        for i in T.unroll(8):
+            a_frag[i] = T.Cast(operand, weights[(step * 2 + i // 4) * 4 + i % 4])
+        for pair in T.unroll(FEATURE_BLOCK // 16):
+            T.evaluate(_ldmatrix(b_frag, rows, (step * 16 + m1 * 8 + lo) * OP_STRIDE + pair * 16 + m2 * 8, True, operand))
+            T.evaluate(_mma(acc, pair * 8, a_frag, b_frag, 0, source))
+            T.evaluate(_mma(acc, pair * 8 + 4, a_frag, b_frag, 4, source))
+
+
 def _quad(reduction: str, x):
     """The maximum or sum of x over this thread's quad."""
     return cuda_func_call(f"longformer_quad_{reduction}", x, source_code=QUAD_SOURCE[reduction], return_type="float32")
@@ -744,14 +774,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                 if fb == T.int64(0):
                                     _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
                                 T.tvm_storage_sync("shared")
-                                for step in T.unroll(FEATURE_BLOCK // 16):
-                                    T.evaluate(_ldmatrix(a_frag, queries, (warp_row + m1 * 8 + lo) * OP_STRIDE + step * 16 + m2 * 8,
-                                                         False, operand))
-                                    for pair in T.unroll(tiles // 2):
-                                        T.evaluate(_ldmatrix(b_frag, keys, (pair * 16 + m2 * 8 + lo) * OP_STRIDE + step * 16 + m1 * 8,
-                                                             False, operand))
-                                        T.evaluate(_mma(acc, pair * 8, a_frag, b_frag, 0, source))
-                                        T.evaluate(_mma(acc, pair * 8 + 4, a_frag, b_frag, 4, source))
+                                _rows_times_rows(acc, queries, keys, a_frag, b_frag, warp_row, lo, m1, m2, operand, source)
                             # Scores, -inf off the band (band column j of row a is chunk column a + j, see
                             # qk), and each row's maximum over its quad.
                             for r in T.unroll(2):
@@ -795,16 +818,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                         acc[x // 2 * 4 + r * 2 + x % 2] = acc[x // 2 * 4 + r * 2 + x % 2] * dropout_factor(
                                             row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - row0 - r * 8), T.int64(0)),
                                             dropout, acc_dtype, bind=True)
-                            # P.V: step s takes the probabilities of keys 16s .. 16s + 15, score tiles 2s
-                            # and 2s + 1: A element i is element i % 4 of tile 2s + i // 4.
-                            for step in T.unroll(QK_KEYS // 16):
-                                for i in T.unroll(8):
-                                    a_frag[i] = T.Cast(operand, acc[(step * 2 + i // 4) * 4 + i % 4])
-                                for pair in T.unroll(tiles // 2):
-                                    T.evaluate(_ldmatrix(b_frag, values, (step * 16 + m1 * 8 + lo) * OP_STRIDE + pair * 16 + m2 * 8,
-                                                         True, operand))
-                                    T.evaluate(_mma(context, pair * 8, a_frag, b_frag, 0, source))
-                                    T.evaluate(_mma(context, pair * 8 + 4, a_frag, b_frag, 4, source))
+                            _weights_times_rows(context, acc, values, a_frag, b_frag, lo, m1, m2, operand, source)  # P.V
                         for x in T.unroll(tiles * 4):
                             a: T.let = row0 + _c_element(x % 4)[0]
                             f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
@@ -1044,19 +1058,8 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                             _stage_operand(keys, k, key_row, b, h, feature0, head_dim, tx, operand)
                             _stage_operand(values, v, key_row, b, h, feature0, head_dim, tx, operand)
                             T.tvm_storage_sync("shared")
-                            for step in T.unroll(FEATURE_BLOCK // 16):
-                                a_offset: T.let = (warp_row + m1 * 8 + lo) * OP_STRIDE + step * 16 + m2 * 8
-                                b_offset: T.let = (m2 * 8 + lo) * OP_STRIDE + step * 16 + m1 * 8
-                                T.evaluate(_ldmatrix(a_frag, queries, a_offset, False, operand))
-                                for pair in T.unroll(QK_KEYS // 16):
-                                    T.evaluate(_ldmatrix(b_frag, keys, b_offset + pair * 16 * OP_STRIDE, False, operand))
-                                    T.evaluate(_mma(scores, pair * 8, a_frag, b_frag, 0, source))
-                                    T.evaluate(_mma(scores, pair * 8 + 4, a_frag, b_frag, 4, source))
-                                T.evaluate(_ldmatrix(a_frag, grads, a_offset, False, operand))
-                                for pair in T.unroll(QK_KEYS // 16):
-                                    T.evaluate(_ldmatrix(b_frag, values, b_offset + pair * 16 * OP_STRIDE, False, operand))
-                                    T.evaluate(_mma(grad_p, pair * 8, a_frag, b_frag, 0, source))
-                                    T.evaluate(_mma(grad_p, pair * 8 + 4, a_frag, b_frag, 4, source))
+                            _rows_times_rows(scores, queries, keys, a_frag, b_frag, warp_row, lo, m1, m2, operand, source)
+                            _rows_times_rows(grad_p, grads, values, a_frag, b_frag, warp_row, lo, m1, m2, operand, source)
                         if dropout > T.float64(0):  # dP * Z (off-band columns, where P is 0, clamped to column 0)
                             for r in T.unroll(2):
                                 row_key: T.let = dropout_row_key(seed, bh, query_row[row0 + r * 8], bind=True)
@@ -1079,14 +1082,7 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                             T.tvm_storage_sync("shared")
                             _stage_operand(keys, k, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
                             T.tvm_storage_sync("shared")
-                        for step in T.unroll(QK_KEYS // 16):
-                            for i in T.unroll(8):
-                                a_frag[i] = T.Cast(operand, scores[(step * 2 + i // 4) * 4 + i % 4])
-                            for pair in T.unroll(FEATURE_BLOCK // 16):
-                                T.evaluate(_ldmatrix(b_frag, keys, (step * 16 + m1 * 8 + lo) * OP_STRIDE + pair * 16 + m2 * 8,
-                                                     True, operand))
-                                T.evaluate(_mma(grad_acc, pair * 8, a_frag, b_frag, 0, source))
-                                T.evaluate(_mma(grad_acc, pair * 8 + 4, a_frag, b_frag, 4, source))
+                        _weights_times_rows(grad_acc, scores, keys, a_frag, b_frag, lo, m1, m2, operand, source)  # dS.K
                     for x in T.unroll(FEATURE_BLOCK // 8 * 4):
                         row: T.let = query_row[row0 + _c_element(x % 4)[0]]
                         f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
@@ -1272,19 +1268,8 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                             _stage_operand(queries, q, query_row, b, h, feature0, head_dim, tx, operand)
                             _stage_operand(grads, grad, query_row, b, h, feature0, head_dim, tx, operand)
                             T.tvm_storage_sync("shared")
-                            for step in T.unroll(FEATURE_BLOCK // 16):
-                                a_offset: T.let = (warp_row + m1 * 8 + lo) * OP_STRIDE + step * 16 + m2 * 8
-                                b_offset: T.let = (m2 * 8 + lo) * OP_STRIDE + step * 16 + m1 * 8
-                                T.evaluate(_ldmatrix(a_frag, keys, a_offset, False, operand))
-                                for pair in T.unroll(QK_KEYS // 16):
-                                    T.evaluate(_ldmatrix(b_frag, queries, b_offset + pair * 16 * OP_STRIDE, False, operand))
-                                    T.evaluate(_mma(probs, pair * 8, a_frag, b_frag, 0, source))
-                                    T.evaluate(_mma(probs, pair * 8 + 4, a_frag, b_frag, 4, source))
-                                T.evaluate(_ldmatrix(a_frag, values, a_offset, False, operand))
-                                for pair in T.unroll(QK_KEYS // 16):
-                                    T.evaluate(_ldmatrix(b_frag, grads, b_offset + pair * 16 * OP_STRIDE, False, operand))
-                                    T.evaluate(_mma(grad_p, pair * 8, a_frag, b_frag, 0, source))
-                                    T.evaluate(_mma(grad_p, pair * 8 + 4, a_frag, b_frag, 4, source))
+                            _rows_times_rows(probs, keys, queries, a_frag, b_frag, warp_row, lo, m1, m2, operand, source)
+                            _rows_times_rows(grad_p, values, grads, a_frag, b_frag, warp_row, lo, m1, m2, operand, source)
                         # P^T (0 off the band), then dS^T and P^T Z; with dropout Z at (query, band column).
                         for x in T.unroll(QK_KEYS // 8 * 4):
                             a: T.let = row0 + _c_element(x % 4)[0]
@@ -1313,20 +1298,8 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                             _stage_operand(queries, q, query_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
                             _stage_operand(grads, grad, query_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
                             T.tvm_storage_sync("shared")
-                        for step in T.unroll(QK_KEYS // 16):
-                            b_offset: T.let = (step * 16 + m1 * 8 + lo) * OP_STRIDE + m2 * 8
-                            for i in T.unroll(8):
-                                a_frag[i] = T.Cast(operand, probs[(step * 2 + i // 4) * 4 + i % 4])
-                            for pair in T.unroll(FEATURE_BLOCK // 16):
-                                T.evaluate(_ldmatrix(b_frag, grads, b_offset + pair * 16, True, operand))
-                                T.evaluate(_mma(grad_v_acc, pair * 8, a_frag, b_frag, 0, source))
-                                T.evaluate(_mma(grad_v_acc, pair * 8 + 4, a_frag, b_frag, 4, source))
-                            for i in T.unroll(8):
-                                a_frag[i] = T.Cast(operand, grad_p[(step * 2 + i // 4) * 4 + i % 4])
-                            for pair in T.unroll(FEATURE_BLOCK // 16):
-                                T.evaluate(_ldmatrix(b_frag, queries, b_offset + pair * 16, True, operand))
-                                T.evaluate(_mma(grad_k_acc, pair * 8, a_frag, b_frag, 0, source))
-                                T.evaluate(_mma(grad_k_acc, pair * 8 + 4, a_frag, b_frag, 4, source))
+                        _weights_times_rows(grad_v_acc, probs, grads, a_frag, b_frag, lo, m1, m2, operand, source)  # (P^T Z).dO
+                        _weights_times_rows(grad_k_acc, grad_p, queries, a_frag, b_frag, lo, m1, m2, operand, source)  # dS^T.Q
                     for x in T.unroll(FEATURE_BLOCK // 8 * 4):
                         row: T.let = my_key[x % 4 // 2]
                         f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
