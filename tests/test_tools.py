@@ -6,13 +6,16 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import pytest_report_summary  # noqa: E402
 
 pytest_plugins = "pytester"
 
 
-def test_report_summary_names_each_failure_and_error_with_its_message(pytester, tmp_path, capsys):
+@pytest.mark.parametrize("xdist", [False, True], ids=["one-process", "xdist"])
+def test_report_summary_names_each_failure_and_error_with_its_message(pytester, tmp_path, capsys, xdist):
     pytester.makepyfile(test_sample="""
         import time
         import pytest
@@ -28,8 +31,11 @@ def test_report_summary_names_each_failure_and_error_with_its_message(pytester, 
     """)
     recorded = pytester.inline_run("-p", "no:cacheprovider")
     log = tmp_path / "tests.jsonl"
-    # What pytest-reportlog writes: one JSON object per report, tagged with its type.
-    log.write_text("".join(json.dumps(dict(report._to_json(), **{"$report_type": "TestReport"})) + "\n"
+    # What pytest-reportlog writes: one JSON object per report, tagged with its type; under
+    # pytest-xdist each also names its worker, "node" as a string (which pytest's own rendering of
+    # the traceback took for a worker object: the GPU run's summary crashed on its first failure).
+    worker = {"worker_id": "gw3", "node": "<WorkerController gw3>"} if xdist else {}
+    log.write_text("".join(json.dumps(dict(report._to_json(), **worker, **{"$report_type": "TestReport"})) + "\n"
                            for report in recorded.getreports("pytest_runtest_logreport")))
 
     assert pytest_report_summary.main([str(log), "--slowest", "2"]) == 0

@@ -12,7 +12,9 @@
 # Seen on an H200 (third run, bench/NOTES.md): tests 36 s (8 workers of 2 threads; with all 16
 # threads each, over 220 s), memcheck 11 s, racecheck 52 s, the bench 70 s (its default cases,
 # memory probes included); the flex step 371 s, nearly all of it compiling FlexAttention (190 s
-# for its first compile): hence a step of its own. For this workplace's lent machines (15 device
+# for its first compile): hence a step of its own. Fourth run: tests 30-39 s, memcheck 10-13 s,
+# racecheck 40-47 s, and with BENCH_ARGS naming local_attention alone (--no-memory) the bench
+# 12-18 s: ~2.3 device minutes a call with the start. For this workplace's lent machines (15 device
 # minutes, 10 per call, at most 8 files back), two calls, ~10 device minutes with the start:
 #   call 1 (timeout_s 590): LIMITS="tests=240 memcheck=60 racecheck=90 bench=200" tools/gpu_check.sh /tmp/gc;
 #                           tar czf $OUT/gc.tgz -C /tmp gc

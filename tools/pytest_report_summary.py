@@ -29,6 +29,9 @@ def main(argv=None) -> int:
         for line in lines:
             data = json.loads(line)
             if data.get("$report_type") == "TestReport":
+                # Under pytest-xdist, "node" is the worker's name as a string, which pytest's own
+                # rendering of a failure would take for the worker object ("worker_id" stays).
+                data.pop("node", None)
                 reports.append(TestReport._from_json(data))
 
     outcomes = collections.Counter()
