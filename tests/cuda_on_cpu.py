@@ -6,10 +6,12 @@ the host C++ compiler and a small shim: each CUDA thread of a block is a ``std::
 block's ``__shared__`` arrays are statics (blocks run one after another), ``__syncthreads`` is a
 barrier of the block's threads, each block launched with its kernel's ``__launch_bounds__``.
 float32 only (the kernels' logic does not depend on the dtype; the half types' conversions are
-TVM's): the half types' tensor-core forward is built with float operands, and the shim emulates its
-warp instructions (``mma.sync``, ``ldmatrix``, the quad shuffles) from the layouts the kernels assume (which an
-H200 confirmed, bench/NOTES.md). What it cannot show: speed, and races between threads that the
-barrier happens to order (``make gpu-check``'s racecheck covers those on a GPU).
+TVM's): the half types' tensor-core kernels are built with float operands, and the shim emulates
+their warp instructions (``mma.sync``, ``ldmatrix``, the quad shuffles) and 16-byte copies from the
+layouts the kernels assume (which an H200 confirmed, bench/NOTES.md). What it cannot show: speed,
+races between threads that the barrier happens to order (``make gpu-check``'s racecheck covers
+those on a GPU), and, unless built under AddressSanitizer, accesses past an array that its
+64-byte padding absorbs.
 """
 
 from __future__ import annotations
