@@ -32,10 +32,11 @@ classes r < n % d hold n // d + 1 rows, the rest n // d (:func:`_packed_row`). A
 column of packed query p (index s, class size m) is valid when its key's class index
 s + j - w lies in [0, m).
 
-Every sum runs in float32; inputs are converted when they are staged, except for the tensor-core
-forward, which stages them in their own dtype and rounds its probabilities to it for P.V.
-``head_dim`` must be a multiple of ``FEATURE_MULTIPLE`` (the runtime zero-pads), feature blocks
-past it are guarded.
+Every sum runs in float32; inputs are converted when they are staged, except in the tensor-core
+kernels, which stage them in their own dtype, 16 bytes per load (so their data must be 16-byte
+aligned: the runtime copies any that is not), and round the probabilities and dS to it where
+they are an operand. ``head_dim`` must be a multiple of ``FEATURE_MULTIPLE`` (the runtime
+zero-pads), feature blocks past it are guarded.
 """
 
 from __future__ import annotations
