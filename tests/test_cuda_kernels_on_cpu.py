@@ -38,7 +38,12 @@ CASES = [
     (1, 200, 2, 64, 70, [1, 2], False),
     (1, 1, 1, 16, 5, [1], False),
     (1, 129, 2, 16, 128, [3, 1], True),
+    (1, 150, 2, 144, 20, [1, 3], False),  # three feature blocks, the last partly past head_dim
 ]
+
+
+def case_id(case) -> str:
+    return "-".join(map(str, case)).replace(" ", "")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +74,7 @@ def _run(kernels, name, t1, t2, dilation, band, padding, out_shape):
 
 
 @pytest.mark.parametrize("op", ["qk", "pv", "transposed"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_cuda_kernel_code_matches_reference(kernels, op, case):
     batch, n, heads, head_dim, w, dilation, autoregressive = case
     band = w + 1 if autoregressive else 2 * w + 1
@@ -102,7 +107,7 @@ def test_cuda_kernel_code_matches_reference(kernels, op, case):
 
 @pytest.mark.parametrize("kernel", ["attention", "attention_mma"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_cuda_attention_code_matches_reference(kernels, case, dropout, kernel):
     """The fused forward (float32's, and the half types' tensor-core kernel with float operands):
     result and log-sum-exp, with masked keys (one row's keys all masked where the window allows),
@@ -138,9 +143,9 @@ def test_cuda_attention_code_matches_reference(kernels, case, dropout, kernel):
 
 @pytest.mark.parametrize("kernel", ["attention_backward", "attention_backward_mma"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_cuda_attention_backward_code_matches_reference(kernels, case, dropout, kernel):
-    """The fused backward (its two kernels; the half types' with dQ on tensor cores, built with float
+    """The fused backward (its two kernels; the half types' on tensor cores, built with float
     operands): dQ, dK, dV through the result and the log-sum-exp together, against autograd of the
     float64 references, with masked keys, a row with no key (no lse gradient there, as the layer
     passes) and the forward's dropout mask."""
@@ -184,10 +189,11 @@ def test_tensor_core_kernels_stay_inside_their_arrays(tmp_path):
     (bench/NOTES.md); this test fails on it."""
     environment = dict(os.environ, **{cuda_on_cpu.SANITIZE_ENV: "address", "LD_PRELOAD": cuda_on_cpu.asan_preload(),
                                       "ASAN_OPTIONS": f"detect_leaks=0:log_path={tmp_path / 'asan'}"})
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                             "-k", "mma and (70 or 100)"], env=environment, capture_output=True, text=True,
-                            cwd=cuda_on_cpu.REPO)
+    tests = [f"{__file__}::test_cuda_attention{part}_code_matches_reference[{case_id(case)}-{dropout}-{kernel}]"
+             for case in (CASES[0], CASES[3], CASES[-1]) for dropout in ("no-dropout", "dropout")
+             for part, kernel in (("", "attention_mma"), ("_backward", "attention_backward_mma"))]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                            env=environment, capture_output=True, text=True, cwd=cuda_on_cpu.REPO)
     reports = sorted(tmp_path.glob("asan*"))
     assert not reports, reports[0].read_text()[:4000]
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert " passed" in result.stdout and "12 passed" in result.stdout, result.stdout[-2000:]
+    assert result.returncode == 0 and f"{len(tests)} passed" in result.stdout, result.stdout[-4000:]

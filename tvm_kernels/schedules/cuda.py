@@ -47,7 +47,9 @@ from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype, dropout_factor, dropout_row_key, is_half
 
-FEATURE_MULTIPLE = 16  # qk stages features 16 at a time, unguarded
+# head_dim's multiple (the runtime zero-pads to it): qk stages features 16 at a time, unguarded, and
+# the tensor-core kernels' deltas sum 16 features per pair of threads (_dot8), their staging 8.
+FEATURE_MULTIPLE = 16
 THREADS = 256
 TILE_ROWS = 64      # packed rows per thread block
 QK_KEYS = 64        # qk: keys per chunk
@@ -511,7 +513,8 @@ VECTOR = 8  # operand elements per staging load: 16 bytes of the half types
 # ldmatrix.x4 (PTX ISA, "warp-level matrix load instruction: ldmatrix"): lane l gives the address of
 # row l % 8 of matrix l // 8 (8 elements, 16 bytes) and receives in its register m elements
 # (l // 4, 2 (l % 4) + {0, 1}) of matrix m; with .trans elements (2 (l % 4) + {0, 1}, l // 4). So,
-# with lo = l % 8, m1 = l // 8 % 2, m2 = l // 16 and k0 the step's first feature (first key for P.V):
+# with lo = l % 8, m1 = l // 8 % 2, m2 = l // 16 and k0 the step's first feature (first key for P.V),
+# rows counted from the warp's first (A) or the pair's first (B), columns from the pair's first:
 #   A fragment of 16 rows from [row, feature]: row 8 m1 + lo, column k0 + 8 m2;
 #   B fragments of two tiles of 8 keys from [key, feature] (Q.K^T): row 8 m2 + lo, column k0 + 8 m1;
 #   B fragments of two tiles of 8 features from [key, feature] (P.V, dS.K; .trans): row k0 + 8 m1 + lo,
