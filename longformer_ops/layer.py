@@ -60,9 +60,11 @@ class GlobalTokens:
         return GlobalTokens(positions, valid)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [b, n, ...]`` -> the rows of the global slots ``[b, g, ...]``."""
-        index = self.positions.view(*self.positions.shape, *([1] * (x.dim() - 2)))
-        return torch.gather(x, 1, index.expand(-1, -1, *x.shape[2:]))
+        """``x [b, n, ...]`` -> the rows of the global slots ``[b, g, ...]``. (By indexing: its
+        gradient is one zeroed ``x``-sized tensor with the g rows added in, where torch.gather's
+        backward also copied that tensor whole.)"""
+        rows = torch.arange(x.shape[0], device=x.device)[:, None]
+        return x[rows, self.positions]
 
 
 def band_key_mask(seq_len: int, w: int, dilation: tuple[int, ...], autoregressive: bool,
@@ -151,19 +153,19 @@ class LongformerSelfAttention(nn.Module):
             context, probs = self._local_banded(q, k, v, is_padding if any_padding else None, is_global, globals_,
                                                 output_attentions)
         del q, k, v  # (autograd keeps what its backward needs) before the global rows' projections
-        output = context.reshape(b, n, hidden)                                  # [b, n, h*d]
 
         global_probs = None
         if globals_ is not None:
-            global_context, global_probs = self._global_rows(hidden_states, is_padding, globals_)
-            # The g rows go back to their positions; they replace the local rows there.
-            if in_place:
-                rows = torch.arange(b, device=output.device)[:, None].expand_as(globals_.positions)
-                output[rows[globals_.valid], globals_.positions[globals_.valid]] = global_context[globals_.valid]
-            else:
-                index = globals_.positions[..., None].expand(-1, -1, hidden)
-                scattered = torch.zeros_like(output).scatter(1, index, global_context)  # [b, n, hidden]
-                output = torch.where(is_global[..., None], scattered, output)
+            global_context, global_probs = self._global_rows(hidden_states, is_padding, globals_)  # [b, g, h, d]
+            # The g rows go back to their positions and replace the local rows there, in place: ``context``
+            # is a fresh tensor that no backward saved, so autograd's one pass over it is zeroing those
+            # rows of the gradient (a where over a scattered copy took five). Empty slots point at
+            # distinct non-global rows, which get their own values back (boolean indexing instead
+            # would have a data-dependent shape: a torch.compile graph break).
+            rows = torch.arange(b, device=context.device)[:, None].expand_as(globals_.positions)
+            index = (rows, globals_.positions)
+            context.index_put_(index, torch.where(globals_.valid[..., None, None], global_context, context[index]))
+        output = context.reshape(b, n, hidden)                                  # [b, n, h*d]
 
         if not output_attentions:
             return output, None, None
@@ -193,7 +195,7 @@ class LongformerSelfAttention(nn.Module):
         query does not see (empty slots, later tokens when autoregressive) get ``hidden_score``
         (default: the dtype's lowest finite value)."""
         n = q.shape[1]
-        scores = torch.einsum("bnhd,bghd->bnhg", q, globals_.gather(k))  # [b, n, h, g]
+        scores = _against_slots(q, globals_.gather(k))                    # [b, n, h, g]
         hidden = ~globals_.valid[:, None, None, :]                        # empty slots
         if self.autoregressive:  # no query sees a global token to its right
             later = globals_.positions[:, None, :] > torch.arange(n, device=q.device)[None, :, None]
@@ -213,7 +215,7 @@ class LongformerSelfAttention(nn.Module):
         # Inference: the same operations in place, in the input dtype: one temporary.
         band_weight, global_weights, total = _merge_weights(lse, scores)
         dropped = nn.functional.dropout(global_weights, dropout_p, training=dropout_p > 0)
-        merged = torch.einsum("bnhg,bghd->bnhd", dropped.to(v.dtype), globals_.gather(v))
+        merged = _weighted_slots(dropped.to(v.dtype), globals_.gather(v))
         merged.add_(context.mul_(band_weight.to(context.dtype)[..., None]))
         return merged.div_(total.to(merged.dtype)[..., None])
 
@@ -262,7 +264,7 @@ class LongformerSelfAttention(nn.Module):
         else:
             context = sliding_chunks_pv(band_probs, v, w)                      # [b, n, h, d]
         if globals_ is not None:
-            context = context + torch.einsum("bnhg,bghd->bnhd", global_probs, globals_.gather(v))
+            context = context + _weighted_slots(global_probs, globals_.gather(v))
         return context, probs
 
     def _local_full(self, q, k, v, is_padding, is_global, globals_):
@@ -297,22 +299,25 @@ class LongformerSelfAttention(nn.Module):
     def _global_rows(self, hidden_states, is_padding, globals_: GlobalTokens):
         """Each global token attends to every non-padding token with the *_global projections.
 
-        Returns ``(context [b, g, hidden], probs [b, h, g, n])``.
+        Returns ``(context [b, g, h, d], probs [b, h, g, n])``. Scores and probabilities are laid out
+        ``[b, n, h, g]``, the projections' own order (see :func:`_against_slots`).
         """
-        b, n, hidden = hidden_states.shape
+        b, n, _ = hidden_states.shape
         q = self._heads(self.query_global(globals_.gather(hidden_states))) / math.sqrt(self.head_dim)  # [b, g, h, d]
         k = self._heads(self.key_global(hidden_states))                                               # [b, n, h, d]
         v = self._heads(self.value_global(hidden_states))                                             # [b, n, h, d]
-        scores = torch.einsum("bghd,bnhd->bhgn", q, k)                                                # [b, h, g, n]
-        hidden_keys = is_padding[:, None, None, :]
+        scores = _against_slots(k, q)                                                                 # [b, n, h, g]
+        hidden_keys = is_padding[:, :, None, None]
         if self.autoregressive:
-            later = torch.arange(n, device=q.device)[None, None, :] > globals_.positions[:, :, None]  # [b, g, n]
-            hidden_keys = hidden_keys | later[:, None]
+            later = torch.arange(n, device=q.device)[None, :, None] > globals_.positions[:, None, :]  # [b, n, g]
+            hidden_keys = hidden_keys | later[:, :, None, :]
         scores = scores.masked_fill(hidden_keys, torch.finfo(q.dtype).min)
-        probs = torch.softmax(scores, dim=-1)
-        probs = nn.functional.dropout(probs, p=self.dropout, training=self.training)
-        context = torch.einsum("bhgn,bnhd->bghd", probs, v)                                           # [b, g, h, d]
-        return context.reshape(b, -1, hidden), probs
+        probs = torch.softmax(scores, dim=1)
+        if self.training and self.dropout > 0:  # the mask drawn in [b, h, g, n] order, as it always was
+            keep = nn.functional.dropout(torch.ones_like(probs.permute(0, 2, 3, 1), memory_format=torch.contiguous_format),
+                                         self.dropout)
+            probs = probs * keep.permute(0, 3, 1, 2)
+        return _slots_weighted(probs, v), probs.permute(0, 2, 3, 1)
 
 
 class PoolingformerSelfAttention(LongformerSelfAttention):
@@ -394,6 +399,49 @@ class PoolingformerSelfAttention(LongformerSelfAttention):
         return z if is_padding is None else z.masked_fill(is_padding[..., None], 0)
 
 
+# ------------------------------------------------------------------ rows against the global slots
+# Every row of [b, n, h, d] against each of g global slots, head by head, is g dot products per row
+# and head. As an einsum it is a matmul batched over heads, which copies [b, n, h, d] into [b*h, n, d]
+# first, transposing (and its gradient back); with the gathers' and the row scatter's copies, a
+# third of the global path's time outside its projections (bench/NOTES.md). Here it is one
+# matmul over the rows' own [b, n, h*d] layout against the slots laid out block-diagonally per head
+# ([h*d, h*g]): h times the few FLOPs, no copy of a hidden-size tensor, and autograd's matmuls
+# keep that layout in the gradients too.
+def _slots_block_diagonal(slots: torch.Tensor) -> torch.Tensor:
+    """``slots [b, g, h, d]`` -> ``[b, h*d, h*g]``: head i's ``[d, g]`` block (the slots' vectors as
+    columns) at rows ``i*d ...``, columns ``i*g ...``; zero elsewhere."""
+    b, g, h, d = slots.shape
+    eye = torch.eye(h, dtype=slots.dtype, device=slots.device)
+    return (slots.permute(0, 2, 3, 1)[:, :, :, None, :] * eye[:, None, :, None]).reshape(b, h * d, h * g)
+
+
+def _against_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``x [b, n, h, d]``, ``slots [b, g, h, d]`` -> ``[b, n, h, g]``: each row's dot product with
+    each slot, per head."""
+    b, n, h, d = x.shape
+    return (x.reshape(b, n, h * d) @ _slots_block_diagonal(slots)).view(b, n, h, -1)
+
+
+def _weighted_slots(weights: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weights [b, n, h, g]``, ``slots [b, g, h, d]`` -> ``[b, n, h, d]``: per row and head, the
+    slots' vectors weighted and summed; into ``out`` if given (outside autograd; unlike the default,
+    not a view)."""
+    b, n, h, g = weights.shape
+    blocks = _slots_block_diagonal(slots).transpose(1, 2)
+    if out is not None:
+        torch.matmul(weights.reshape(b, n, h * g), blocks, out=out.view(b, n, -1))
+        return out
+    return (weights.reshape(b, n, h * g) @ blocks).view(b, n, h, -1)
+
+
+def _slots_weighted(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``weights [b, n, h, g]``, ``x [b, n, h, d]`` -> ``[b, g, h, d]``: per slot and head, the rows
+    weighted and summed over n (the diagonal blocks of one ``[h*g, h*d]`` product)."""
+    b, n, h, g = weights.shape
+    full = weights.reshape(b, n, h * g).transpose(1, 2) @ x.reshape(b, n, -1)  # [b, h*g, h*d]
+    return full.view(b, h, g, h, -1).diagonal(dim1=1, dim2=3).permute(0, 1, 3, 2)
+
+
 def _merge_weights(lse: torch.Tensor, scores: torch.Tensor):
     """The global-key merge's weights: the band part's exp(lse - m) ``[b, n, h]``, each global key's
     exp(score - m) ``[b, n, h, g]`` and their sum Z (clamped above 0), m each row's largest term (0
@@ -425,7 +473,8 @@ class _GlobalKeyMerge(torch.autograd.Function):
         band_weight, global_weights, total = _merge_weights(lse, scores)
         a = band_weight / total
         omega = (global_weights if keep is None else global_weights * keep) / total[..., None]
-        out = torch.einsum("bnhg,bghd->bnhd", omega, values.to(lse.dtype))
+        # (Not a view: the layer writes the global rows' outputs into the result in place.)
+        out = _weighted_slots(omega, values.to(lse.dtype), out=context.new_empty(context.shape, dtype=lse.dtype))
         out.addcmul_(context, a[..., None])
         ctx.save_for_backward(context, values, a, omega, global_weights / total[..., None], keep)
         return out.to(context.dtype)
@@ -435,10 +484,10 @@ class _GlobalKeyMerge(torch.autograd.Function):
     def backward(ctx, grad):
         context, values, a, omega, weights, keep = ctx.saved_tensors  # weights: exp(score - m) / Z
         u = (grad * context).sum(-1, dtype=a.dtype)                                    # [b, n, h]
-        t = torch.einsum("bnhd,bghd->bnhg", grad, values).to(a.dtype)                  # [b, n, h, g]
+        t = _against_slots(grad, values).to(a.dtype)                                   # [b, n, h, g]
         s = u * a + (t * omega).sum(-1)
         grad_context = (grad * a[..., None]).to(context.dtype) if ctx.needs_input_grad[0] else None
         grad_lse = (u - s) * a
         grad_scores = ((t if keep is None else t * keep) - s[..., None]) * weights
-        grad_values = torch.einsum("bnhg,bnhd->bghd", omega.to(grad.dtype), grad) if ctx.needs_input_grad[3] else None
+        grad_values = _slots_weighted(omega.to(grad.dtype), grad) if ctx.needs_input_grad[3] else None
         return grad_context, grad_lse, grad_scores, grad_values, None
