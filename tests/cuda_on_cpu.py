@@ -8,7 +8,9 @@ barrier of the block's threads, each block launched with its kernel's ``__launch
 float32 only (the kernels' logic does not depend on the dtype; the half types' conversions are
 TVM's): the half types' tensor-core kernels are built with float operands, and the shim emulates
 their warp instructions (``mma.sync``, ``ldmatrix``, the quad shuffles) and 16-byte copies from the
-layouts the kernels assume (which an H200 confirmed, bench/NOTES.md). What it cannot show: speed,
+layouts the kernels assume (which an H200 confirmed, bench/NOTES.md); ``cp.async`` copies are done
+at once, or with ``ASYNC_ENV=deferred`` at the thread's wait (a read before it then sees stale
+operands). What it cannot show: speed,
 races between threads that the barrier happens to order (``make gpu-check``'s racecheck covers
 those on a GPU), and, unless built under AddressSanitizer, accesses past an array that its
 64-byte padding absorbs.
@@ -33,6 +35,7 @@ SHIM = r"""
 #include <cstdint>
 #include <functional>
 #include <thread>
+#include <utility>
 #include <vector>
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 thread_local Dim3 threadIdx, blockIdx;
@@ -98,6 +101,23 @@ static void longformer_ldmatrix_x4_trans(float* dst, const float* src) { ldmatri
 // The staging's 16-byte copies: VECTOR (8) elements, here floats.
 static void longformer_copy16(float* dst, const float* src) { std::copy(src, src + 8, dst); }
 static void longformer_zero16(float* dst) { std::fill(dst, dst + 8, 0.0f); }
+// cp.async and its groups. By default each copy is done at once; built with
+// LONGFORMER_ASYNC_DEFERRED (ASYNC_ENV=deferred), each thread's copies wait until its
+// longformer_async_wait, the latest moment the instruction allows: a kernel that reads a copy's
+// destination before waiting for it, or lets a later copy land on data still being read, then
+// computes with the wrong operands in one of the two builds.
+#ifdef LONGFORMER_ASYNC_DEFERRED
+thread_local std::vector<std::pair<float*, const float*>> async_pending;
+static void longformer_copy16_async(float* dst, const float* src) { async_pending.emplace_back(dst, src); }
+static void longformer_async_wait() {
+  for (auto& [dst, src] : async_pending) std::copy(src, src + 8, dst);
+  async_pending.clear();
+}
+#else
+static void longformer_copy16_async(float* dst, const float* src) { std::copy(src, src + 8, dst); }
+static void longformer_async_wait() {}
+#endif
+static void longformer_async_commit() {}
 // The deltas' dot product of 8 elements (16 bytes of a half type on the GPU).
 static float longformer_dot8(const float* a, const float* b) {
   float sum = 0;
@@ -157,6 +177,7 @@ json.dump({"bodies": bodies, "tile_rows": cuda.TILE_ROWS}, open(sys.argv[1], "w"
 
 
 SANITIZE_ENV = "CUDA_ON_CPU_SANITIZE"
+ASYNC_ENV = "CUDA_ON_CPU_ASYNC"  # "deferred": cp.async copies done at the wait (the shim's note)
 
 
 def cxx_compiler() -> str | None:
@@ -199,6 +220,7 @@ def build(directory: Path) -> tuple[Path, dict]:
     # arrays (a device function's pointer into a buffer TVM sized for less) fails however the
     # compiler laid the arrays out (the process must preload its runtime: :func:`asan_preload`).
     sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer"] if os.environ.get(SANITIZE_ENV) == "address" else []
-    subprocess.run([cxx_compiler(), "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", *sanitize,
+    deferred = ["-DLONGFORMER_ASYNC_DEFERRED"] if os.environ.get(ASYNC_ENV) == "deferred" else []
+    subprocess.run([cxx_compiler(), "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", *sanitize, *deferred,
                     str(directory / "kernels.cpp"), "-o", str(library)], check=True)
     return library, info

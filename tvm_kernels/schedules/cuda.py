@@ -23,7 +23,8 @@ each a 4 x 4 register tile (rows x columns of the block's 64 x 64 sub-product):
   rows' features; the output features stay in registers across all chunks.
 - attention: qk's chunks with FlashAttention's online softmax between them (:func:`attention`),
   for the half types on tensor cores (``mma.sync``) in FlashAttention-2's layout, 128 threads of
-  16 query rows each, the softmax in registers (:func:`attention_mma`);
+  16 query rows each, the softmax in registers, the next chunk's keys and values loading
+  (``cp.async``) while a chunk computes (:func:`attention_mma`);
   attention_backward: dQ per query tile, dK and dV per key tile, two kernels that recompute the
   scores from the log-sum-exp, both on tensor cores for the half types (:func:`attention_backward`).
 
@@ -116,12 +117,13 @@ def _tile_rows(row_of, valid_from, valid_to, tx, p0, n, d, before, band):
 
 
 @T.macro
-def _chunk_rows(row_of, count, tx, first, n, d):
-    """row_of[x] = the sequence row of packed position first + x, -1 outside the sequence (x < count)."""
+def _chunk_rows(row_of, count, tx, first, n, d, base=0):
+    """row_of[base + x] = the sequence row of packed position first + x, -1 outside the sequence
+    (x < count)."""
     if tx < count:
-        row_of[tx] = T.int64(-1)
+        row_of[base + tx] = T.int64(-1)
         if first + tx >= T.int64(0) and first + tx < n:
-            row_of[tx] = _packed_row(first + tx, n, d)[0]
+            row_of[base + tx] = _packed_row(first + tx, n, d)[0]
 
 
 @T.macro
@@ -593,18 +595,35 @@ def _ldmatrix(dst, buf, offset, transposed: bool, operand_dtype: str):
 
 # 16-byte copies between global and shared memory, and zeroing (device functions: TVM's own
 # vectorized loop of these copies fails in its CUDA codegen inside these kernels); the CPU harness
-# defines the float-operand variants (VECTOR floats).
+# defines the float-operand variants (VECTOR floats). ``copy_async`` is ``cp.async`` (sm_80+: the
+# copy runs while the thread goes on; in flight until ``wait``, which waits for all of this thread's;
+# ``commit`` closes the group of those issued since the last), so a chunk's operands load while the
+# previous chunk's products run.
 COPY_SOURCE = {
     "copy": "__device__ __forceinline__ void longformer_copy16(void* dst, const void* src) {\n"
             "  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);\n}\n",
     "zero": "__device__ __forceinline__ void longformer_zero16(void* dst) {\n"
-            "  *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);\n}\n"}
+            "  *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);\n}\n",
+    "copy_async": "__device__ __forceinline__ void longformer_copy16_async(void* dst, const void* src) {\n"
+                  "  unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst));\n"
+                  '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(address), "l"(src) : "memory");\n}\n',
+    "commit": "__device__ __forceinline__ void longformer_async_commit() {\n"
+              '  asm volatile("cp.async.commit_group;" ::: "memory");\n}\n',
+    "wait": "__device__ __forceinline__ void longformer_async_wait() {\n"
+            '  asm volatile("cp.async.wait_group 0;" ::: "memory");\n}\n'}
+COPY_FUNCTION = {"copy": "longformer_copy16", "copy_async": "longformer_copy16_async", "zero": "longformer_zero16",
+                 "commit": "longformer_async_commit", "wait": "longformer_async_wait"}
 
 
 def _copy_source(operand_dtype: str, kind: str) -> str:
     if operand_dtype not in MMA_PTX_TYPE:
-        return f"// longformer_{kind}16: the CPU harness defines it\n"
+        return f"// {COPY_FUNCTION[kind]}: the CPU harness defines it\n"
     return COPY_SOURCE[kind]
+
+
+def _async(kind: str, operand_dtype: str):
+    """``commit`` or ``wait`` (this thread's ``cp.async`` copies; see COPY_SOURCE)."""
+    return cuda_func_call(COPY_FUNCTION[kind], source_code=_copy_source(operand_dtype, kind))
 
 
 # rowsum(a * b) over 8 elements (16 bytes of a half type per load) in float32: the dK/dV kernel's deltas.
@@ -635,51 +654,54 @@ def _dot8(t1, t2, b, row, h, feature, operand_dtype: str):
 
 
 @T.macro
-def _stage_operand(buf, t, row_of, b, h, feature0, head_dim, tx, operand):
-    """buf[r * OP_STRIDE + f] = t[row_of[r], feature0 + f] for 64 rows and 64 features (0 for rows of
-    -1 and features past head_dim, a multiple of FEATURE_MULTIPLE), VECTOR elements (16 bytes) per
-    load and store: each row's 8 pieces by 8 consecutive threads (coalesced, and in shared memory
-    8 x 16 bytes of one row per phase: no bank conflict). The inputs' data must be 16-byte aligned
-    (longformer_ops.kernels makes it so)."""
+def _stage_operand(buf, t, row_of, b, h, feature0, head_dim, tx, operand, base=0, row_base=0, copy="copy"):
+    """buf[base + r * OP_STRIDE + f] = t[row_of[row_base + r], feature0 + f] for 64 rows and 64
+    features (0 for rows of -1 and features past head_dim, a multiple of FEATURE_MULTIPLE), VECTOR
+    elements (16 bytes) per load and store: each row's 8 pieces by 8 consecutive threads (coalesced,
+    and in shared memory 8 x 16 bytes of one row per phase: no bank conflict). The inputs' data must
+    be 16-byte aligned (longformer_ops.kernels makes it so). ``copy``: "copy_async" issues the copies
+    (the zeros are stored at once); the caller commits and waits (COPY_SOURCE)."""
     for e in T.unroll(QK_KEYS * FEATURE_BLOCK // VECTOR // MMA_THREADS):
         r: T.let = (tx + e * MMA_THREADS) // (FEATURE_BLOCK // VECTOR)
         f: T.let = (tx + e * MMA_THREADS) % (FEATURE_BLOCK // VECTOR) * VECTOR
         feature: T.let = feature0 + T.Cast("int64", f)
-        row: T.let = row_of[r]  # (bound: a condition may not read shared memory)
+        row: T.let = row_of[row_base + r]  # (bound: a condition may not read shared memory)
         if row >= T.int64(0) and feature < head_dim:
-            T.evaluate(cuda_func_call("longformer_copy16", buf.access_ptr("w", offset=r * OP_STRIDE + f, extent=VECTOR),
-                                      T.address_of(t[b, row, h, feature]), source_code=_copy_source(operand, "copy")))
+            T.evaluate(cuda_func_call(COPY_FUNCTION[copy], buf.access_ptr("w", offset=base + r * OP_STRIDE + f, extent=VECTOR),
+                                      T.address_of(t[b, row, h, feature]), source_code=_copy_source(operand, copy)))
         else:
-            T.evaluate(cuda_func_call("longformer_zero16", buf.access_ptr("w", offset=r * OP_STRIDE + f, extent=VECTOR),
+            T.evaluate(cuda_func_call("longformer_zero16", buf.access_ptr("w", offset=base + r * OP_STRIDE + f, extent=VECTOR),
                                       source_code=_copy_source(operand, "zero")))
 
 
 @T.macro
-def _rows_times_rows(acc, rows, others, a_frag, b_frag, warp_row, lo, m1, m2, operand, source):
-    """acc += this warp's 16 rows of ``rows`` times all 64 rows of ``others`` transposed, over one
-    staged block of 64 features (both [row, feature] in shared memory; fragments by ldmatrix): 8
-    accumulator tiles of 16 x 8 (Q.K^T, dO.V^T, and in the key-major kernel K.Q^T, V.dO^T)."""
+def _rows_times_rows(acc, rows, others, a_frag, b_frag, warp_row, lo, m1, m2, operand, source, others_base=0):
+    """acc += this warp's 16 rows of ``rows`` times all 64 rows of ``others`` (from ``others_base``)
+    transposed, over one staged block of 64 features (both [row, feature] in shared memory; fragments
+    by ldmatrix): 8 accumulator tiles of 16 x 8 (Q.K^T, dO.V^T, and in the key-major kernel K.Q^T,
+    V.dO^T)."""
     for step in T.unroll(FEATURE_BLOCK // 16):
         T.evaluate(_ldmatrix(a_frag, rows, (warp_row + m1 * 8 + lo) * OP_STRIDE + step * 16 + m2 * 8, False, operand))
         for pair in T.unroll(QK_KEYS // 16):
-            T.evaluate(_ldmatrix(b_frag, others, (pair * 16 + m2 * 8 + lo) * OP_STRIDE + step * 16 + m1 * 8, False,
-                                 operand))
+            T.evaluate(_ldmatrix(b_frag, others, others_base + (pair * 16 + m2 * 8 + lo) * OP_STRIDE + step * 16 + m1 * 8,
+                                 False, operand))
             T.evaluate(_mma(acc, pair * 8, a_frag, b_frag, 0, source))
             T.evaluate(_mma(acc, pair * 8 + 4, a_frag, b_frag, 4, source))
 
 
 @T.macro
-def _weights_times_rows(acc, weights, rows, a_frag, b_frag, lo, m1, m2, operand, source):
+def _weights_times_rows(acc, weights, rows, a_frag, b_frag, lo, m1, m2, operand, source, rows_base=0):
     """acc += this warp's 16 x 64 weights (accumulator tiles in registers, rounded to the operand
     dtype: the tiles of columns 16s .. 16s + 15, 2s and 2s + 1, are step s's A fragment, element i
-    being element i % 4 of tile 2s + i // 4) times the 64 rows of ``rows`` ([row, feature] in
-    shared memory, B fragments by ldmatrix.trans): 8 tiles of output features (P.V, dS.K, and in
-    the key-major kernel (P^T Z).dO, dS^T.Q)."""
+    being element i % 4 of tile 2s + i // 4) times the 64 rows of ``rows`` (from ``rows_base``;
+    [row, feature] in shared memory, B fragments by ldmatrix.trans): 8 tiles of output features
+    (P.V, dS.K, and in the key-major kernel (P^T Z).dO, dS^T.Q)."""
     for step in T.unroll(QK_KEYS // 16):
         for i in T.unroll(8):
             a_frag[i] = T.Cast(operand, weights[(step * 2 + i // 4) * 4 + i % 4])
         for pair in T.unroll(FEATURE_BLOCK // 16):
-            T.evaluate(_ldmatrix(b_frag, rows, (step * 16 + m1 * 8 + lo) * OP_STRIDE + pair * 16 + m2 * 8, True, operand))
+            T.evaluate(_ldmatrix(b_frag, rows, rows_base + (step * 16 + m1 * 8 + lo) * OP_STRIDE + pair * 16 + m2 * 8,
+                                 True, operand))
             T.evaluate(_mma(acc, pair * 8, a_frag, b_frag, 0, source))
             T.evaluate(_mma(acc, pair * 8 + 4, a_frag, b_frag, 4, source))
 
@@ -699,7 +721,9 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
     of keys 16s..16s+15 are P.V's step s). Only Q, K and V pass through shared memory, as rows in
     their own dtype, 64 features at a time, staged 16 bytes per load; the warps take their
     fragments with ``ldmatrix`` (V's transposed by its ``.trans``). Where head_dim fits one block of
-    64 features the tile's queries are staged once, not per chunk. ``operand_dtype`` float32
+    64 features the tile's queries are staged once, not per chunk. Keys and values are double
+    buffered: the next step's are copied with ``cp.async`` while this step's products run (48640
+    bytes of shared memory, under the 48 KiB a kernel may declare statically). ``operand_dtype`` float32
     (only with dtype float32) is for the CPU harness, which emulates the instructions."""
     operand = operand_dtype or dtype
     acc_dtype = accumulation_dtype(dtype)
@@ -728,12 +752,14 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
             for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
                 for tx in T.thread_binding(MMA_THREADS, thread="threadIdx.x"):
                     queries = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared")  # [row, feature]
-                    keys = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
-                    values = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
+                    # Two slots each (double buffering: the next step's keys, values and key rows
+                    # load while this step's products run): [key, feature] x 2, key rows x 2.
+                    keys = T.alloc_buffer((2 * QK_KEYS * OP_STRIDE,), operand, scope="shared")
+                    values = T.alloc_buffer((2 * QK_KEYS * OP_STRIDE,), operand, scope="shared")
                     query_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
                     valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                     valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
-                    key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                    key_row = T.alloc_buffer((2 * QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
                     acc = T.alloc_buffer((tiles * 4,), acc_dtype, scope="local")  # scores, then probabilities
                     context = T.alloc_buffer((tiles * 4,), acc_dtype, scope="local")
                     row_max = T.alloc_buffer((2,), acc_dtype, scope="local")  # of rows g and g + 8
@@ -758,6 +784,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                     m1: T.let = tx % WARP // 8 % 2
                     m2: T.let = tx % WARP // 16
                     blocks: T.let = (head_dim + T.int64(FEATURE_BLOCK - 1)) // T.int64(FEATURE_BLOCK)
+                    chunks: T.let = (T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)
                     _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
                     for f0 in range(blocks):
                         for r in T.unroll(2):
@@ -765,64 +792,95 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                             row_sum[r] = T.Cast(acc_dtype, 0)
                         for x in T.unroll(tiles * 4):
                             context[x] = T.Cast(acc_dtype, 0)
-                        for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
-                            T.tvm_storage_sync("shared")  # the last chunk's products are done with keys, values
-                            _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
-                            for x in T.unroll(tiles * 4):
-                                acc[x] = T.Cast(acc_dtype, 0)
-                            for fb in range(blocks):
+                        # A pass's steps are (chunk, fb): the chunk's keys' feature block fb against the
+                        # queries', and after its last block the chunk's softmax and P.V (values: output
+                        # features f0). Step u's keys sit in slot u % 2 of ``keys``, its chunk's values
+                        # and key rows in slot chunk % 2; step u + 1's are copied in (cp.async) while
+                        # step u computes. Two barriers a step, as without the pipeline: after the first,
+                        # every warp is done with step u - 1, so the slots step u + 1 takes are free
+                        # (and the next chunk's key rows are written); after the second, step u's copies
+                        # (each thread waits for its own first) and those rows are in place.
+                        T.tvm_storage_sync("shared")  # the last pass is done with keys, values, key rows
+                        _chunk_rows(key_row, QK_KEYS, tx, p0 - w, n, d)
+                        T.tvm_storage_sync("shared")
+                        _stage_operand(keys, k, key_row, b, h, T.int64(0), head_dim, tx, operand, 0, 0, "copy_async")
+                        _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand, 0, 0,
+                                       "copy_async")
+                        T.evaluate(_async("commit", operand))
+                        for chunk in range(chunks):
+                            slot: T.let = chunk % T.int64(2)
+                            for fb in range(blocks):  # (nested loops: no int64 division by blocks)
+                                step: T.let = chunk * blocks + fb
                                 T.tvm_storage_sync("shared")
-                                if blocks > T.int64(1) or chunk == T.int64(0):  # else the tile's queries stay
+                                if fb == T.int64(0) and chunk + T.int64(1) < chunks:
+                                    _chunk_rows(key_row, QK_KEYS, tx, p0 - w + (chunk + T.int64(1)) * T.int64(QK_KEYS), n, d,
+                                                (T.int64(1) - slot) * T.int64(QK_KEYS))
+                                if blocks > T.int64(1) or step == T.int64(0):  # else the tile's queries stay
                                     _stage_operand(queries, q, query_row, b, h, fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
-                                _stage_operand(keys, k, key_row, b, h, fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
-                                if fb == T.int64(0):
-                                    _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                                T.evaluate(_async("wait", operand))
                                 T.tvm_storage_sync("shared")
-                                _rows_times_rows(acc, queries, keys, a_frag, b_frag, warp_row, lo, m1, m2, operand, source)
-                            # Scores, -inf off the band (band column j of row a is chunk column a + j, see
-                            # qk), and each row's maximum over its quad.
-                            for r in T.unroll(2):
-                                reduced[r] = minus_inf
-                            for x in T.unroll(tiles * 4):
-                                a: T.let = row0 + _c_element(x % 4)[0]
-                                kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                                j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - a)
-                                acc[x] = T.Select(j >= valid_from[a] and j < valid_to[a],
-                                                  acc[x] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[kk], T.int64(0))],
-                                                  minus_inf)
-                                reduced[x % 4 // 2] = T.max(reduced[x % 4 // 2], acc[x])
-                            for r in T.unroll(2):
-                                reduced[r] = _quad("max", reduced[r])  # (stored: a let would repeat the shuffles)
-                            for r in T.unroll(2):
-                                new_max: T.let = T.max(row_max[r], reduced[r])
-                                shift: T.let = T.Select(new_max == minus_inf, T.Cast(acc_dtype, 0), new_max)
-                                rescale[r] = T.exp(row_max[r] - shift)
-                                row_max[r] = new_max
-                                reduced[r] = shift
-                            for r in T.unroll(2):
-                                row_sum[r] = row_sum[r] * rescale[r]
-                            for x in T.unroll(tiles * 4):
-                                acc[x] = T.exp(acc[x] - reduced[x % 4 // 2])
-                                context[x] = context[x] * rescale[x % 4 // 2]
-                            for r in T.unroll(2):
-                                reduced[r] = T.Cast(acc_dtype, 0)
-                            for x in T.unroll(tiles * 4):
-                                reduced[x % 4 // 2] = reduced[x % 4 // 2] + acc[x]
-                            for r in T.unroll(2):
-                                reduced[r] = _quad("sum", reduced[r])
-                            for r in T.unroll(2):
-                                row_sum[r] = row_sum[r] + reduced[r]
-                            if dropout > T.float64(0):
-                                # The same mask as the CPU's, after the sum (off-band columns, whose
-                                # probability is 0, clamped to column 0).
-                                for r in T.unroll(2):
-                                    row_key: T.let = dropout_row_key(seed, bh, query_row[row0 + r * 8], bind=True)
-                                    for x in T.unroll(tiles * 2):
-                                        kk: T.let = x // 2 * 8 + t2 + x % 2
-                                        acc[x // 2 * 4 + r * 2 + x % 2] = acc[x // 2 * 4 + r * 2 + x % 2] * dropout_factor(
-                                            row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - row0 - r * 8), T.int64(0)),
-                                            dropout, acc_dtype, bind=True)
-                            _weights_times_rows(context, acc, values, a_frag, b_frag, lo, m1, m2, operand, source)  # P.V
+                                if step + T.int64(1) < chunks * blocks:  # the next step's operands, in flight
+                                    next_fb: T.let = T.Select(fb + T.int64(1) < blocks, fb + T.int64(1), T.int64(0))
+                                    next_slot: T.let = T.Select(fb + T.int64(1) < blocks, slot, T.int64(1) - slot)
+                                    _stage_operand(keys, k, key_row, b, h, next_fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand,
+                                                   (step + T.int64(1)) % T.int64(2) * T.int64(QK_KEYS * OP_STRIDE),
+                                                   next_slot * T.int64(QK_KEYS), "copy_async")
+                                    if next_fb == T.int64(0):
+                                        _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand,
+                                                       next_slot * T.int64(QK_KEYS * OP_STRIDE), next_slot * T.int64(QK_KEYS),
+                                                       "copy_async")
+                                    T.evaluate(_async("commit", operand))
+                                if fb == T.int64(0):
+                                    for x in T.unroll(tiles * 4):
+                                        acc[x] = T.Cast(acc_dtype, 0)
+                                _rows_times_rows(acc, queries, keys, a_frag, b_frag, warp_row, lo, m1, m2, operand, source,
+                                                 step % T.int64(2) * T.int64(QK_KEYS * OP_STRIDE))
+                                if fb == blocks - T.int64(1):
+                                    # Scores, -inf off the band (band column j of row a is chunk column a + j, see
+                                    # qk), and each row's maximum over its quad.
+                                    for r in T.unroll(2):
+                                        reduced[r] = minus_inf
+                                    for x in T.unroll(tiles * 4):
+                                        a: T.let = row0 + _c_element(x % 4)[0]
+                                        kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+                                        j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - a)
+                                        acc[x] = T.Select(j >= valid_from[a] and j < valid_to[a],
+                                                          acc[x] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[slot * T.int64(QK_KEYS) + kk], T.int64(0))],
+                                                          minus_inf)
+                                        reduced[x % 4 // 2] = T.max(reduced[x % 4 // 2], acc[x])
+                                    for r in T.unroll(2):
+                                        reduced[r] = _quad("max", reduced[r])  # (stored: a let would repeat the shuffles)
+                                    for r in T.unroll(2):
+                                        new_max: T.let = T.max(row_max[r], reduced[r])
+                                        shift: T.let = T.Select(new_max == minus_inf, T.Cast(acc_dtype, 0), new_max)
+                                        rescale[r] = T.exp(row_max[r] - shift)
+                                        row_max[r] = new_max
+                                        reduced[r] = shift
+                                    for r in T.unroll(2):
+                                        row_sum[r] = row_sum[r] * rescale[r]
+                                    for x in T.unroll(tiles * 4):
+                                        acc[x] = T.exp(acc[x] - reduced[x % 4 // 2])
+                                        context[x] = context[x] * rescale[x % 4 // 2]
+                                    for r in T.unroll(2):
+                                        reduced[r] = T.Cast(acc_dtype, 0)
+                                    for x in T.unroll(tiles * 4):
+                                        reduced[x % 4 // 2] = reduced[x % 4 // 2] + acc[x]
+                                    for r in T.unroll(2):
+                                        reduced[r] = _quad("sum", reduced[r])
+                                    for r in T.unroll(2):
+                                        row_sum[r] = row_sum[r] + reduced[r]
+                                    if dropout > T.float64(0):
+                                        # The same mask as the CPU's, after the sum (off-band columns, whose
+                                        # probability is 0, clamped to column 0).
+                                        for r in T.unroll(2):
+                                            row_key: T.let = dropout_row_key(seed, bh, query_row[row0 + r * 8], bind=True)
+                                            for x in T.unroll(tiles * 2):
+                                                kk: T.let = x // 2 * 8 + t2 + x % 2
+                                                acc[x // 2 * 4 + r * 2 + x % 2] = acc[x // 2 * 4 + r * 2 + x % 2] * dropout_factor(
+                                                    row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - row0 - r * 8), T.int64(0)),
+                                                    dropout, acc_dtype, bind=True)
+                                    _weights_times_rows(context, acc, values, a_frag, b_frag, lo, m1, m2, operand, source,
+                                                        slot * T.int64(QK_KEYS * OP_STRIDE))  # P.V
                         for x in T.unroll(tiles * 4):
                             a: T.let = row0 + _c_element(x % 4)[0]
                             f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
