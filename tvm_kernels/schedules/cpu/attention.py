@@ -25,35 +25,26 @@ from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
 @T.macro
-def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype):
-    """kept[r, c] = scores[r, c] * (1/(1-p) or 0) at each row's valid columns [begin, end) (its other
-    columns are left as they are); ``kept`` may be ``scores`` itself (in place)."""
+def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype, grads=None,
+                   twice=False):
+    """kept[r, c] = scores[r, c] * Z[r, c] (the mask: 1/(1-p) or 0) at each row's valid columns [begin,
+    end) (its other columns are left as they are); ``kept`` may be ``scores`` itself (in place).
+    ``twice``: also grads *= Z in the same pass (the backward's two uses of the forward's mask, P * Z
+    for dV and dP * Z, at one hash per element: the factor is written out at each use, which LLVM
+    computes once, where a let of it inside the vectorized loop would scalarize it)."""
     for r in range(rows):
         key: T.let = dropout_row_key(seed, bh, query[r])
         for vector in range((end[r] - begin[r]) // T.int64(lanes)):
             for lane in T.vectorized(lanes):
                 kept[r, begin[r] + vector * T.int64(lanes) + lane] = scores[r, begin[r] + vector * T.int64(lanes) + lane] * dropout_factor(
                     key, begin[r] + vector * T.int64(lanes) + lane - base - T.int64(r), dropout, acc_dtype)
+                if twice:
+                    grads[r, begin[r] + vector * T.int64(lanes) + lane] = grads[r, begin[r] + vector * T.int64(lanes) + lane] * dropout_factor(
+                        key, begin[r] + vector * T.int64(lanes) + lane - base - T.int64(r), dropout, acc_dtype)
         for c in range(begin[r] + (end[r] - begin[r]) // T.int64(lanes) * T.int64(lanes), end[r]):
             kept[r, c] = scores[r, c] * dropout_factor(key, c - base - T.int64(r), dropout, acc_dtype)
-
-
-@T.macro
-def _apply_dropout_twice(probs, kept, grads, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype):
-    """The backward's two uses of the forward's mask Z in one pass: kept = probs * Z and grads *= Z
-    at each row's valid columns [begin, end). (The factor is written out twice: a let of it inside
-    the vectorized loop would scalarize it; LLVM computes the hash once.)"""
-    for r in range(rows):
-        key: T.let = dropout_row_key(seed, bh, query[r])
-        for vector in range((end[r] - begin[r]) // T.int64(lanes)):
-            for lane in T.vectorized(lanes):
-                kept[r, begin[r] + vector * T.int64(lanes) + lane] = probs[r, begin[r] + vector * T.int64(lanes) + lane] * dropout_factor(
-                    key, begin[r] + vector * T.int64(lanes) + lane - base - T.int64(r), dropout, acc_dtype)
-                grads[r, begin[r] + vector * T.int64(lanes) + lane] = grads[r, begin[r] + vector * T.int64(lanes) + lane] * dropout_factor(
-                    key, begin[r] + vector * T.int64(lanes) + lane - base - T.int64(r), dropout, acc_dtype)
-        for c in range(begin[r] + (end[r] - begin[r]) // T.int64(lanes) * T.int64(lanes), end[r]):
-            kept[r, c] = probs[r, c] * dropout_factor(key, c - base - T.int64(r), dropout, acc_dtype)
-            grads[r, c] = grads[r, c] * dropout_factor(key, c - base - T.int64(r), dropout, acc_dtype)
+            if twice:
+                grads[r, c] = grads[r, c] * dropout_factor(key, c - base - T.int64(r), dropout, acc_dtype)
 
 
 @T.macro
@@ -568,8 +559,8 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                 if dropout > T.float64(0):  # the forward's mask Z: dP = (dO . V^T) * Z, dV from P * Z
                     for r in range(rows):
                         _fill_run(kept, r, start, start + width, T.Cast(acc_dtype, 0), lanes)
-                    _apply_dropout_twice(probs, kept, grads, seed, bh, query, begin, end, base, rows, lanes, dropout,
-                                         acc_dtype)
+                    _apply_dropout(probs, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype,
+                                   grads, True)
                 _attention_tile_softmax_grad(grads, probs, row_delta, tile_blocks, rows, cols, lanes)
                 if dot:
                     for r in range(rows):
