@@ -403,10 +403,11 @@ class PoolingformerSelfAttention(LongformerSelfAttention):
 # Every row of [b, n, h, d] against each of g global slots, head by head, is g dot products per row
 # and head. As an einsum it is a matmul batched over heads, which copies [b, n, h, d] into [b*h, n, d]
 # first, transposing (and its gradient back); with the gathers' and the row scatter's copies, a
-# third of the global path's time outside its projections (bench/NOTES.md). Here it is one
-# matmul over the rows' own [b, n, h*d] layout against the slots laid out block-diagonally per head
-# ([h*d, h*g]): h times the few FLOPs, no copy of a hidden-size tensor, and autograd's matmuls
-# keep that layout in the gradients too.
+# third of the global path's time outside its projections (bench/NOTES.md). For a few slots it is
+# one matmul over the rows' own [b, n, h*d] layout against the slots laid out block-diagonally per
+# head ([h*d, h*g]): no copy of a hidden-size tensor, in the gradients either, but h times the
+# FLOPs, so past BLOCK_DIAGONAL_SLOTS slots the einsum's copies cost less than the waste.
+BLOCK_DIAGONAL_SLOTS = 4
 def _slots_block_diagonal(slots: torch.Tensor) -> torch.Tensor:
     """``slots [b, g, h, d]`` -> ``[b, h*d, h*g]``: head i's ``[d, g]`` block (the slots' vectors as
     columns) at rows ``i*d ...``, columns ``i*g ...``; zero elsewhere."""
@@ -419,6 +420,8 @@ def _against_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``x [b, n, h, d]``, ``slots [b, g, h, d]`` -> ``[b, n, h, g]``: each row's dot product with
     each slot, per head."""
     b, n, h, d = x.shape
+    if slots.shape[1] > BLOCK_DIAGONAL_SLOTS:
+        return torch.einsum("bnhd,bghd->bnhg", x, slots)
     return (x.reshape(b, n, h * d) @ _slots_block_diagonal(slots)).view(b, n, h, -1)
 
 
@@ -427,6 +430,9 @@ def _weighted_slots(weights: torch.Tensor, slots: torch.Tensor, out: torch.Tenso
     slots' vectors weighted and summed; into ``out`` if given (outside autograd; unlike the default,
     not a view)."""
     b, n, h, g = weights.shape
+    if g > BLOCK_DIAGONAL_SLOTS:
+        merged = torch.einsum("bnhg,bghd->bnhd", weights, slots)
+        return merged if out is None else out.copy_(merged)
     blocks = _slots_block_diagonal(slots).transpose(1, 2)
     if out is not None:
         torch.matmul(weights.reshape(b, n, h * g), blocks, out=out.view(b, n, -1))
@@ -438,6 +444,8 @@ def _slots_weighted(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``weights [b, n, h, g]``, ``x [b, n, h, d]`` -> ``[b, g, h, d]``: per slot and head, the rows
     weighted and summed over n (the diagonal blocks of one ``[h*g, h*d]`` product)."""
     b, n, h, g = weights.shape
+    if g > BLOCK_DIAGONAL_SLOTS:
+        return torch.einsum("bnhg,bnhd->bghd", weights, x)
     full = weights.reshape(b, n, h * g).transpose(1, 2) @ x.reshape(b, n, -1)  # [b, h*g, h*d]
     return full.view(b, h, g, h, -1).diagonal(dim1=1, dim2=3).permute(0, 1, 3, 2)
 

@@ -427,6 +427,28 @@ def test_global_tokens_do_not_copy_hidden_size_tensors(autoregressive):
     assert not copies, sorted(seen.names)
 
 
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("output_attentions", [False, True], ids=["merged", "banded"])
+def test_many_global_tokens_take_the_einsum(monkeypatch, autoregressive, output_attentions):
+    """Past BLOCK_DIAGONAL_SLOTS global slots the products with them are einsums (the block-diagonal
+    matmul's h-fold work would cost more than the einsum's copies): the same outputs and gradients."""
+    import longformer_ops.layer
+
+    cfg = tiny_config(attention_window=2, attention_dilation=[[1, 2, 1, 3]], autoregressive=autoregressive)
+    x, mask = layer_inputs(8, 2, 19, 32, pad_from=[19, 11], globals_=[(0, 4), (0, 9), (1, 2)])
+    layer = layer_for(cfg)
+    results = []
+    for slots in (longformer_ops.layer.BLOCK_DIAGONAL_SLOTS, 0):
+        monkeypatch.setattr(longformer_ops.layer, "BLOCK_DIAGONAL_SLOTS", slots)
+        xi = x.clone().requires_grad_()
+        out = layer(xi, mask, output_attentions=output_attentions)
+        out[0].backward(torch.randn(out[0].shape, generator=torch.Generator().manual_seed(3), dtype=out[0].dtype))
+        results.append([out[0].detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()])
+        layer.zero_grad()
+    for name, a, b in zip(["out", "input gradient"] + [n for n, _ in layer.named_parameters()], *results, strict=True):
+        assert_close(a, b, 1e-12, name)
+
+
 def test_dropout_in_training_mode():
     cfg = tiny_config(attention_window=2, attention_probs_dropout_prob=0.5)
     layer = layer_for(cfg, dtype=torch.float32).train()
