@@ -408,6 +408,8 @@ class PoolingformerSelfAttention(LongformerSelfAttention):
 # head ([h*d, h*g]): no copy of a hidden-size tensor, in the gradients either, but h times the
 # FLOPs, so past BLOCK_DIAGONAL_SLOTS slots the einsum's copies cost less than the waste.
 BLOCK_DIAGONAL_SLOTS = 4
+
+
 def _slots_block_diagonal(slots: torch.Tensor) -> torch.Tensor:
     """``slots [b, g, h, d]`` -> ``[b, h*d, h*g]``: head i's ``[d, g]`` block (the slots' vectors as
     columns) at rows ``i*d ...``, columns ``i*g ...``; zero elsewhere."""
