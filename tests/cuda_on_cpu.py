@@ -3,8 +3,9 @@ logic (tiles, packed rows, staging, synchronisation) against the references.
 
 TVM lowers ``tvm_kernels/schedules/cuda.py`` to CUDA C++; :func:`build` compiles that source with
 the host C++ compiler and a small shim: each CUDA thread of a block is a ``std::thread``, the
-block's ``__shared__`` arrays are statics (blocks run one after another), ``__syncthreads`` is a
-barrier of the block's threads, each block launched with its kernel's ``__launch_bounds__``.
+block's ``__shared__`` arrays (dynamic shared memory too) are statics (blocks run one after
+another), ``__syncthreads`` is a barrier of the block's threads, each block launched with its
+kernel's ``__launch_bounds__``.
 float32 only (the kernels' logic does not depend on the dtype; the half types' conversions are
 TVM's): the half types' tensor-core kernels are built with float operands, and the shim emulates
 their warp instructions (``mma.sync``, ``ldmatrix``, the quad shuffles) and 16-byte copies from the
@@ -172,7 +173,8 @@ cuda.HAND_WRITTEN["attention_mma"] = lambda dtype, a: cuda.attention_mma(dtype, 
 cuda.HAND_WRITTEN["attention_backward_mma"] = lambda dtype, a: cuda.attention_backward(dtype, a, operand_dtype=dtype)
 bodies = [source([op for op in cuda.HAND_WRITTEN if op not in several]),
           source(several, **{"tirx.disable_cse_tir": True})]
-json.dump({"bodies": bodies, "tile_rows": cuda.TILE_ROWS}, open(sys.argv[1], "w"))
+json.dump({"bodies": bodies, "tile_rows": cuda.TILE_ROWS, "dynamic_shared_bytes": cuda.dynamic_shared_bytes("float32")},
+          open(sys.argv[1], "w"))
 """
 
 
@@ -205,6 +207,11 @@ def build(directory: Path) -> tuple[Path, dict]:
     info = json.loads(generated.read_text())
     body = "\n".join(info["bodies"])
     body = body.replace("__shared__ alignas(64)", "alignas(64) __shared__")  # attribute order C++ accepts
+    # A kernel's dynamic shared memory (TVM merges its ``shared.dyn`` buffers into one array that the
+    # launch sizes): a static array of the size the kernels' buffers add up to, so that
+    # AddressSanitizer sees an access past them.
+    body = re.sub(r"extern __shared__ __align__\((\d+)\) uchar (\w+)\[\];",
+                  rf"alignas(\1) static unsigned char \2[{info['dynamic_shared_bytes']}];", body)
     launches: dict[str, list[str]] = {}  # a function's kernels in launch order (TVM: name_kernel, name_kernel_1, ...)
     for threads, name, suffix, parameters in re.findall(
             r'__global__ void __launch_bounds__\((\d+)\) (\w+?)_kernel(_\d+)?\(([^)]*)\) \{', body):

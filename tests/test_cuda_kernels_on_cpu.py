@@ -179,15 +179,17 @@ def test_cuda_attention_backward_code_matches_reference(kernels, case, dropout, 
 
 
 @pytest.mark.skipif(os.environ.get(cuda_on_cpu.ASYNC_ENV) is not None, reason="the run with deferred copies itself")
-def test_tensor_core_forward_waits_for_its_copies(tmp_path):
+def test_tensor_core_kernels_wait_for_their_copies(tmp_path):
     """The tensor-core forward loads each step's keys and values with cp.async while the step
-    before computes. With the harness's copies deferred to each thread's wait (a process of its own:
-    ``cuda_on_cpu.ASYNC_ENV``), its results stay right on three cases (one of three feature blocks),
-    so it reads no operand before waiting for it; without the wait, 16 of the 18 forward cases fail
-    that way (and pass with the copies done at once, as in the tests above)."""
+    before computes, the backward's dK/dV kernel each step's queries and dO. With the harness's
+    copies deferred to each thread's wait (a process of its own: ``cuda_on_cpu.ASYNC_ENV``), their
+    results stay right on three cases (one of three feature blocks), so neither reads an operand
+    before waiting for it; without the wait, 16 of the 18 forward cases fail that way, and 16 of
+    the 18 backward ones (all pass with the copies done at once, as in the tests above)."""
     environment = dict(os.environ, **{cuda_on_cpu.ASYNC_ENV: "deferred"})
-    tests = [f"{__file__}::test_cuda_attention_code_matches_reference[{case_id(case)}-{dropout}-attention_mma]"
-             for case in (CASES[0], CASES[3], CASES[-1]) for dropout in ("no-dropout", "dropout")]
+    tests = [f"{__file__}::test_cuda_attention{part}_code_matches_reference[{case_id(case)}-{dropout}-{kernel}]"
+             for case in (CASES[0], CASES[3], CASES[-1]) for dropout in ("no-dropout", "dropout")
+             for part, kernel in (("", "attention_mma"), ("_backward", "attention_backward_mma"))]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                             env=environment, capture_output=True, text=True, cwd=cuda_on_cpu.REPO)
     assert result.returncode == 0 and f"{len(tests)} passed" in result.stdout, result.stdout[-4000:]

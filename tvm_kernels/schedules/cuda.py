@@ -26,7 +26,8 @@ each a 4 x 4 register tile (rows x columns of the block's 64 x 64 sub-product):
   16 query rows each, the softmax in registers, the next chunk's keys and values loading
   (``cp.async``) while a chunk computes (:func:`attention_mma`);
   attention_backward: dQ per query tile, dK and dV per key tile, two kernels that recompute the
-  scores from the log-sum-exp, both on tensor cores for the half types (:func:`attention_backward`).
+  scores from the log-sum-exp, both on tensor cores for the half types, the dK/dV kernel's queries
+  and dO double buffered as the forward's keys and values (:func:`attention_backward`).
 
 Packed position p of a head with dilation d belongs to class r at index s of that class;
 classes r < n % d hold n // d + 1 rows, the rest n // d (:func:`_packed_row`). A band
@@ -103,17 +104,18 @@ def _block_ids(ids, bh, heads, dilation):
 
 
 @T.macro
-def _tile_rows(row_of, valid_from, valid_to, tx, p0, n, d, before, band):
-    """Tile row tx (packed p0 + tx): its sequence row (-1 outside the sequence) and the band-column
-    distances x - tx with a valid partner, [valid_from, valid_to): the other row's class index
-    index + x - tx - before must lie in [0, size), the band column in [0, band)."""
+def _tile_rows(row_of, valid_from, valid_to, tx, p0, n, d, before, band, base=0):
+    """Tile row tx (packed p0 + tx), at ``base + tx`` of each table: its sequence row (-1 outside
+    the sequence) and the band-column distances x - tx with a valid partner, [valid_from,
+    valid_to): the other row's class index index + x - tx - before must lie in [0, size), the band
+    column in [0, band)."""
     if tx < TILE_ROWS:
-        row_of[tx] = T.int64(-1)
+        row_of[base + tx] = T.int64(-1)
         if p0 + tx >= T.int64(0) and p0 + tx < n:
             row, index, size = _packed_row(p0 + tx, n, d)
-            row_of[tx] = row
-            valid_from[tx] = T.max(before - index, T.int64(0))
-            valid_to[tx] = T.min(before + size - index, band)
+            row_of[base + tx] = row
+            valid_from[base + tx] = T.max(before - index, T.int64(0))
+            valid_to[base + tx] = T.min(before + size - index, band)
 
 
 @T.macro
@@ -512,6 +514,17 @@ FEATURE_BLOCK = 64  # features staged per pass (the scores) and output features 
 # phase (16 bytes each, 144 bytes apart) then fall into 8 different groups of 4 banks.
 OP_STRIDE = FEATURE_BLOCK + 8
 VECTOR = 8  # operand elements per staging load: 16 bytes of the half types
+# The tensor-core dK/dV kernel keeps its operands in dynamic shared memory: K and V of the tile, Q
+# and dO of a chunk double buffered (6 x 64 rows), past the 48 KiB a kernel may declare statically
+# (55296 bytes in the half types; the launch asks for it, and TVM's runtime raises the kernel's
+# limit to it on its first launch).
+DYNAMIC_OPERAND_ROWS = 6 * TILE_ROWS
+
+
+def dynamic_shared_bytes(operand_dtype: str) -> int:
+    """The tensor-core dK/dV kernel's dynamic shared memory with operands of ``operand_dtype``."""
+    return DYNAMIC_OPERAND_ROWS * OP_STRIDE * (4 if operand_dtype == "float32" else 2)
+
 # ldmatrix.x4 (PTX ISA, "warp-level matrix load instruction: ldmatrix"): lane l gives the address of
 # row l % 8 of matrix l // 8 (8 elements, 16 bytes) and receives in its register m elements
 # (l // 4, 2 (l % 4) + {0, 1}) of matrix m; with .trans elements (2 (l % 4) + {0, 1}, l // 4). So,
@@ -769,131 +782,134 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                     a_frag = T.alloc_buffer((8,), operand, scope="local")
                     b_frag = T.alloc_buffer((8,), operand, scope="local")  # two tiles' B
                     ids = T.alloc_buffer((3,), "int64", scope="local")
-                    _block_ids(ids, bh, heads, dilation)
-                    b: T.let = ids[0]
-                    h: T.let = ids[1]
-                    d: T.let = ids[2]
-                    w: T.let = window
-                    band: T.let = T.int64(2 - causal) * window + T.int64(1)
-                    p0: T.let = tile * T.int64(TILE_ROWS)
-                    g: T.let = tx % WARP // 4
-                    t2: T.let = tx % 4 * 2
-                    warp_row: T.let = tx // WARP * WARP_ROWS  # this warp's first row
-                    row0: T.let = warp_row + g  # this thread's rows: row0 and row0 + 8
-                    lo: T.let = tx % 8  # ldmatrix's row and matrix of this lane (the ldmatrix note by VECTOR)
-                    m1: T.let = tx % WARP // 8 % 2
-                    m2: T.let = tx % WARP // 16
-                    blocks: T.let = (head_dim + T.int64(FEATURE_BLOCK - 1)) // T.int64(FEATURE_BLOCK)
-                    chunks: T.let = (T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)
-                    _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
-                    for f0 in range(blocks):
-                        for r in T.unroll(2):
-                            row_max[r] = minus_inf
-                            row_sum[r] = T.Cast(acc_dtype, 0)
-                        for x in T.unroll(tiles * 4):
-                            context[x] = T.Cast(acc_dtype, 0)
-                        # A pass's steps are (chunk, fb): the chunk's keys' feature block fb against the
-                        # queries', and after its last block the chunk's softmax and P.V (values: output
-                        # features f0). Step u's keys sit in slot u % 2 of ``keys``, its chunk's values
-                        # and key rows in slot chunk % 2; step u + 1's are copied in (cp.async) while
-                        # step u computes. Two barriers a step, as without the pipeline: after the first,
-                        # every warp is done with step u - 1, so the slots step u + 1 takes are free
-                        # (and the next chunk's key rows are written); after the second, step u's copies
-                        # (each thread waits for its own first) and those rows are in place.
-                        T.tvm_storage_sync("shared")  # the last pass is done with keys, values, key rows
-                        _chunk_rows(key_row, QK_KEYS, tx, p0 - w, n, d)
-                        T.tvm_storage_sync("shared")
-                        _stage_operand(keys, k, key_row, b, h, T.int64(0), head_dim, tx, operand, 0, 0, "copy_async")
-                        _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand, 0, 0,
-                                       "copy_async")
-                        T.evaluate(_async("commit", operand))
-                        for chunk in range(chunks):
-                            slot: T.let = chunk % T.int64(2)
-                            for fb in range(blocks):  # (nested loops: no int64 division by blocks)
-                                step: T.let = chunk * blocks + fb
-                                T.tvm_storage_sync("shared")
-                                if fb == T.int64(0) and chunk + T.int64(1) < chunks:
-                                    _chunk_rows(key_row, QK_KEYS, tx, p0 - w + (chunk + T.int64(1)) * T.int64(QK_KEYS), n, d,
-                                                (T.int64(1) - slot) * T.int64(QK_KEYS))
-                                if blocks > T.int64(1) or step == T.int64(0):  # else the tile's queries stay
-                                    _stage_operand(queries, q, query_row, b, h, fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
-                                T.evaluate(_async("wait", operand))
-                                T.tvm_storage_sync("shared")
-                                if step + T.int64(1) < chunks * blocks:  # the next step's operands, in flight
-                                    next_fb: T.let = T.Select(fb + T.int64(1) < blocks, fb + T.int64(1), T.int64(0))
-                                    next_slot: T.let = T.Select(fb + T.int64(1) < blocks, slot, T.int64(1) - slot)
-                                    _stage_operand(keys, k, key_row, b, h, next_fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand,
-                                                   (step + T.int64(1)) % T.int64(2) * T.int64(QK_KEYS * OP_STRIDE),
-                                                   next_slot * T.int64(QK_KEYS), "copy_async")
-                                    if next_fb == T.int64(0):
-                                        _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand,
-                                                       next_slot * T.int64(QK_KEYS * OP_STRIDE), next_slot * T.int64(QK_KEYS),
-                                                       "copy_async")
-                                    T.evaluate(_async("commit", operand))
-                                if fb == T.int64(0):
-                                    for x in T.unroll(tiles * 4):
-                                        acc[x] = T.Cast(acc_dtype, 0)
-                                _rows_times_rows(acc, queries, keys, a_frag, b_frag, warp_row, lo, m1, m2, operand, source,
-                                                 step % T.int64(2) * T.int64(QK_KEYS * OP_STRIDE))
-                                if fb == blocks - T.int64(1):
-                                    # Scores, -inf off the band (band column j of row a is chunk column a + j, see
-                                    # qk), and each row's maximum over its quad.
-                                    for r in T.unroll(2):
-                                        reduced[r] = minus_inf
-                                    for x in T.unroll(tiles * 4):
-                                        a: T.let = row0 + _c_element(x % 4)[0]
-                                        kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                                        j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - a)
-                                        acc[x] = T.Select(j >= valid_from[a] and j < valid_to[a],
-                                                          acc[x] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[slot * T.int64(QK_KEYS) + kk], T.int64(0))],
-                                                          minus_inf)
-                                        reduced[x % 4 // 2] = T.max(reduced[x % 4 // 2], acc[x])
-                                    for r in T.unroll(2):
-                                        reduced[r] = _quad("max", reduced[r])  # (stored: a let would repeat the shuffles)
-                                    for r in T.unroll(2):
-                                        new_max: T.let = T.max(row_max[r], reduced[r])
-                                        shift: T.let = T.Select(new_max == minus_inf, T.Cast(acc_dtype, 0), new_max)
-                                        rescale[r] = T.exp(row_max[r] - shift)
-                                        row_max[r] = new_max
-                                        reduced[r] = shift
-                                    for r in T.unroll(2):
-                                        row_sum[r] = row_sum[r] * rescale[r]
-                                    for x in T.unroll(tiles * 4):
-                                        acc[x] = T.exp(acc[x] - reduced[x % 4 // 2])
-                                        context[x] = context[x] * rescale[x % 4 // 2]
-                                    for r in T.unroll(2):
-                                        reduced[r] = T.Cast(acc_dtype, 0)
-                                    for x in T.unroll(tiles * 4):
-                                        reduced[x % 4 // 2] = reduced[x % 4 // 2] + acc[x]
-                                    for r in T.unroll(2):
-                                        reduced[r] = _quad("sum", reduced[r])
-                                    for r in T.unroll(2):
-                                        row_sum[r] = row_sum[r] + reduced[r]
-                                    if dropout > T.float64(0):
-                                        # The same mask as the CPU's, after the sum (off-band columns, whose
-                                        # probability is 0, clamped to column 0).
+                    # Every barrier below is placed by hand (two a step): TVM's planner would add one
+                    # before the products, as it cannot tell the slots apart.
+                    with T.attr(0, "hand_threaded", 1):
+                        _block_ids(ids, bh, heads, dilation)
+                        b: T.let = ids[0]
+                        h: T.let = ids[1]
+                        d: T.let = ids[2]
+                        w: T.let = window
+                        band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                        p0: T.let = tile * T.int64(TILE_ROWS)
+                        g: T.let = tx % WARP // 4
+                        t2: T.let = tx % 4 * 2
+                        warp_row: T.let = tx // WARP * WARP_ROWS  # this warp's first row
+                        row0: T.let = warp_row + g  # this thread's rows: row0 and row0 + 8
+                        lo: T.let = tx % 8  # ldmatrix's row and matrix of this lane (the ldmatrix note by VECTOR)
+                        m1: T.let = tx % WARP // 8 % 2
+                        m2: T.let = tx % WARP // 16
+                        blocks: T.let = (head_dim + T.int64(FEATURE_BLOCK - 1)) // T.int64(FEATURE_BLOCK)
+                        chunks: T.let = (T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)
+                        _tile_rows(query_row, valid_from, valid_to, tx, p0, n, d, w, band)
+                        for f0 in range(blocks):
+                            for r in T.unroll(2):
+                                row_max[r] = minus_inf
+                                row_sum[r] = T.Cast(acc_dtype, 0)
+                            for x in T.unroll(tiles * 4):
+                                context[x] = T.Cast(acc_dtype, 0)
+                            # A pass's steps are (chunk, fb): the chunk's keys' feature block fb against the
+                            # queries', and after its last block the chunk's softmax and P.V (values: output
+                            # features f0). Step u's keys sit in slot u % 2 of ``keys``, its chunk's values
+                            # and key rows in slot chunk % 2; step u + 1's are copied in (cp.async) while
+                            # step u computes. Two barriers a step, as without the pipeline: after the first,
+                            # every warp is done with step u - 1, so the slots step u + 1 takes are free
+                            # (and the next chunk's key rows are written); after the second, step u's copies
+                            # (each thread waits for its own first) and those rows are in place.
+                            T.tvm_storage_sync("shared")  # the last pass is done with keys, values, key rows
+                            _chunk_rows(key_row, QK_KEYS, tx, p0 - w, n, d)
+                            T.tvm_storage_sync("shared")
+                            _stage_operand(keys, k, key_row, b, h, T.int64(0), head_dim, tx, operand, 0, 0, "copy_async")
+                            _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand, 0, 0,
+                                           "copy_async")
+                            T.evaluate(_async("commit", operand))
+                            for chunk in range(chunks):
+                                slot: T.let = chunk % T.int64(2)
+                                for fb in range(blocks):  # (nested loops: no int64 division by blocks)
+                                    step: T.let = chunk * blocks + fb
+                                    T.tvm_storage_sync("shared")
+                                    if fb == T.int64(0) and chunk + T.int64(1) < chunks:
+                                        _chunk_rows(key_row, QK_KEYS, tx, p0 - w + (chunk + T.int64(1)) * T.int64(QK_KEYS), n, d,
+                                                    (T.int64(1) - slot) * T.int64(QK_KEYS))
+                                    if blocks > T.int64(1) or step == T.int64(0):  # else the tile's queries stay
+                                        _stage_operand(queries, q, query_row, b, h, fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                                    T.evaluate(_async("wait", operand))
+                                    T.tvm_storage_sync("shared")
+                                    if step + T.int64(1) < chunks * blocks:  # the next step's operands, in flight
+                                        next_fb: T.let = T.Select(fb + T.int64(1) < blocks, fb + T.int64(1), T.int64(0))
+                                        next_slot: T.let = T.Select(fb + T.int64(1) < blocks, slot, T.int64(1) - slot)
+                                        _stage_operand(keys, k, key_row, b, h, next_fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand,
+                                                       (step + T.int64(1)) % T.int64(2) * T.int64(QK_KEYS * OP_STRIDE),
+                                                       next_slot * T.int64(QK_KEYS), "copy_async")
+                                        if next_fb == T.int64(0):
+                                            _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand,
+                                                           next_slot * T.int64(QK_KEYS * OP_STRIDE), next_slot * T.int64(QK_KEYS),
+                                                           "copy_async")
+                                        T.evaluate(_async("commit", operand))
+                                    if fb == T.int64(0):
+                                        for x in T.unroll(tiles * 4):
+                                            acc[x] = T.Cast(acc_dtype, 0)
+                                    _rows_times_rows(acc, queries, keys, a_frag, b_frag, warp_row, lo, m1, m2, operand, source,
+                                                     step % T.int64(2) * T.int64(QK_KEYS * OP_STRIDE))
+                                    if fb == blocks - T.int64(1):
+                                        # Scores, -inf off the band (band column j of row a is chunk column a + j, see
+                                        # qk), and each row's maximum over its quad.
                                         for r in T.unroll(2):
-                                            row_key: T.let = dropout_row_key(seed, bh, query_row[row0 + r * 8], bind=True)
-                                            for x in T.unroll(tiles * 2):
-                                                kk: T.let = x // 2 * 8 + t2 + x % 2
-                                                acc[x // 2 * 4 + r * 2 + x % 2] = acc[x // 2 * 4 + r * 2 + x % 2] * dropout_factor(
-                                                    row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - row0 - r * 8), T.int64(0)),
-                                                    dropout, acc_dtype, bind=True)
-                                    _weights_times_rows(context, acc, values, a_frag, b_frag, lo, m1, m2, operand, source,
-                                                        slot * T.int64(QK_KEYS * OP_STRIDE))  # P.V
-                        for x in T.unroll(tiles * 4):
-                            a: T.let = row0 + _c_element(x % 4)[0]
-                            f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
-                            row: T.let = query_row[a]
-                            total: T.let = row_sum[x % 4 // 2]
-                            if row >= T.int64(0) and f < head_dim:
-                                out[b, row, h, f] = T.Cast(dtype, T.Select(total > T.Cast(acc_dtype, 0), context[x] / total,
-                                                                          T.Cast(acc_dtype, 0)))
-                        for r in T.unroll(2):
-                            row: T.let = query_row[row0 + r * 8]
-                            if t2 == 0 and row >= T.int64(0):
-                                lse[b, row, h] = T.Select(row_sum[r] > T.Cast(acc_dtype, 0),
-                                                          row_max[r] + T.log(row_sum[r]), minus_inf)
+                                            reduced[r] = minus_inf
+                                        for x in T.unroll(tiles * 4):
+                                            a: T.let = row0 + _c_element(x % 4)[0]
+                                            kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+                                            j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - a)
+                                            acc[x] = T.Select(j >= valid_from[a] and j < valid_to[a],
+                                                              acc[x] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[slot * T.int64(QK_KEYS) + kk], T.int64(0))],
+                                                              minus_inf)
+                                            reduced[x % 4 // 2] = T.max(reduced[x % 4 // 2], acc[x])
+                                        for r in T.unroll(2):
+                                            reduced[r] = _quad("max", reduced[r])  # (stored: a let would repeat the shuffles)
+                                        for r in T.unroll(2):
+                                            new_max: T.let = T.max(row_max[r], reduced[r])
+                                            shift: T.let = T.Select(new_max == minus_inf, T.Cast(acc_dtype, 0), new_max)
+                                            rescale[r] = T.exp(row_max[r] - shift)
+                                            row_max[r] = new_max
+                                            reduced[r] = shift
+                                        for r in T.unroll(2):
+                                            row_sum[r] = row_sum[r] * rescale[r]
+                                        for x in T.unroll(tiles * 4):
+                                            acc[x] = T.exp(acc[x] - reduced[x % 4 // 2])
+                                            context[x] = context[x] * rescale[x % 4 // 2]
+                                        for r in T.unroll(2):
+                                            reduced[r] = T.Cast(acc_dtype, 0)
+                                        for x in T.unroll(tiles * 4):
+                                            reduced[x % 4 // 2] = reduced[x % 4 // 2] + acc[x]
+                                        for r in T.unroll(2):
+                                            reduced[r] = _quad("sum", reduced[r])
+                                        for r in T.unroll(2):
+                                            row_sum[r] = row_sum[r] + reduced[r]
+                                        if dropout > T.float64(0):
+                                            # The same mask as the CPU's, after the sum (off-band columns, whose
+                                            # probability is 0, clamped to column 0).
+                                            for r in T.unroll(2):
+                                                row_key: T.let = dropout_row_key(seed, bh, query_row[row0 + r * 8], bind=True)
+                                                for x in T.unroll(tiles * 2):
+                                                    kk: T.let = x // 2 * 8 + t2 + x % 2
+                                                    acc[x // 2 * 4 + r * 2 + x % 2] = acc[x // 2 * 4 + r * 2 + x % 2] * dropout_factor(
+                                                        row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - row0 - r * 8), T.int64(0)),
+                                                        dropout, acc_dtype, bind=True)
+                                        _weights_times_rows(context, acc, values, a_frag, b_frag, lo, m1, m2, operand, source,
+                                                            slot * T.int64(QK_KEYS * OP_STRIDE))  # P.V
+                            for x in T.unroll(tiles * 4):
+                                a: T.let = row0 + _c_element(x % 4)[0]
+                                f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
+                                row: T.let = query_row[a]
+                                total: T.let = row_sum[x % 4 // 2]
+                                if row >= T.int64(0) and f < head_dim:
+                                    out[b, row, h, f] = T.Cast(dtype, T.Select(total > T.Cast(acc_dtype, 0), context[x] / total,
+                                                                              T.Cast(acc_dtype, 0)))
+                            for r in T.unroll(2):
+                                row: T.let = query_row[row0 + r * 8]
+                                if t2 == 0 and row >= T.int64(0):
+                                    lse[b, row, h] = T.Select(row_sum[r] > T.Cast(acc_dtype, 0),
+                                                              row_max[r] + T.log(row_sum[r]), minus_inf)
 
     return main
 
@@ -1241,28 +1257,71 @@ def _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
 
 
 @T.macro
+def _delta_halves(part_sum, part_lse, total, query_row, grad, out, lse, grad_lse, b, h, head_dim, tx, operand, acc_dtype,
+                  minus_inf, base=0):
+    """Chunk query tx // 2 (row query_row[base + tx // 2]), two threads: part_sum[tx] = half of
+    rowsum(dO * O) (the features of every other group of 8, 16 bytes per load), the even thread's
+    less d lse, and part_lse[tx] the row's log-sum-exp (0 for a row with none: its P is
+    exp(-inf) = 0 everywhere). :func:`_delta_combine` puts them in the chunk's tables: reading no
+    table there, the combine shares a barrier interval with the next chunk's rows being written."""
+    row: T.let = query_row[base + T.Cast("int64", tx // 2)]
+    total[0] = T.Cast(acc_dtype, 0)
+    for piece in range(head_dim // T.int64(2 * VECTOR)):
+        feature: T.let = piece * T.int64(2 * VECTOR) + T.Cast("int64", tx % 2 * VECTOR)
+        total[0] = total[0] + T.Select(row >= T.int64(0), _dot8(grad, out, b, T.max(row, T.int64(0)), h, feature, operand),
+                                       T.Cast(acc_dtype, 0))
+    part_sum[tx] = total[0] - T.Select(row >= T.int64(0) and tx % 2 == 0, grad_lse[b, T.max(row, T.int64(0)), h],
+                                       T.Cast(acc_dtype, 0))
+    part_lse[tx] = T.Select(row >= T.int64(0) and lse[b, T.max(row, T.int64(0)), h] != minus_inf,
+                            lse[b, T.max(row, T.int64(0)), h], T.Cast(acc_dtype, 0))
+
+
+@T.macro
+def _delta_combine(delta, row_lse, part_sum, part_lse, tx, base):
+    """delta[base + x] = rowsum(dO * O) - d lse of chunk query x, row_lse[base + x] its log-sum-exp,
+    from :func:`_delta_halves`."""
+    if tx % 2 == 0:
+        delta[base + T.Cast("int64", tx // 2)] = part_sum[tx] + part_sum[tx + 1]
+        row_lse[base + T.Cast("int64", tx // 2)] = part_lse[tx]
+
+
+@T.macro
 def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n,
                         heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v, operand, source):
     """dK and dV, per key tile, on tensor cores: 4 warps of 16 keys; per chunk of 64 packed queries
     whose bands reach the tile, S^T = K Q^T and dP^T = V dO^T as accumulator tiles (keys x
     queries), then in registers P^T, P^T Z and dS^T = P^T (dP^T Z - delta), which are the A
     fragments of dV += (P^T Z) dO and dK += dS^T Q (dO's and Q's B fragments by ``ldmatrix.trans``
-    from their rows). The tile's K and V are staged once where head_dim fits one block; each
-    chunk's deltas rowsum(dO * O) - d lse two threads per query, 16 bytes per load."""
+    from their rows). The tile's K and V are staged once where head_dim fits one block. Each chunk's
+    deltas rowsum(dO * O) - d lse two threads per query, 16 bytes per load.
+
+    The chunks' Q and dO are double buffered as the forward's keys and values
+    (:func:`attention_mma`): a pass over the chunks is a run of steps (chunk, stage), ``stages`` a
+    chunk: its feature blocks for the products, and where head_dim takes more than one block a last
+    stage for dV and dK (output features f0); step u + 1's Q and dO are copied (``cp.async``) into
+    slot (u + 1) % 2 while step u computes. The chunk tables (query rows, valid columns, deltas)
+    have a slot per chunk parity: chunk c + 1's rows are written in chunk c's first step, its
+    deltas' halves summed after chunk c's last step's barrier and combined in chunk c + 1's first
+    step. Two barriers a step. Shared memory past the 48 KiB a kernel may declare statically:
+    the operands are dynamic shared memory (``shared.dyn``). (The dQ kernel is not pipelined this
+    way: the loop of steps took its registers from 168 to ~245, three blocks an SM to two, where
+    this kernel holds two either way.)"""
     for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
         for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
             for tx in T.thread_binding(MMA_THREADS, thread="threadIdx.x"):
-                keys = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
-                values = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared")  # [key, feature]
-                queries = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # [query, feature]
-                grads = T.alloc_buffer((QK_KEYS * OP_STRIDE,), operand, scope="shared")  # dO: [query, feature]
+                keys = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared.dyn")  # [key, feature]
+                values = T.alloc_buffer((TILE_ROWS * OP_STRIDE,), operand, scope="shared.dyn")  # [key, feature]
+                queries = T.alloc_buffer((2 * QK_KEYS * OP_STRIDE,), operand, scope="shared.dyn")  # [query, feature] x 2
+                grads = T.alloc_buffer((2 * QK_KEYS * OP_STRIDE,), operand, scope="shared.dyn")  # dO: [query, feature] x 2
                 key_row = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")  # -1 past the end
-                query_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
-                valid_from = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # the queries' valid band columns
-                valid_to = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")
-                row_lse = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")
-                delta = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")
+                # Per chunk parity:
+                query_row = T.alloc_buffer((2 * QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                valid_from = T.alloc_buffer((2 * QK_KEYS,), "int64", scope="shared")  # the queries' valid band columns
+                valid_to = T.alloc_buffer((2 * QK_KEYS,), "int64", scope="shared")
+                row_lse = T.alloc_buffer((2 * QK_KEYS,), acc_dtype, scope="shared")
+                delta = T.alloc_buffer((2 * QK_KEYS,), acc_dtype, scope="shared")
                 part_sum = T.alloc_buffer((MMA_THREADS,), acc_dtype, scope="shared")
+                part_lse = T.alloc_buffer((MMA_THREADS,), acc_dtype, scope="shared")
                 probs = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # S^T, then P^T Z
                 grad_p = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # dP^T, then dS^T
                 grad_k_acc = T.alloc_buffer((FEATURE_BLOCK // 8 * 4,), acc_dtype, scope="local")  # dK / scale
@@ -1273,101 +1332,128 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                 a_frag = T.alloc_buffer((8,), operand, scope="local")
                 b_frag = T.alloc_buffer((8,), operand, scope="local")  # two tiles' B
                 ids = T.alloc_buffer((3,), "int64", scope="local")
-                _block_ids(ids, bh, heads, dilation)
-                b: T.let = ids[0]
-                h: T.let = ids[1]
-                d: T.let = ids[2]
-                w: T.let = window
-                band: T.let = T.int64(2 - causal) * window + T.int64(1)
-                p0: T.let = tile * T.int64(TILE_ROWS)
-                g: T.let = tx % WARP // 4
-                t2: T.let = tx % 4 * 2
-                warp_row: T.let = tx // WARP * WARP_ROWS  # this warp's first key
-                row0: T.let = warp_row + g  # this thread's keys: row0 and row0 + 8
-                lo: T.let = tx % 8  # ldmatrix's row and matrix of this lane (the ldmatrix note by VECTOR)
-                m1: T.let = tx % WARP // 8 % 2
-                m2: T.let = tx % WARP // 16
-                blocks: T.let = (head_dim + T.int64(FEATURE_BLOCK - 1)) // T.int64(FEATURE_BLOCK)
-                _chunk_rows(key_row, TILE_ROWS, tx, p0, n, d)
-                T.tvm_storage_sync("shared")
-                for r in T.unroll(2):
-                    my_key[r] = key_row[row0 + r * 8]
-                    my_bias[r] = key_bias[b, T.max(my_key[r], T.int64(0))]
-                for f0 in range(blocks):
-                    for x in T.unroll(FEATURE_BLOCK // 8 * 4):
-                        grad_k_acc[x] = T.Cast(acc_dtype, 0)
-                        grad_v_acc[x] = T.Cast(acc_dtype, 0)
-                    for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
-                        # Chunk queries x: packed p0 - w_upper + 64 chunk + x, whose band column for
-                        # tile key kk is kk - x + band - 1 - 64 chunk.
-                        T.tvm_storage_sync("shared")  # the last chunk's products are done with the buffers
-                        _tile_rows(query_row, valid_from, valid_to, tx,
-                                   p0 - (band - T.int64(1) - w) + chunk * T.int64(QK_KEYS), n, d, w, band)
+                # Every barrier below is placed by hand (two a step): TVM's planner, which would add its own
+                # wherever two accesses of a buffer might overlap, cannot tell the slots apart. The
+                # extern scope gives TVM's merging of the shared.dyn buffers a scope that holds the lets
+                # reading ``ids`` (a read at the allocations' own level stops it).
+                with T.attr(0, "hand_threaded", 1), T.attr(0, "extern_scope", 0):
+                    _block_ids(ids, bh, heads, dilation)
+                    b: T.let = ids[0]
+                    h: T.let = ids[1]
+                    d: T.let = ids[2]
+                    w: T.let = window
+                    band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                    p0: T.let = tile * T.int64(TILE_ROWS)
+                    g: T.let = tx % WARP // 4
+                    t2: T.let = tx % 4 * 2
+                    warp_row: T.let = tx // WARP * WARP_ROWS  # this warp's first key
+                    row0: T.let = warp_row + g  # this thread's keys: row0 and row0 + 8
+                    lo: T.let = tx % 8  # ldmatrix's row and matrix of this lane (the ldmatrix note by VECTOR)
+                    m1: T.let = tx % WARP // 8 % 2
+                    m2: T.let = tx % WARP // 16
+                    blocks: T.let = (head_dim + T.int64(FEATURE_BLOCK - 1)) // T.int64(FEATURE_BLOCK)
+                    stages: T.let = T.Select(blocks > T.int64(1), blocks + T.int64(1), T.int64(1))
+                    chunks: T.let = (T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)
+                    # Chunk queries x: packed p0 - w_upper + 64 chunk + x, whose band column for tile key
+                    # kk is kk - x + band - 1 - 64 chunk.
+                    first_query: T.let = p0 - (band - T.int64(1) - w)
+                    _chunk_rows(key_row, TILE_ROWS, tx, p0, n, d)
+                    T.tvm_storage_sync("shared")
+                    for r in T.unroll(2):
+                        my_key[r] = key_row[row0 + r * 8]
+                        my_bias[r] = key_bias[b, T.max(my_key[r], T.int64(0))]
+                    for f0 in range(blocks):
+                        for x in T.unroll(FEATURE_BLOCK // 8 * 4):
+                            grad_k_acc[x] = T.Cast(acc_dtype, 0)
+                            grad_v_acc[x] = T.Cast(acc_dtype, 0)
+                        T.tvm_storage_sync("shared")  # the last pass is done with every buffer
+                        _tile_rows(query_row, valid_from, valid_to, tx, first_query, n, d, w, band)
                         T.tvm_storage_sync("shared")
-                        query: T.let = tx // 2
-                        row: T.let = query_row[query]
-                        total[0] = T.Cast(acc_dtype, 0)
-                        for piece in range(head_dim // T.int64(2 * VECTOR)):
-                            feature: T.let = piece * T.int64(2 * VECTOR) + T.Cast("int64", tx % 2 * VECTOR)
-                            total[0] = total[0] + T.Select(row >= T.int64(0), _dot8(grad, out, b, T.max(row, T.int64(0)), h, feature, operand),
-                                                           T.Cast(acc_dtype, 0))
-                        part_sum[tx] = total[0]
-                        T.tvm_storage_sync("shared")
-                        if tx % 2 == 0:
-                            delta[query] = part_sum[tx] + part_sum[tx + 1] - T.Select(
-                                row >= T.int64(0), grad_lse[b, T.max(row, T.int64(0)), h], T.Cast(acc_dtype, 0))
-                            row_lse[query] = T.Select(row >= T.int64(0) and lse[b, T.max(row, T.int64(0)), h] != minus_inf,
-                                                      lse[b, T.max(row, T.int64(0)), h], T.Cast(acc_dtype, 0))
-                        for x in T.unroll(QK_KEYS // 8 * 4):
-                            probs[x] = T.Cast(acc_dtype, 0)
-                            grad_p[x] = T.Cast(acc_dtype, 0)
-                        for fb in range(blocks):
-                            T.tvm_storage_sync("shared")
-                            feature0: T.let = fb * T.int64(FEATURE_BLOCK)
-                            if blocks > T.int64(1) or chunk == T.int64(0):  # else the tile's K and V stay
-                                _stage_operand(keys, k, key_row, b, h, feature0, head_dim, tx, operand)
-                                _stage_operand(values, v, key_row, b, h, feature0, head_dim, tx, operand)
-                            _stage_operand(queries, q, query_row, b, h, feature0, head_dim, tx, operand)
-                            _stage_operand(grads, grad, query_row, b, h, feature0, head_dim, tx, operand)
-                            T.tvm_storage_sync("shared")
-                            _rows_times_rows(probs, keys, queries, a_frag, b_frag, warp_row, lo, m1, m2, operand, source)
-                            _rows_times_rows(grad_p, values, grads, a_frag, b_frag, warp_row, lo, m1, m2, operand, source)
-                        # P^T (0 off the band), then dS^T and P^T Z; with dropout Z at (query, band column).
-                        for x in T.unroll(QK_KEYS // 8 * 4):
-                            a: T.let = row0 + _c_element(x % 4)[0]
-                            col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                            j: T.let = T.Cast("int64", a - col) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
-                            probs[x] = T.Select(
-                                query_row[col] >= T.int64(0) and my_key[x % 4 // 2] >= T.int64(0)
-                                and j >= valid_from[col] and j < valid_to[col],
-                                T.exp(probs[x] * T.Cast(acc_dtype, scale) + my_bias[x % 4 // 2] - row_lse[col]),
-                                T.Cast(acc_dtype, 0))
-                        if dropout > T.float64(0):
-                            for x in T.unroll(QK_KEYS // 8 * 4):
-                                a: T.let = row0 + _c_element(x % 4)[0]
-                                col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                                j: T.let = T.Cast("int64", a - col) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
-                                factor: T.let = dropout_factor(dropout_row_key(seed, bh, query_row[col], bind=True),
-                                                               T.max(j, T.int64(0)), dropout, acc_dtype, bind=True)
-                                grad_p[x] = probs[x] * (grad_p[x] * factor - delta[col])
-                                probs[x] = probs[x] * factor
-                        else:
-                            for x in T.unroll(QK_KEYS // 8 * 4):
-                                col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                                grad_p[x] = probs[x] * (grad_p[x] - delta[col])
-                        if blocks > T.int64(1):  # dK's and dV's features f0 of these queries
-                            T.tvm_storage_sync("shared")
-                            _stage_operand(queries, q, query_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
-                            _stage_operand(grads, grad, query_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
-                            T.tvm_storage_sync("shared")
-                        _weights_times_rows(grad_v_acc, probs, grads, a_frag, b_frag, lo, m1, m2, operand, source)  # (P^T Z).dO
-                        _weights_times_rows(grad_k_acc, grad_p, queries, a_frag, b_frag, lo, m1, m2, operand, source)  # dS^T.Q
-                    for x in T.unroll(FEATURE_BLOCK // 8 * 4):
-                        row: T.let = my_key[x % 4 // 2]
-                        f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
-                        if row >= T.int64(0) and f < head_dim:
-                            grad_k[b, row, h, f] = T.Cast(dtype, grad_k_acc[x] * T.Cast(acc_dtype, scale))
-                            grad_v[b, row, h, f] = T.Cast(dtype, grad_v_acc[x])
+                        _delta_halves(part_sum, part_lse, total, query_row, grad, out, lse, grad_lse, b, h, head_dim, tx, operand,
+                                      acc_dtype, minus_inf)
+                        _stage_operand(queries, q, query_row, b, h, T.int64(0), head_dim, tx, operand, 0, 0, "copy_async")
+                        _stage_operand(grads, grad, query_row, b, h, T.int64(0), head_dim, tx, operand, 0, 0, "copy_async")
+                        T.evaluate(_async("commit", operand))
+                        for chunk in range(chunks):
+                            slot: T.let = chunk % T.int64(2)
+                            for stage in range(stages):  # (nested loops: no int64 division by stages)
+                                step: T.let = chunk * stages + stage
+                                T.tvm_storage_sync("shared")
+                                if stage == T.int64(0):
+                                    # The next chunk's rows into the other slot; this chunk's deltas from the
+                                    # halves summed after the last step.
+                                    if chunk + T.int64(1) < chunks:
+                                        _tile_rows(query_row, valid_from, valid_to, tx,
+                                                   first_query + (chunk + T.int64(1)) * T.int64(QK_KEYS), n, d, w, band,
+                                                   (T.int64(1) - slot) * T.int64(QK_KEYS))
+                                    _delta_combine(delta, row_lse, part_sum, part_lse, tx, slot * T.int64(QK_KEYS))
+                                if stage < blocks and (blocks > T.int64(1) or step == T.int64(0)):  # else the tile's K and V stay
+                                    _stage_operand(keys, k, key_row, b, h, stage * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                                    _stage_operand(values, v, key_row, b, h, stage * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                                T.evaluate(_async("wait", operand))
+                                T.tvm_storage_sync("shared")
+                                if step + T.int64(1) < chunks * stages:  # the next step's Q and dO, in flight
+                                    next_stage: T.let = T.Select(stage + T.int64(1) < stages, stage + T.int64(1), T.int64(0))
+                                    next_slot: T.let = T.Select(stage + T.int64(1) < stages, slot, T.int64(1) - slot)
+                                    # Its feature block: a product stage's own, the last stage's f0.
+                                    next_block: T.let = T.Select(next_stage < blocks, next_stage, f0)
+                                    _stage_operand(queries, q, query_row, b, h, next_block * T.int64(FEATURE_BLOCK), head_dim, tx,
+                                                   operand, (step + T.int64(1)) % T.int64(2) * T.int64(QK_KEYS * OP_STRIDE),
+                                                   next_slot * T.int64(QK_KEYS), "copy_async")
+                                    _stage_operand(grads, grad, query_row, b, h, next_block * T.int64(FEATURE_BLOCK), head_dim, tx,
+                                                   operand, (step + T.int64(1)) % T.int64(2) * T.int64(QK_KEYS * OP_STRIDE),
+                                                   next_slot * T.int64(QK_KEYS), "copy_async")
+                                    T.evaluate(_async("commit", operand))
+                                operands: T.let = step % T.int64(2) * T.int64(QK_KEYS * OP_STRIDE)  # this step's slot
+                                if stage == stages - T.int64(1) and chunk + T.int64(1) < chunks:
+                                    _delta_halves(part_sum, part_lse, total, query_row, grad, out, lse, grad_lse, b, h, head_dim, tx,
+                                                  operand, acc_dtype, minus_inf, (T.int64(1) - slot) * T.int64(QK_KEYS))
+                                if stage == T.int64(0):
+                                    for x in T.unroll(QK_KEYS // 8 * 4):
+                                        probs[x] = T.Cast(acc_dtype, 0)
+                                        grad_p[x] = T.Cast(acc_dtype, 0)
+                                if stage < blocks:
+                                    _rows_times_rows(probs, keys, queries, a_frag, b_frag, warp_row, lo, m1, m2, operand, source,
+                                                     operands)
+                                    _rows_times_rows(grad_p, values, grads, a_frag, b_frag, warp_row, lo, m1, m2, operand, source,
+                                                     operands)
+                                if stage == stages - T.int64(1):
+                                    # P^T (0 off the band), then dS^T and P^T Z; with dropout Z at (query, band column).
+                                    # (Chunk query col's entries in this chunk's slot of the tables: at.)
+                                    for x in T.unroll(QK_KEYS // 8 * 4):
+                                        a: T.let = row0 + _c_element(x % 4)[0]
+                                        col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+                                        at: T.let = slot * T.int64(QK_KEYS) + T.Cast("int64", col)
+                                        j: T.let = T.Cast("int64", a - col) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
+                                        probs[x] = T.Select(
+                                            query_row[at] >= T.int64(0) and my_key[x % 4 // 2] >= T.int64(0)
+                                            and j >= valid_from[at] and j < valid_to[at],
+                                            T.exp(probs[x] * T.Cast(acc_dtype, scale) + my_bias[x % 4 // 2] - row_lse[at]),
+                                            T.Cast(acc_dtype, 0))
+                                    if dropout > T.float64(0):
+                                        for x in T.unroll(QK_KEYS // 8 * 4):
+                                            a: T.let = row0 + _c_element(x % 4)[0]
+                                            col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+                                            at: T.let = slot * T.int64(QK_KEYS) + T.Cast("int64", col)
+                                            j: T.let = T.Cast("int64", a - col) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
+                                            factor: T.let = dropout_factor(dropout_row_key(seed, bh, query_row[at], bind=True),
+                                                                           T.max(j, T.int64(0)), dropout, acc_dtype, bind=True)
+                                            grad_p[x] = probs[x] * (grad_p[x] * factor - delta[at])
+                                            probs[x] = probs[x] * factor
+                                    else:
+                                        for x in T.unroll(QK_KEYS // 8 * 4):
+                                            at: T.let = slot * T.int64(QK_KEYS) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
+                                            grad_p[x] = probs[x] * (grad_p[x] - delta[at])
+                                    _weights_times_rows(grad_v_acc, probs, grads, a_frag, b_frag, lo, m1, m2, operand, source,
+                                                        operands)  # (P^T Z).dO
+                                    _weights_times_rows(grad_k_acc, grad_p, queries, a_frag, b_frag, lo, m1, m2, operand, source,
+                                                        operands)  # dS^T.Q
+                        for x in T.unroll(FEATURE_BLOCK // 8 * 4):
+                            row: T.let = my_key[x % 4 // 2]
+                            f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
+                            if row >= T.int64(0) and f < head_dim:
+                                grad_k[b, row, h, f] = T.Cast(dtype, grad_k_acc[x] * T.Cast(acc_dtype, scale))
+                                grad_v[b, row, h, f] = T.Cast(dtype, grad_v_acc[x])
 
 
 def attention_backward(dtype: str, autoregressive: bool, isa: str = "", operand_dtype: str | None = None):
