@@ -8,6 +8,9 @@
 #   STEPS="tests bench" tools/gpu_check.sh   # some steps only (a lent machine's call lasts 10 minutes)
 #   LIMITS="tests=240 bench=270"             # seconds per step (killed past it; the others still run)
 #   PYTEST_ARGS="-n 8" BENCH_ARGS="--seq-lens 4096 ..." FLEX_ARGS=... TESTS_K="cuda or layer"   # replace defaults
+#   tools/gpu_check.sh baseline COMMIT   # here: COMMIT's tree into .baseline/ (carry it): its kernels benched
+#                                        # there too, right after ours (BASELINE_ARGS), so a change is
+#                                        # measured against what it changed in one machine
 #
 # Seen on an H200 (third run, bench/NOTES.md): tests 36 s (8 workers of 2 threads; with all 16
 # threads each, over 220 s), memcheck 11 s, racecheck 52 s, the bench 70 s (its default cases,
@@ -37,6 +40,14 @@ if [ "${1:-}" = "wheels" ]; then
         -d .whl "apache-tvm-ffi==0.1.15.post2" "pytest-reportlog==1.0.0"  # tvm-ffi: pyproject.toml's pin
 fi
 
+if [ "${1:-}" = "baseline" ]; then  # the tree of an earlier commit, its libraries included (not its results)
+    commit=${2:?usage: tools/gpu_check.sh baseline COMMIT}
+    rm -rf .baseline && mkdir .baseline
+    git archive "$commit" -- . ":(exclude)bench/results" | tar -x -C .baseline || exit 1
+    echo ".baseline: $(git rev-parse --short "$commit"), $(du -sh .baseline | cut -f1); carry it with .whl"
+    exit 0
+fi
+
 out="${1:-${OUT:-gpu-check}}"
 mkdir -p "$out"
 if ls .whl/*.whl > /dev/null 2>&1; then
@@ -53,7 +64,7 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
 fi
 
 failed=0
-STEPS=${STEPS:-gpu info tests memcheck racecheck bench}  # and flex (a second call)
+STEPS=${STEPS:-gpu info tests memcheck racecheck bench baseline}  # and flex (a second call)
 limit() {  # limit NAME: its seconds from $LIMITS, 0 (none) if not named
     local kv
     for kv in ${LIMITS:-}; do [ "${kv%%=*}" = "$1" ] && { echo "${kv#*=}"; return; }; done
@@ -96,8 +107,16 @@ step bench "$PYTHON" -m bench --device cuda --out "$out" ${BENCH_ARGS:---dtype f
     --passes forward,forward+backward --dilated-passes forward,forward+backward --repeats 5}
 gpu_name=""
 case " $STEPS " in  # (the results' name: only where the step runs, each import of torch costs device time)
-    *" flex "*) gpu_name=$("$PYTHON" -c "from bench.machine import device_name; print(device_name('cuda'))") ;;
+    *" flex "* | *" baseline "*) gpu_name=$("$PYTHON" -c "from bench.machine import device_name; print(device_name('cuda'))") ;;
 esac
+# The earlier commit's kernels (.baseline, if carried) on the same cases as BASELINE_ARGS: its own tree,
+# sources and bench, in a process of its own (the loader refuses libraries built from other sources).
+if [ -d .baseline ]; then
+    step baseline env -C .baseline PYTHONPATH="/tmp/site:$PWD/.baseline" "$PYTHON" -m bench --device cuda \
+        --out "$(realpath "$out")" --name "$gpu_name-baseline" ${BASELINE_ARGS:---dtype bfloat16 --seq-lens 16384 \
+        --ops local_attention --methods tvm --passes forward,forward+backward --dilated-passes forward,forward+backward \
+        --repeats 5 --no-memory}
+fi
 step flex "$PYTHON" -m bench --device cuda --out "$out" --name "$gpu_name-flex" ${FLEX_ARGS:---dtype bfloat16 \
     --seq-lens 16384 --ops local_attention --methods tvm,tvm_steps_torch_softmax,flex --passes forward,forward+backward \
     --dilated-passes forward,forward+backward --repeats 5 --no-memory}
