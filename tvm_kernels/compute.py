@@ -200,7 +200,18 @@ def dropout_row_key(seed, bh, row, bind: bool = False):
 
 def dropout_factor(key, column, dropout, acc_dtype, bind: bool = False):
     """1 / (1 - p) if band column ``column`` of the row with ``key`` is kept, else 0."""
-    bits = T.shift_right(_mix32(key + T.Cast("uint32", column) * T.uint32(_GOLDEN), bind), T.uint32(8))
+    return dropout_factor_of(key + column_step(column), dropout, acc_dtype, bind)
+
+
+def column_step(column):
+    """Band column ``column``'s term of the hash input, ``column * golden`` (uint32)."""
+    return T.Cast("uint32", column) * T.uint32(_GOLDEN)
+
+
+def dropout_factor_of(hashed, dropout, acc_dtype, bind: bool = False):
+    """:func:`dropout_factor` from its hash input ``key + column_step(column)`` (a kernel may sum
+    that its own way: e.g. a vector of 16 columns as one scalar plus a constant vector)."""
+    bits = T.shift_right(_mix32(hashed, bind), T.uint32(8))
     return T.Select(bits >= T.Cast("uint32", dropout * T.float64(1 << 24)),
                     T.Cast(acc_dtype, T.float64(1) / (T.float64(1) - dropout)), T.Cast(acc_dtype, 0))
 

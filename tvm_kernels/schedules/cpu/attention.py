@@ -6,7 +6,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvm_kernels.compute import accumulation_dtype, dropout_factor, dropout_row_key, is_half
+from tvm_kernels.compute import (accumulation_dtype, column_step, dropout_factor, dropout_factor_of, dropout_row_key,
+                                 is_half)
 from tvm_kernels.schedules.cpu.microkernels import (
     _BITS,
     _ON_STACK,
@@ -21,6 +22,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _zero_tile,
 )
 from tvm_kernels.schedules.cpu import bf16_dot
+from tvm_kernels.schedules.cpu.dropout import lane_column_steps
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
@@ -32,15 +34,19 @@ def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes,
     ``twice``: also grads *= Z in the same pass (the backward's two uses of the forward's mask, P * Z
     for dV and dP * Z, at one hash per element: the factor is written out at each use, which LLVM
     computes once, where a let of it inside the vectorized loop would scalarize it)."""
+    lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
+    lane_column_steps(lane_steps, lanes)
     for r in range(rows):
         key: T.let = dropout_row_key(seed, bh, query[r])
         for vector in range((end[r] - begin[r]) // T.int64(lanes)):
+            start: T.let = begin[r] + vector * T.int64(lanes)
+            hashed_start: T.let = key + column_step(start - base - T.int64(r))
             for lane in T.vectorized(lanes):
-                kept[r, begin[r] + vector * T.int64(lanes) + lane] = scores[r, begin[r] + vector * T.int64(lanes) + lane] * dropout_factor(
-                    key, begin[r] + vector * T.int64(lanes) + lane - base - T.int64(r), dropout, acc_dtype)
+                kept[r, start + lane] = scores[r, start + lane] * dropout_factor_of(hashed_start + lane_steps[lane], dropout,
+                                                                                    acc_dtype)
                 if twice:
-                    grads[r, begin[r] + vector * T.int64(lanes) + lane] = grads[r, begin[r] + vector * T.int64(lanes) + lane] * dropout_factor(
-                        key, begin[r] + vector * T.int64(lanes) + lane - base - T.int64(r), dropout, acc_dtype)
+                    grads[r, start + lane] = grads[r, start + lane] * dropout_factor_of(hashed_start + lane_steps[lane],
+                                                                                        dropout, acc_dtype)
         for c in range(begin[r] + (end[r] - begin[r]) // T.int64(lanes) * T.int64(lanes), end[r]):
             kept[r, c] = scores[r, c] * dropout_factor(key, c - base - T.int64(r), dropout, acc_dtype)
             if twice:

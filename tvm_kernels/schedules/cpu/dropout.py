@@ -11,8 +11,18 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from tvm_kernels.compute import accumulation_dtype, dropout_factor, dropout_row_key
+from tvm_kernels.compute import accumulation_dtype, column_step, dropout_factor, dropout_factor_of, dropout_row_key
+from tvm_kernels.schedules.cpu.microkernels import _ON_STACK
 from tvm_kernels.schedules.cpu.tiles import tiles_for
+
+
+@T.macro
+def lane_column_steps(steps, lanes):
+    """steps[l] = :func:`tvm_kernels.compute.column_step` (l): lane l's term of the hash input. A
+    vector of columns is then one scalar's step plus this constant vector, where a vector of int64
+    columns in the hash would be narrowed and shuffled lane by lane (10 more instructions a vector)."""
+    for lane in T.vectorized(lanes):
+        steps[lane] = column_step(lane)
 
 
 def dropout(dtype: str, isa: str):
@@ -33,10 +43,13 @@ def dropout(dtype: str, isa: str):
         out = T.match_buffer(out_handle, (rows, cols), dtype)
         for r in T.parallel(rows):
             key: T.let = dropout_row_key(seed, T.int64(0), r)
+            lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
+            lane_column_steps(lane_steps, lanes)
             for vector in range(cols // T.int64(lanes)):
+                hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                 for lane in T.vectorized(lanes):
                     out[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
-                                                                    * dropout_factor(key, vector * T.int64(lanes) + lane, p, acc_dtype))
+                                                                    * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype))
             for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
                 out[r, c] = T.Cast(dtype, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype))
 
