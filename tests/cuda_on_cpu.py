@@ -11,10 +11,9 @@ TVM's): the half types' tensor-core kernels are built with float operands, and t
 their warp instructions (``mma.sync``, ``ldmatrix``, the quad shuffles) and 16-byte copies from the
 layouts the kernels assume (which an H200 confirmed, bench/NOTES.md); ``cp.async`` copies are done
 at once, or with ``ASYNC_ENV=deferred`` at the thread's wait (a read before it then sees stale
-operands). What it cannot show: speed,
-races between threads that the barrier happens to order (``make gpu-check``'s racecheck covers
-those on a GPU), and, unless built under AddressSanitizer, accesses past an array that its
-64-byte padding absorbs.
+operands). What it cannot show: speed, races between threads that the barrier happens to order
+(``make gpu-check``'s racecheck covers those on a GPU), and, unless built under AddressSanitizer,
+accesses past an array that its 64-byte padding absorbs.
 """
 
 from __future__ import annotations
