@@ -302,11 +302,15 @@ class LongformerSelfAttention(nn.Module):
         Returns ``(context [b, g, h, d], probs [b, h, g, n])``. Scores and probabilities are laid out
         ``[b, n, h, g]``, the projections' own order (see :func:`_against_slots`).
         """
-        b, n, _ = hidden_states.shape
+        b, n, hidden = hidden_states.shape
         q = self._heads(self.query_global(globals_.gather(hidden_states))) / math.sqrt(self.head_dim)  # [b, g, h, d]
-        k = self._heads(self.key_global(hidden_states))                                               # [b, n, h, d]
-        v = self._heads(self.value_global(hidden_states))                                             # [b, n, h, d]
-        scores = _against_slots(k, q)                                                                 # [b, n, h, g]
+        # Few slots: the slots' queries go through the key weights and the probabilities meet the
+        # rows before the value weights (see _keys_through_weights): no keys or values of all rows.
+        through_weights = _global_rows_through_weights(self.num_heads, q.shape[1], hidden)
+        if through_weights:
+            scores = _keys_through_weights(hidden_states, q, self.key_global)                         # [b, n, h, g]
+        else:
+            scores = _against_slots(self._heads(self.key_global(hidden_states)), q)                   # [b, n, h, g]
         hidden_keys = is_padding[:, :, None, None]
         if self.autoregressive:
             later = torch.arange(n, device=q.device)[None, :, None] > globals_.positions[:, None, :]  # [b, n, g]
@@ -317,7 +321,11 @@ class LongformerSelfAttention(nn.Module):
             keep = nn.functional.dropout(torch.ones_like(probs.permute(0, 2, 3, 1), memory_format=torch.contiguous_format),
                                          self.dropout)
             probs = probs * keep.permute(0, 3, 1, 2)
-        return _slots_weighted(probs, v), probs.permute(0, 2, 3, 1)
+        if through_weights:
+            context = _values_through_weights(probs, hidden_states, self.value_global)
+        else:
+            context = _slots_weighted(probs, self._heads(self.value_global(hidden_states)))
+        return context, probs.permute(0, 2, 3, 1)
 
 
 class PoolingformerSelfAttention(LongformerSelfAttention):
@@ -450,6 +458,41 @@ def _slots_weighted(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return torch.einsum("bnhg,bnhd->bghd", weights, x)
     full = weights.reshape(b, n, h * g).transpose(1, 2) @ x.reshape(b, n, -1)  # [b, h*g, h*d]
     return full.view(b, h, g, h, -1).diagonal(dim1=1, dim2=3).permute(0, 1, 3, 2)
+
+
+# ------------------------------------------------------------------ global rows through the weights
+# A global slot's scores are its query against every row's key_global projection, and its context the
+# rows' value_global projections weighted by its probabilities. Projecting every row (two [b, n, hidden]
+# GEMMs, their backward and the two tensors kept for it) is the long way round for a few slots: by
+# associativity the slot's query can go through the key weights instead (q W_k: [hidden] per slot and
+# head) and the probabilities can meet the rows first and the value weights after (P^T x, then W_v).
+# That is 2 h g hidden FLOPs per row against 2 hidden^2, so the layer takes it while h g < hidden
+# (n = 4096, 12 x 64, one slot, forward and backward: float32 189 -> 19 ms, bfloat16 88 -> 8 ms;
+# bench/NOTES.md).
+def _global_rows_through_weights(heads: int, slots: int, hidden: int) -> bool:
+    return heads * slots < hidden
+
+
+def _keys_through_weights(x: torch.Tensor, queries: torch.Tensor, key: nn.Linear) -> torch.Tensor:
+    """``x [b, n, hidden]``, ``queries [b, g, h, d]`` -> ``[b, n, h, g]``: each row's ``key(x)`` (heads
+    of ``d``) against each slot's query, computed as ``x (W_k^T q) + b_k . q``."""
+    b, g, h, d = queries.shape
+    weight = key.weight.to(queries.dtype).view(h, d, -1)                          # [h, d, hidden]
+    through = torch.einsum("hdc,bghd->bchg", weight, queries).reshape(b, -1, h * g)  # [b, hidden, h*g]
+    # The bias adds one constant per slot and head to all its scores (softmax ignores it), kept so
+    # that key.bias stays in the graph (DistributedDataParallel expects a gradient for it).
+    offset = torch.einsum("hd,bghd->bhg", key.bias.to(queries.dtype).view(h, d), queries).reshape(b, 1, h * g)
+    return torch.baddbmm(offset, x.to(queries.dtype), through).view(b, -1, h, g)
+
+
+def _values_through_weights(weights: torch.Tensor, x: torch.Tensor, value: nn.Linear) -> torch.Tensor:
+    """``weights [b, n, h, g]``, ``x [b, n, hidden]`` -> ``[b, g, h, d]``: per slot and head the rows'
+    ``value(x)`` weighted and summed over n, computed as ``(weights^T x) W_v^T + (sum of weights) b_v``."""
+    b, n, h, g = weights.shape
+    pooled = weights.reshape(b, n, h * g).transpose(1, 2) @ x.to(weights.dtype)     # [b, h*g, hidden]
+    weight = value.weight.to(weights.dtype).view(h, -1, pooled.shape[-1])          # [h, d, hidden]
+    context = torch.einsum("bhgc,hdc->bghd", pooled.view(b, h, g, -1), weight)
+    return context + weights.sum(1).transpose(1, 2)[..., None] * value.bias.to(weights.dtype).view(h, -1)
 
 
 def _merge_weights(lse: torch.Tensor, scores: torch.Tensor):

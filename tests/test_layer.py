@@ -243,9 +243,10 @@ def test_gradients_match_full_mode(mode, dilation, autoregressive):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_tvm_layer(dtype):
+def test_half_precision_tvm_layer(monkeypatch, dtype):
     """Half inputs (scores and probabilities in half, softmax accumulated in float32 by torch):
     close to the float32 result, no NaN/inf."""
+    import longformer_ops.layer
     cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 1]])
     x, mask = layer_inputs(6, 2, 12, 32, dtype=torch.float32, pad_from=[12, 8], globals_=[(0, 1), (1, 5)])
     reference = layer_for(cfg, dtype=torch.float32)(x, mask, output_attentions=True)
@@ -253,8 +254,12 @@ def test_half_precision_tvm_layer(dtype):
     real = mask >= 0
     # The same layer in the dense "full" mode and the same half type: plain torch ops, the bar. Ours
     # may err at most twice as much against float32 (flash-attn's rule), plus a few units roundoff.
-    dense = layer_for(tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 1]], attention_mode="full"),
-                      dtype=dtype)(x.to(dtype), mask, output_attentions=True)
+    # (The bar's global rows project every row's keys and values, as transformers does; ours take the
+    # slots' queries through the weights.)
+    with monkeypatch.context() as patch:
+        patch.setattr(longformer_ops.layer, "_global_rows_through_weights", lambda *_: False)
+        dense = layer_for(tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 1]], attention_mode="full"),
+                          dtype=dtype)(x.to(dtype), mask, output_attentions=True)
     unit = torch.finfo(dtype).eps / 2
     assert half[0].dtype == dtype and half[1].dtype == dtype
     with torch.no_grad():  # no attentions asked for: one call, global keys merged by log-sum-exp
@@ -447,6 +452,40 @@ def test_many_global_tokens_take_the_einsum(monkeypatch, autoregressive, output_
         layer.zero_grad()
     for name, a, b in zip(["out", "input gradient"] + [n for n, _ in layer.named_parameters()], *results, strict=True):
         assert_close(a, b, 1e-12, name)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.4], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+def test_global_rows_through_the_weights_or_projected(monkeypatch, autoregressive, dropout):
+    """The global rows' two ways (keys and values of every row projected, or the slots' queries through
+    the key weights and the probabilities through the value weights): the same outputs, input and
+    parameter gradients, each equal to the explicit definition's output."""
+    import longformer_ops.layer
+
+    cfg = tiny_config(attention_window=2, attention_dilation=[[1, 2, 1, 3]], autoregressive=autoregressive,
+                      attention_probs_dropout_prob=dropout)
+    x, mask = layer_inputs(9, 2, 17, 32, pad_from=[17, 12], globals_=[(0, 3), (0, 10), (1, 5)])
+    layer = layer_for(cfg).train(dropout > 0)
+    results = []
+    for through_weights in (True, False):
+        monkeypatch.setattr(longformer_ops.layer, "_global_rows_through_weights", lambda *_: through_weights)
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(11)  # the same dropout masks both ways
+        out, _, global_probs = layer(xi, mask, output_attentions=dropout > 0)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype))
+        results.append([out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()])
+        layer.zero_grad()
+        if dropout == 0:
+            expected = explicit_attention(layer_for(cfg), x, mask, 2, (1, 2, 1, 3), autoregressive)
+            real = mask >= 0
+            assert_close(out[real], expected[real], 1e-10, f"through_weights={through_weights} vs explicit")
+    names = ["out", "input gradient"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, *results, strict=True):
+        if name in ("key.bias", "key_global.bias"):  # softmax over the keys ignores them: 0 up to roundoff
+            assert a.abs().max() < 1e-12 and b.abs().max() < 1e-12, name
+            continue
+        assert_close(a, b, 1e-12, name)
+        assert b.abs().max() > 1e-3, f"{name}: (almost) zero, the comparison says nothing"
 
 
 def test_dropout_in_training_mode():
