@@ -7,7 +7,7 @@ Levels (``op``):
   (``dV = P^T dO``: each key row gathers the band entries that point at it);
 - ``local_attention``: scores, edge mask, softmax, context (no global tokens);
 - ``layer``: one :class:`longformer_ops.LongformerSelfAttention` (hidden = heads x head_dim) with one
-  global token (position 0, as a classifier's ``<s>``): its five projections, local and global
+  global token (position 0, as a classifier's ``<s>``): its projections, local and global
   attention; forward in eval mode under ``torch.no_grad()``, forward+backward in training mode with Hugging Face's default
   attention dropout 0.1. Not in the default ``--ops`` (``--ops layer``).
 - ``poolingformer``: one :class:`longformer_ops.PoolingformerSelfAttention` set up as the layer, plus
@@ -103,16 +103,20 @@ def band_flops(batch: int, seq_len: int, heads: int, head_dim: int, w: int) -> f
 
 
 def useful_flops(op: str, backward: bool, batch, seq_len, heads, head_dim, w) -> float:
-    """Band products the op needs (2 for attention; the layer adds its five n x hidden x hidden
-    projections; the model has 12 layers, each with those and its FFN), x3 with backward (each
-    product has two adjoints)."""
+    """Band products the op needs (2 for attention; the layer adds its three n x hidden x hidden
+    projections and its global token's scores and context, each 2 n hidden heads through the global
+    key and value weights; the model has 12 layers, each with those, the output dense and its FFN),
+    x3 with backward (each product has two adjoints)."""
     products = 2 if op in ("local_attention", "layer", "poolingformer") else 1  # (model: per layer, below)
+    hidden = heads * head_dim
     flops = band_flops(batch, seq_len, heads, head_dim, w) * products
     if op in ("layer", "poolingformer"):
-        flops += 5 * 2.0 * batch * seq_len * (heads * head_dim) ** 2
-    if op in MODEL_OPS:  # per layer: two band products, five projections, the output dense and the 4x FFN
+        flops += 3 * 2.0 * batch * seq_len * hidden ** 2 + 2 * 2.0 * batch * seq_len * hidden * heads
+    if op in MODEL_OPS:  # per layer: the layer's work, the output dense and the 4x FFN
         # (checkpointed: the same useful work; its recomputation is overhead)
-        flops = MODEL_LAYERS * (2 * flops + (5 + 1 + 8) * 2.0 * batch * seq_len * (heads * head_dim) ** 2)
+        flops = MODEL_LAYERS * (2 * flops + 3 * 2.0 * batch * seq_len * hidden ** 2
+                                + 2 * 2.0 * batch * seq_len * hidden * heads
+                                + (1 + 8) * 2.0 * batch * seq_len * hidden ** 2)
     if op == "poolingformer":  # level 2: three more projections and two products over its band of pools
         flops += 3 * 2.0 * batch * seq_len * (heads * head_dim) ** 2
         flops += 2 * band_flops(batch, seq_len, heads, head_dim, POOLING_WINDOW_FACTOR * w // POOLING_STRIDE)

@@ -64,8 +64,8 @@ def markdown(rows: list[dict], header: str) -> str:
     lines.append("Cells: median time per call / peak extra memory of one call (fresh process). "
                  "'not timed': too slow to time repeatedly, memory from one call.")
     lines += ["", "### Share of the GEMM rate", "",
-              "Useful GFLOP/s (2 b h n (2w+1) head_dim per band product; x2 for attention, the layer adds its five "
-              "2 b n hidden^2 projections; x3 with backward) "
+              "Useful GFLOP/s (2 b h n (2w+1) head_dim per band product; x2 for attention, the layer adds its three "
+              "2 b n hidden^2 projections and its global token's 2 x 2 b n hidden h; x3 with backward) "
               "as a share of the float32 GEMM timed in the same rounds (median of the per-round shares), per length:", ""]
     lengths = sorted({r["seq_len"] for r in rows if r["status"] == "ok"})
     ok = [r for r in rows if r["status"] == "ok"]
