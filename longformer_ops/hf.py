@@ -14,6 +14,12 @@ global tokens merged by the rows' log-sum-exp, no padding to a window multiple n
 convention is transformers' own (negative: padding, 0: local, positive: global), and its window is
 two-sided (``attention_window // 2`` each side here).
 
+transformers' models pad every sequence to a multiple of the attention window for their own
+attention (600 tokens run as 1024 at window 512); a patched model does not (``patch`` also replaces
+``LongformerModel``'s and ``LEDEncoder``'s ``_pad_to_window_size``, which pads as before for any
+model whose self-attention is not all patched): its layers run at the input's length, with the same
+outputs at the real tokens.
+
 With ``output_attentions=True`` the module returns transformers' own attention tensors: the local
 probabilities ``[batch, seq, heads, max_globals + attention_window + 1]`` (global keys' columns first,
 rows of global tokens zeroed) and the global tokens' ``[batch, heads, max_globals, seq]`` (slots an
@@ -33,13 +39,14 @@ import warnings
 
 import torch
 
-from longformer_ops._loader import KernelNotAvailableError
+from longformer_ops._loader import KernelNotAvailableError, library_for
 from longformer_ops.checks import KERNEL_DTYPES
 from longformer_ops.config import AttentionMode
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
 
 _patched_classes: dict[type, type] = {}   # transformers' class -> its patched subclass
 _class_patches: list[tuple[object, str, type]] = []  # (module, name, original class) replaced by patch()
+_padding_originals: dict[type, object] = {}          # model class -> its own _pad_to_window_size, replaced by patch()
 _warned: set[str] = set()
 
 
@@ -49,6 +56,43 @@ def _target_classes() -> list[tuple[object, str]]:
     from transformers.models.longformer import modeling_longformer
 
     return [(modeling_longformer, "LongformerSelfAttention"), (modeling_led, "LEDEncoderSelfAttention")]
+
+
+def _padding_classes() -> list[type]:
+    """The transformers classes that pad a sequence to a multiple of the attention window for it."""
+    from transformers.models.led import modeling_led
+    from transformers.models.longformer import modeling_longformer
+
+    return [modeling_longformer.LongformerModel, modeling_led.LEDEncoder]
+
+
+def _pad_to_window_size(self, *args, **kwargs):
+    """transformers' ``_pad_to_window_size`` (the model class's own), undone when every self-attention
+    of this model runs on our kernels. transformers pads the sequence to a multiple of the attention
+    window (up to window - 1 tokens more through every layer: 600 tokens run as 1024 at window 512)
+    because its own attention needs it; ours takes any length, and the real tokens' outputs are the
+    same (padding is masked as a key either way). The same tensors, sliced back along the sequence.
+    For any other model (unpatched, or one whose call would fall back to transformers' code),
+    transformers' padding as it is."""
+    padding_len, *tensors = _padding_originals[type(self)](self, *args, **kwargs)
+    originals = tuple(getattr(cls, "_original_class", cls) for cls in
+                      (getattr(namespace, name) for namespace, name in _target_classes()))
+    attentions = [m for m in self.modules() if isinstance(m, originals)]
+    for attention in attentions:
+        attention.__dict__.pop("_padded_length", None)
+    if not padding_len or not attentions or not all(hasattr(type(m), "_original_class") for m in attentions):
+        return (padding_len, *tensors)
+    for attention in attentions:  # (their global attentions keep transformers' padded length)
+        attention._padded_length = next(t for t in tensors if t is not None).shape[1]
+    return (0, *(t if t is None else t[:, :t.shape[1] - padding_len] for t in tensors))
+
+
+def _unpad_models() -> None:
+    """Put :func:`_pad_to_window_size` in place of the models' own (neutral for unpatched models)."""
+    for cls in _padding_classes():
+        if cls not in _padding_originals:
+            _padding_originals[cls] = cls._pad_to_window_size
+            cls._pad_to_window_size = _pad_to_window_size
 
 
 def _adopt(module) -> None:
@@ -76,17 +120,20 @@ def _unsupported_reason(hidden_states, unknown: dict) -> str | None:
     return None
 
 
-def _transformers_attentions(output, attentions, global_attentions, attention_mask):
-    """Our layer's attention tensors in the layout transformers' self-attention returns them."""
+def _transformers_attentions(output, attentions, global_attentions, attention_mask, padded_length: int):
+    """Our layer's attention tensors in the layout transformers' self-attention returns them; the
+    global ones over ``padded_length`` keys, the length transformers' model pads the sequence to
+    (see :func:`_pad_to_window_size`), padding keys with weight 0."""
     local = attentions.transpose(1, 2)                  # [b, h, n, g + c] -> [b, n, h, g + c]
     if global_attentions is None:                       # no global token in the batch
         return output, local
     per_slot = global_attentions.transpose(2, 3)        # [b, h, n, g] -> [b, h, g, n]
     g, n = per_slot.shape[2], per_slot.shape[3]
+    per_slot = torch.nn.functional.pad(per_slot, (0, padded_length - n))
     # Slots beyond an example's own global tokens: transformers masks every key of them alike,
     # which makes a uniform row; ours are zeros.
     unused = torch.arange(g, device=per_slot.device) >= (attention_mask > 0).sum(dim=1, keepdim=True)  # [b, g]
-    return output, local, per_slot.masked_fill(unused[:, None, :, None], 1.0 / n)
+    return output, local, per_slot.masked_fill(unused[:, None, :, None], 1.0 / padded_length)
 
 
 def _patched_class(original: type) -> type:
@@ -100,8 +147,17 @@ def _patched_class(original: type) -> type:
                     is_global_attn=None, output_attentions=False, **unknown):
             def theirs(reason: str):
                 _warn_once(reason)
-                return original.forward(self, hidden_states, attention_mask, is_index_masked, is_index_global_attn,
-                                        is_global_attn, output_attentions, **unknown)
+                # transformers' attention needs a multiple of its window, which the model no longer
+                # pads to for a patched model (_pad_to_window_size): padded here for this call.
+                n = hidden_states.shape[1]
+                padding = -n % (2 * self.one_sided_attn_window_size)
+                pad = lambda x, value: torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, padding), value=value)  # noqa: E731
+                outputs = original.forward(self, pad(hidden_states, 0), pad(attention_mask, -10000.0),
+                                           pad(is_index_masked, True), pad(is_index_global_attn, False),
+                                           is_global_attn, output_attentions, **unknown)
+                if not padding:
+                    return outputs
+                return (outputs[0][:, :n], *((outputs[1][:, :n],) if len(outputs) > 1 else ()), *outputs[2:])
 
             reason = _unsupported_reason(hidden_states, unknown)
             if reason:
@@ -113,7 +169,8 @@ def _patched_class(original: type) -> type:
                 return theirs(f"no kernel for this call ({error})")
             if not output_attentions:
                 return (output,)
-            return _transformers_attentions(output, attentions, global_attentions, attention_mask)
+            padded_length = self.__dict__.get("_padded_length", hidden_states.shape[1])
+            return _transformers_attentions(output, attentions, global_attentions, attention_mask, padded_length)
 
         # Our layer's helpers (_heads, _local_banded, _global_rows, ...), copied in rather than inherited:
         # transformers' __init__ calls super().__init__(), which must stay nn.Module's.
@@ -139,6 +196,7 @@ def patch(model=None):
             if getattr(original, "_original_class", None) is None:
                 _class_patches.append((namespace, name, original))
                 setattr(namespace, name, _patched_class(original))
+        _unpad_models()
         return None
     originals = tuple(getattr(namespace, name) for namespace, name in targets)
     originals = tuple(getattr(cls, "_original_class", cls) for cls in originals)
@@ -147,6 +205,7 @@ def patch(model=None):
         if cls in originals:
             module.__class__ = _patched_class(cls)
             _adopt(module)
+    _unpad_models()
     return model
 
 
@@ -157,6 +216,9 @@ def unpatch(model=None):
         while _class_patches:
             namespace, name, original = _class_patches.pop()
             setattr(namespace, name, original)
+        while _padding_originals:
+            cls, original = _padding_originals.popitem()
+            cls._pad_to_window_size = original
         return None
     for module in model.modules():
         original = getattr(type(module), "_original_class", None)

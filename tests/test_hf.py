@@ -105,6 +105,35 @@ def test_patched_model_matches_transformers(name, training, kernel_calls):
     assert not kernel_calls, "unpatch left our kernels in place"
 
 
+@pytest.mark.parametrize("how", ["model", "classes"])
+def test_patched_models_run_unpadded(how, kernel_calls):
+    """transformers pads a sequence to a multiple of the attention window for its own attention; a
+    patched model's layers run at the input's length (ours takes any), unpatched ones as before."""
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append((args[0] if args else kwargs["hidden_states"]).shape[1])
+    for name in ("LongformerForSequenceClassification", "LED"):
+        if how == "classes":
+            hf.patch()
+        try:
+            model = _led() if name == "LED" else _model(name)
+            inputs = _led_inputs() if name == "LED" else _inputs(name)
+            attention = next(m for m in model.modules() if hasattr(m, "one_sided_attn_window_size"))
+            attention.register_forward_pre_hook(record, with_kwargs=True)
+            if how == "model":
+                _outputs(model, inputs)
+                assert seen.pop() == 24, name  # (19 tokens padded to a multiple of the window, 6 or 8)
+                hf.patch(model)
+            _outputs(model, inputs)
+            assert seen.pop() == 19, f"{name}: the patched model's layers ran a padded sequence"
+        finally:
+            hf.unpatch(model)
+            hf.unpatch()
+        _outputs(model, inputs)
+        assert seen.pop() == 24, f"{name}: unpatched, transformers pads again"
+
+
 def test_attention_mask_with_2_for_global(kernel_calls):
     """transformers' older convention: one attention_mask with 0 padding, 1 local, 2 global (no
     global_attention_mask); the patched model reads it as the unpatched one does."""
