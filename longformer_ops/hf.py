@@ -39,7 +39,7 @@ import warnings
 
 import torch
 
-from longformer_ops._loader import KernelNotAvailableError, library_for
+from longformer_ops._loader import KernelNotAvailableError
 from longformer_ops.checks import KERNEL_DTYPES
 from longformer_ops.config import AttentionMode
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
@@ -72,9 +72,10 @@ def _pad_to_window_size(self, *args, **kwargs):
     window (up to window - 1 tokens more through every layer: 600 tokens run as 1024 at window 512)
     because its own attention needs it; ours takes any length, and the real tokens' outputs are the
     same (padding is masked as a key either way). The same tensors, sliced back along the sequence.
-    For any other model (unpatched, or one whose call would fall back to transformers' code),
-    transformers' padding as it is."""
-    padding_len, *tensors = _padding_originals[type(self)](self, *args, **kwargs)
+    A model whose self-attention is not all patched is padded as transformers does (a patched call
+    that falls back to transformers' attention pads for itself)."""
+    own = next(_padding_originals[cls] for cls in type(self).__mro__ if cls in _padding_originals)
+    padding_len, *tensors = own(self, *args, **kwargs)
     originals = tuple(getattr(cls, "_original_class", cls) for cls in
                       (getattr(namespace, name) for namespace, name in _target_classes()))
     attentions = [m for m in self.modules() if isinstance(m, originals)]
@@ -151,7 +152,11 @@ def _patched_class(original: type) -> type:
                 # pads to for a patched model (_pad_to_window_size): padded here for this call.
                 n = hidden_states.shape[1]
                 padding = -n % (2 * self.one_sided_attn_window_size)
-                pad = lambda x, value: torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, padding), value=value)  # noqa: E731
+
+                def pad(x, value):  # along the sequence (dim 1)
+                    return x if x is None or not padding else torch.nn.functional.pad(
+                        x, (0, 0) * (x.dim() - 2) + (0, padding), value=value)
+
                 outputs = original.forward(self, pad(hidden_states, 0), pad(attention_mask, -10000.0),
                                            pad(is_index_masked, True), pad(is_index_global_attn, False),
                                            is_global_attn, output_attentions, **unknown)

@@ -134,6 +134,24 @@ def test_patched_models_run_unpadded(how, kernel_calls):
         assert seen.pop() == 24, f"{name}: unpatched, transformers pads again"
 
 
+def test_subclass_of_a_patched_model_runs_unpadded(kernel_calls):
+    """A user's subclass of transformers' LongformerModel gets the unpadded sequence too."""
+    class MyModel(transformers.LongformerModel):
+        pass
+
+    torch.manual_seed(0)
+    model = randomize_(MyModel(hf_config(random_hf_windows(0, 2))), 0).eval()
+    inputs = _inputs("LongformerModel")
+    expected = _outputs(model, inputs)[0]
+    try:
+        got = _outputs(hf.patch(model), inputs)[0]
+    finally:
+        hf.unpatch()
+    real = inputs["attention_mask"].bool()
+    assert "attention" in kernel_calls
+    assert_close(got[real], expected[real], ATOL, "subclass")
+
+
 def test_attention_mask_with_2_for_global(kernel_calls):
     """transformers' older convention: one attention_mask with 0 padding, 1 local, 2 global (no
     global_attention_mask); the patched model reads it as the unpatched one does."""
