@@ -193,7 +193,10 @@ def _patched_class(original: type) -> type:
 def patch(model=None):
     """Run the self-attention of ``model`` (any transformers model holding Longformer or LED encoder
     self-attention modules, PEFT-wrapped ones included) on our kernels, in place; returns ``model``.
-    Without a model, patch transformers' classes, so that every model built afterwards runs on them."""
+    Without a model, patch transformers' classes, so that every model built afterwards runs on them.
+    Either way ``LongformerModel``'s and ``LEDEncoder``'s ``_pad_to_window_size`` is replaced class-wide
+    by :func:`_pad_to_window_size`, which pads as before for a model whose self-attention is not all
+    patched (``unpatch()`` restores it)."""
     targets = _target_classes()
     if model is None:
         for namespace, name in targets:
