@@ -488,6 +488,25 @@ def test_global_rows_through_the_weights_or_projected(monkeypatch, autoregressiv
         assert b.abs().max() > 1e-3, f"{name}: (almost) zero, the comparison says nothing"
 
 
+def test_global_rows_of_wrapped_projections_call_them():
+    """A global projection that is not a plain nn.Linear (a LoRA adapter, a quantized layer: its output
+    is more than its weight tells) is called, not read through its weight."""
+    class Adapted(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 0.5 * torch.tanh(x)
+
+    cfg = tiny_config(attention_window=2)
+    x, mask = layer_inputs(3, 2, 13, 32, pad_from=[13, 9], globals_=[(0, 4), (1, 2)])
+    layer = layer_for(cfg)
+    for name in ("key_global", "value_global"):
+        adapted = Adapted(32, 32).to(torch.float64)
+        adapted.load_state_dict(getattr(layer, name).state_dict())
+        setattr(layer, name, adapted)
+    expected = explicit_attention(layer, x, mask, 2, (1,) * 4, False)
+    real = mask >= 0
+    assert_close(layer(x, mask)[0][real], expected[real], 1e-10, "adapted global projections")
+
+
 def test_dropout_in_training_mode():
     cfg = tiny_config(attention_window=2, attention_probs_dropout_prob=0.5)
     layer = layer_for(cfg, dtype=torch.float32).train()
