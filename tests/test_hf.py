@@ -152,6 +152,24 @@ def test_subclass_of_a_patched_model_runs_unpadded(kernel_calls):
     assert_close(got[real], expected[real], ATOL, "subclass")
 
 
+def test_patched_model_compiles(kernel_calls):
+    """torch.compile of a patched model (unpadded sequence, global tokens, padding): transformers'
+    outputs at the real tokens."""
+    model = _model("LongformerModel", layers=2)
+    inputs = _inputs("LongformerModel")
+    expected = _outputs(model, inputs)[0]
+    hf.patch(model)
+    hf._warned.clear()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(model)(**inputs)[0]
+    fallbacks = [str(w.message) for w in caught if "longformer_ops.hf" in str(w.message)]
+    assert not fallbacks, fallbacks  # (transformers' own attention would match too)
+    real = inputs["attention_mask"].bool()
+    assert got.shape == expected.shape
+    assert_close(got[real], expected[real], ATOL, "compiled patched model")
+
+
 def test_attention_mask_with_2_for_global(kernel_calls):
     """transformers' older convention: one attention_mask with 0 padding, 1 local, 2 global (no
     global_attention_mask); the patched model reads it as the unpatched one does."""
