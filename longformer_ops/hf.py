@@ -58,6 +58,13 @@ def _target_classes() -> list[tuple[object, str]]:
     return [(modeling_longformer, "LongformerSelfAttention"), (modeling_led, "LEDEncoderSelfAttention")]
 
 
+def _original_attention_classes() -> tuple[type, ...]:
+    """transformers' own self-attention classes (the originals, also while :func:`patch` has replaced
+    them in their modules)."""
+    return tuple(getattr(cls, "_original_class", cls) for cls in
+                 (getattr(namespace, name) for namespace, name in _target_classes()))
+
+
 def _padding_classes() -> list[type]:
     """The transformers classes that pad a sequence to a multiple of the attention window for it."""
     from transformers.models.led import modeling_led
@@ -76,8 +83,7 @@ def _pad_to_window_size(self, *args, **kwargs):
     that falls back to transformers' attention pads for itself)."""
     own = next(_padding_originals[cls] for cls in type(self).__mro__ if cls in _padding_originals)
     padding_len, *tensors = own(self, *args, **kwargs)
-    originals = tuple(getattr(cls, "_original_class", cls) for cls in
-                      (getattr(namespace, name) for namespace, name in _target_classes()))
+    originals = _original_attention_classes()
     attentions = [m for m in self.modules() if isinstance(m, originals)]
     for attention in attentions:
         attention.__dict__.pop("_padded_length", None)
@@ -206,8 +212,7 @@ def patch(model=None):
                 setattr(namespace, name, _patched_class(original))
         _unpad_models()
         return None
-    originals = tuple(getattr(namespace, name) for namespace, name in targets)
-    originals = tuple(getattr(cls, "_original_class", cls) for cls in originals)
+    originals = _original_attention_classes()
     for module in model.modules():
         cls = type(module)
         if cls in originals:
