@@ -64,7 +64,7 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
 fi
 
 failed=0
-STEPS=${STEPS:-gpu info tests memcheck racecheck bench baseline}  # and flex (a second call)
+STEPS=${STEPS:-gpu info tests memcheck racecheck bench baseline}  # and flex (a second call), ncu
 limit() {  # limit NAME: its seconds from $LIMITS, 0 (none) if not named
     local kv
     for kv in ${LIMITS:-}; do [ "${kv%%=*}" = "$1" ] && { echo "${kv#*=}"; return; }; done
@@ -120,6 +120,18 @@ fi
 step flex "$PYTHON" -m bench --device cuda --out "$out" --name "$gpu_name-flex" ${FLEX_ARGS:---dtype bfloat16 \
     --seq-lens 16384 --ops local_attention --methods tvm,tvm_steps_torch_softmax,flex --passes forward,forward+backward \
     --dilated-passes forward,forward+backward --repeats 5 --no-memory}
+
+# Nsight Compute on one steady-state forward and backward (tools/profile_cuda_attention.py; PROFILE_ARGS
+# for another case), every section (`--set full`: each kernel replayed ~40 times, seconds in all),
+# then the report as text: each kernel's details, and its SASS with the warp-stall samples per
+# instruction (where the time goes inside it). An ncu step of its own: STEPS=ncu.
+ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | tail -n 1)
+step ncu "${ncu_bin:-ncu}" --profile-from-start off --clock-control none --set full --import-source no -f \
+    -o "$out/attention" "$PYTHON" tools/profile_cuda_attention.py ${PROFILE_ARGS:-}
+if [ -f "$out/attention.ncu-rep" ]; then
+    "$ncu_bin" -i "$out/attention.ncu-rep" --page details > "$out/ncu-details.txt" 2>&1
+    "$ncu_bin" -i "$out/attention.ncu-rep" --page source --print-source sass --csv > "$out/ncu-sass.csv" 2>&1
+fi
 
 [ -f "$out/tests-summary.txt" ] && cat "$out/tests-summary.txt"
 [ -f "$out/tests.log" ] && tail -n 5 "$out/tests.log"
