@@ -98,8 +98,15 @@ static void ldmatrix(float* dst, const float* src, bool transposed) {
 }
 static void longformer_ldmatrix_x4(float* dst, const float* src) { ldmatrix(dst, src, false); }
 static void longformer_ldmatrix_x4_trans(float* dst, const float* src) { ldmatrix(dst, src, true); }
-// The staging's 16-byte copies: VECTOR (8) elements, here floats.
-static void longformer_copy16(float* dst, const float* src) { std::copy(src, src + 8, dst); }
+// The staging's 16-byte copies: VECTOR (8) elements, here floats, from row `row` of a tensor whose
+// row 0 is at row0 (rows row_bytes apart).
+static const float* row_at(const float* row0, int row, int row_bytes) {
+  return reinterpret_cast<const float*>(reinterpret_cast<const char*>(row0) + static_cast<long long>(row) * row_bytes);
+}
+static void longformer_copy16(float* dst, const float* row0, int row, int row_bytes) {
+  const float* src = row_at(row0, row, row_bytes);
+  std::copy(src, src + 8, dst);
+}
 static void longformer_zero16(float* dst) { std::fill(dst, dst + 8, 0.0f); }
 // cp.async and its groups. By default each copy is done at once; built with
 // LONGFORMER_ASYNC_DEFERRED (ASYNC_ENV=deferred), each thread's copies wait until its
@@ -108,13 +115,18 @@ static void longformer_zero16(float* dst) { std::fill(dst, dst + 8, 0.0f); }
 // computes with the wrong operands in one of the two builds.
 #ifdef LONGFORMER_ASYNC_DEFERRED
 thread_local std::vector<std::pair<float*, const float*>> async_pending;
-static void longformer_copy16_async(float* dst, const float* src) { async_pending.emplace_back(dst, src); }
+static void longformer_copy16_async(float* dst, const float* row0, int row, int row_bytes) {
+  async_pending.emplace_back(dst, row_at(row0, row, row_bytes));
+}
 static void longformer_async_wait() {
   for (auto& [dst, src] : async_pending) std::copy(src, src + 8, dst);
   async_pending.clear();
 }
 #else
-static void longformer_copy16_async(float* dst, const float* src) { std::copy(src, src + 8, dst); }
+static void longformer_copy16_async(float* dst, const float* row0, int row, int row_bytes) {
+  const float* src = row_at(row0, row, row_bytes);
+  std::copy(src, src + 8, dst);
+}
 static void longformer_async_wait() {}
 #endif
 static void longformer_async_commit() {}

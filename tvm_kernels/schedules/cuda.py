@@ -43,6 +43,7 @@ zero-pads), feature blocks past it are guarded.
 
 from __future__ import annotations
 
+import tvm
 from tvm import tirx
 from tvm.backend.cuda.op import cuda_func_call  # a CUDA device function's source, called from TIR
 from tvm.script import tirx as T
@@ -126,6 +127,52 @@ def _chunk_rows(row_of, count, tx, first, n, d, base=0):
         row_of[base + tx] = T.int64(-1)
         if first + tx >= T.int64(0) and first + tx < n:
             row_of[base + tx] = _packed_row(first + tx, n, d)[0]
+
+
+@T.macro
+def _chunk_key_bias(bias, key_bias, key_row, b, tx, base=0):
+    """bias[base + x] = the key bias at chunk key x's sequence row (x < QK_KEYS; any value for keys
+    outside the sequence, whose scores the band masks), by the thread that wrote the row: read once a
+    chunk from global memory, not once per score (a 64-bit address and a load the score waits on)."""
+    if tx < QK_KEYS:
+        bias[base + tx] = key_bias[b, T.max(key_row[base + tx], T.int64(0))]
+
+
+@T.macro
+def _chunk_column_bounds(bounds, valid_from, valid_to, row0, chunk, t2):
+    """The band mask of this thread's two rows (row0 + 8 r, an mma accumulator's rows) in this chunk,
+    as columns: chunk column t2 + c (c: an accumulator element's column less t2, a constant) is in
+    row r's band iff bounds[2 r] <= c < bounds[2 r + 1] (band column j of row a is chunk column
+    a + j - 64 chunk, see qk; clamped to [0, 64], so int32). Computed once a chunk, the per-score
+    test is two compares of registers with constants, where the band's own 64-bit table lookups
+    took ~22 instructions and a branch per score (bench/NOTES.md, fifth GPU run)."""
+    for r in T.unroll(2):
+        shift: T.let = T.Cast("int64", row0 + r * 8 - t2) - chunk * T.int64(QK_KEYS)
+        bounds[2 * r] = T.Cast("int32", T.min(T.max(valid_from[row0 + r * 8] + shift, T.int64(0)), T.int64(QK_KEYS)))
+        bounds[2 * r + 1] = T.Cast("int32", T.min(T.max(valid_to[row0 + r * 8] + shift, T.int64(0)), T.int64(QK_KEYS)))
+
+
+@T.macro
+def _query_key_spans(spans, query_row, valid_from, valid_to, tx, chunk, band, base=0):
+    """For chunk query x (``base + x`` of the tables, as :func:`_tile_rows` wrote them, by the same
+    thread) of the key-major kernel: the tile keys in its band, [spans[2 i], spans[2 i + 1]) with
+    i = base + x (tile key a's band column for the chunk's query x is a - x + band - 1 - 64 chunk;
+    clamped to [0, 64], so int32; empty for no query). The per-score test is then two compares of
+    int32s, as :func:`_chunk_column_bounds` in the query-major kernels."""
+    if tx < QK_KEYS:
+        shift: T.let = T.Cast("int64", tx) - band + T.int64(1) + chunk * T.int64(QK_KEYS)
+        has_row: T.let = query_row[base + tx] >= T.int64(0)
+        spans[(base + tx) * T.int64(2)] = T.Select(has_row, T.Cast("int32", T.min(T.max(
+            valid_from[base + tx] + shift, T.int64(0)), T.int64(QK_KEYS))), T.int32(QK_KEYS))
+        spans[(base + tx) * T.int64(2) + T.int64(1)] = T.Select(has_row, T.Cast("int32", T.min(T.max(
+            valid_to[base + tx] + shift, T.int64(0)), T.int64(QK_KEYS))), T.int32(0))
+
+
+def _in_bounds(bounds, x):
+    """Whether accumulator element x lies in its row's band (:func:`_chunk_column_bounds`)."""
+    c = x // 4 * 8 + _c_element(x % 4)[1]
+    r = x % 4 // 2
+    return tirx.all(T.int32(c) >= bounds[2 * r], T.int32(c) < bounds[2 * r + 1])
 
 
 @T.macro
@@ -612,12 +659,19 @@ def _ldmatrix(dst, buf, offset, transposed: bool, operand_dtype: str):
 # copy runs while the thread goes on; in flight until ``wait``, which waits for all of this thread's;
 # ``commit`` closes the group of those issued since the last), so a chunk's operands load while the
 # previous chunk's products run.
+#
+# A copy's source is a row of [batch, n, heads, head_dim] given as the address of row 0's element,
+# the row and the row's length in bytes, multiplied here as two 32-bit ints into a 64-bit offset
+# (one IMAD.WIDE): TVM's own address of t[b, row, h, f] is three 64-bit multiplies (~20
+# instructions), and a chunk's staging has eight such copies a thread (bench/NOTES.md, fifth GPU run).
 COPY_SOURCE = {
-    "copy": "__device__ __forceinline__ void longformer_copy16(void* dst, const void* src) {\n"
+    "copy": "__device__ __forceinline__ void longformer_copy16(void* dst, const void* row0, int row, int row_bytes) {\n"
+            "  const char* src = static_cast<const char*>(row0) + static_cast<long long>(row) * row_bytes;\n"
             "  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);\n}\n",
     "zero": "__device__ __forceinline__ void longformer_zero16(void* dst) {\n"
             "  *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);\n}\n",
-    "copy_async": "__device__ __forceinline__ void longformer_copy16_async(void* dst, const void* src) {\n"
+    "copy_async": "__device__ __forceinline__ void longformer_copy16_async(void* dst, const void* row0, int row, int row_bytes) {\n"
+                  "  const char* src = static_cast<const char*>(row0) + static_cast<long long>(row) * row_bytes;\n"
                   "  unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(dst));\n"
                   '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(address), "l"(src) : "memory");\n}\n',
     "commit": "__device__ __forceinline__ void longformer_async_commit() {\n"
@@ -681,7 +735,9 @@ def _stage_operand(buf, t, row_of, b, h, feature0, head_dim, tx, operand, base=0
         row: T.let = row_of[row_base + r]  # (bound: a condition may not read shared memory)
         if row >= T.int64(0) and feature < head_dim:
             T.evaluate(cuda_func_call(COPY_FUNCTION[copy], buf.access_ptr("w", offset=base + r * OP_STRIDE + f, extent=VECTOR),
-                                      T.address_of(t[b, row, h, feature]), source_code=_copy_source(operand, copy)))
+                                      T.address_of(t[b, T.int64(0), h, feature]), T.Cast("int32", row),
+                                      T.Cast("int32", t.shape[2] * t.shape[3] * T.int64(tvm.DataType(t.dtype).bits // 8)),
+                                      source_code=_copy_source(operand, copy)))
         else:
             T.evaluate(cuda_func_call("longformer_zero16", buf.access_ptr("w", offset=base + r * OP_STRIDE + f, extent=VECTOR),
                                       source_code=_copy_source(operand, "zero")))
@@ -735,8 +791,8 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
     their own dtype, 64 features at a time, staged 16 bytes per load; the warps take their
     fragments with ``ldmatrix`` (V's transposed by its ``.trans``). Where head_dim fits one block of
     64 features the tile's queries are staged once, not per chunk. Keys and values are double
-    buffered: the next step's are copied with ``cp.async`` while this step's products run (48640
-    bytes of shared memory, under the 48 KiB a kernel may declare statically). ``operand_dtype`` float32
+    buffered: the next step's are copied with ``cp.async`` while this step's products run (49152
+    bytes of shared memory with the chunks' key biases: the 48 KiB a kernel may declare statically). ``operand_dtype`` float32
     (only with dtype float32) is for the CPU harness, which emulates the instructions."""
     operand = operand_dtype or dtype
     acc_dtype = accumulation_dtype(dtype)
@@ -773,7 +829,9 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                     valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                     valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                     key_row = T.alloc_buffer((2 * QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                    chunk_bias = T.alloc_buffer((2 * QK_KEYS,), acc_dtype, scope="shared")  # the key rows' key_bias
                     acc = T.alloc_buffer((tiles * 4,), acc_dtype, scope="local")  # scores, then probabilities
+                    bounds = T.alloc_buffer((4,), "int32", scope="local")  # this chunk's band, as columns
                     context = T.alloc_buffer((tiles * 4,), acc_dtype, scope="local")
                     row_max = T.alloc_buffer((2,), acc_dtype, scope="local")  # of rows g and g + 8
                     row_sum = T.alloc_buffer((2,), acc_dtype, scope="local")
@@ -818,6 +876,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                             # (each thread waits for its own first) and those rows are in place.
                             T.tvm_storage_sync("shared")  # the last pass is done with keys, values, key rows
                             _chunk_rows(key_row, QK_KEYS, tx, p0 - w, n, d)
+                            _chunk_key_bias(chunk_bias, key_bias, key_row, b, tx)
                             T.tvm_storage_sync("shared")
                             _stage_operand(keys, k, key_row, b, h, T.int64(0), head_dim, tx, operand, 0, 0, "copy_async")
                             _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand, 0, 0,
@@ -831,6 +890,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                     if fb == T.int64(0) and chunk + T.int64(1) < chunks:
                                         _chunk_rows(key_row, QK_KEYS, tx, p0 - w + (chunk + T.int64(1)) * T.int64(QK_KEYS), n, d,
                                                     (T.int64(1) - slot) * T.int64(QK_KEYS))
+                                        _chunk_key_bias(chunk_bias, key_bias, key_row, b, tx, (T.int64(1) - slot) * T.int64(QK_KEYS))
                                     if blocks > T.int64(1) or step == T.int64(0):  # else the tile's queries stay
                                         _stage_operand(queries, q, query_row, b, h, fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
                                     T.evaluate(_async("wait", operand))
@@ -854,15 +914,15 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                     if fb == blocks - T.int64(1):
                                         # Scores, -inf off the band (band column j of row a is chunk column a + j, see
                                         # qk), and each row's maximum over its quad.
+                                        # (The biased score first, unconditionally: inside the Select its load
+                                        # would be a branch.)
+                                        _chunk_column_bounds(bounds, valid_from, valid_to, row0, chunk, t2)
                                         for r in T.unroll(2):
                                             reduced[r] = minus_inf
                                         for x in T.unroll(tiles * 4):
-                                            a: T.let = row0 + _c_element(x % 4)[0]
                                             kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                                            j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - a)
-                                            acc[x] = T.Select(j >= valid_from[a] and j < valid_to[a],
-                                                              acc[x] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[slot * T.int64(QK_KEYS) + kk], T.int64(0))],
-                                                              minus_inf)
+                                            acc[x] = acc[x] * T.Cast(acc_dtype, scale) + chunk_bias[slot * T.int64(QK_KEYS) + T.Cast("int64", kk)]
+                                            acc[x] = T.Select(_in_bounds(bounds, x), acc[x], minus_inf)
                                             reduced[x % 4 // 2] = T.max(reduced[x % 4 // 2], acc[x])
                                         for r in T.unroll(2):
                                             reduced[r] = _quad("max", reduced[r])  # (stored: a let would repeat the shuffles)
@@ -1074,7 +1134,9 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                 valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                 valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                 key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
+                chunk_bias = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")  # the key rows' key_bias
                 scores = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # S, then P, then dS
+                bounds = T.alloc_buffer((4,), "int32", scope="local")  # this chunk's band, as columns
                 grad_p = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # dP
                 grad_acc = T.alloc_buffer((FEATURE_BLOCK // 8 * 4,), acc_dtype, scope="local")  # dQ / scale
                 row_lse = T.alloc_buffer((2,), acc_dtype, scope="local")  # of rows g and g + 8 (0 for no key)
@@ -1124,6 +1186,7 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                     for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
                         T.tvm_storage_sync("shared")  # the last chunk's products are done with the buffers
                         _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
+                        _chunk_key_bias(chunk_bias, key_bias, key_row, b, tx)
                         for x in T.unroll(QK_KEYS // 8 * 4):
                             scores[x] = T.Cast(acc_dtype, 0)
                             grad_p[x] = T.Cast(acc_dtype, 0)
@@ -1146,16 +1209,12 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                                     grad_p[x // 2 * 4 + r * 2 + x % 2] = grad_p[x // 2 * 4 + r * 2 + x % 2] * dropout_factor(
                                         row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - row0 - r * 8), T.int64(0)),
                                         dropout, acc_dtype, bind=True)
+                        _chunk_column_bounds(bounds, valid_from, valid_to, row0, chunk, t2)
                         for x in T.unroll(QK_KEYS // 8 * 4):
-                            # Band column j of row a is chunk column a + j (see qk).
-                            a: T.let = row0 + _c_element(x % 4)[0]
+                            # P (its exponent unconditionally: inside the Select its load would be a branch).
                             kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                            j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - a)
-                            scores[x] = T.Select(
-                                j >= valid_from[a] and j < valid_to[a],
-                                T.exp(scores[x] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[kk], T.int64(0))]
-                                      - row_lse[x % 4 // 2]),
-                                T.Cast(acc_dtype, 0)) * (grad_p[x] - delta[x % 4 // 2])
+                            scores[x] = T.exp(scores[x] * T.Cast(acc_dtype, scale) + chunk_bias[kk] - row_lse[x % 4 // 2])
+                            scores[x] = T.Select(_in_bounds(bounds, x), scores[x], T.Cast(acc_dtype, 0)) * (grad_p[x] - delta[x % 4 // 2])
                         if blocks > T.int64(1):  # dQ's features f0 of these keys (one block: already there)
                             T.tvm_storage_sync("shared")
                             _stage_operand(keys, k, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
@@ -1318,6 +1377,7 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                 query_row = T.alloc_buffer((2 * QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
                 valid_from = T.alloc_buffer((2 * QK_KEYS,), "int64", scope="shared")  # the queries' valid band columns
                 valid_to = T.alloc_buffer((2 * QK_KEYS,), "int64", scope="shared")
+                key_spans = T.alloc_buffer((2 * 2 * QK_KEYS,), "int32", scope="shared")  # each query's band: tile keys
                 row_lse = T.alloc_buffer((2 * QK_KEYS,), acc_dtype, scope="shared")
                 delta = T.alloc_buffer((2 * QK_KEYS,), acc_dtype, scope="shared")
                 part_sum = T.alloc_buffer((MMA_THREADS,), acc_dtype, scope="shared")
@@ -1368,6 +1428,7 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                             grad_v_acc[x] = T.Cast(acc_dtype, 0)
                         T.tvm_storage_sync("shared")  # the last pass is done with every buffer
                         _tile_rows(query_row, valid_from, valid_to, tx, first_query, n, d, w, band)
+                        _query_key_spans(key_spans, query_row, valid_from, valid_to, tx, T.int64(0), band)
                         T.tvm_storage_sync("shared")
                         _delta_halves(part_sum, part_lse, total, query_row, grad, out, lse, grad_lse, b, h, head_dim, tx, operand,
                                       acc_dtype, minus_inf)
@@ -1386,6 +1447,8 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                                         _tile_rows(query_row, valid_from, valid_to, tx,
                                                    first_query + (chunk + T.int64(1)) * T.int64(QK_KEYS), n, d, w, band,
                                                    (T.int64(1) - slot) * T.int64(QK_KEYS))
+                                        _query_key_spans(key_spans, query_row, valid_from, valid_to, tx, chunk + T.int64(1), band,
+                                                         (T.int64(1) - slot) * T.int64(QK_KEYS))
                                     _delta_combine(delta, row_lse, part_sum, part_lse, tx, slot * T.int64(QK_KEYS))
                                 if stage < blocks and (blocks > T.int64(1) or step == T.int64(0)):  # else the tile's K and V stay
                                     _stage_operand(keys, k, key_row, b, h, stage * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
@@ -1420,16 +1483,16 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                                 if stage == stages - T.int64(1):
                                     # P^T (0 off the band), then dS^T and P^T Z; with dropout Z at (query, band column).
                                     # (Chunk query col's entries in this chunk's slot of the tables: at.)
+                                    # (The exponent unconditionally: inside the Select its load would be a
+                                    # branch. Keys outside the sequence need no mask: their rows of dK and
+                                    # dV are not stored.)
                                     for x in T.unroll(QK_KEYS // 8 * 4):
                                         a: T.let = row0 + _c_element(x % 4)[0]
                                         col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
                                         at: T.let = slot * T.int64(QK_KEYS) + T.Cast("int64", col)
-                                        j: T.let = T.Cast("int64", a - col) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
-                                        probs[x] = T.Select(
-                                            query_row[at] >= T.int64(0) and my_key[x % 4 // 2] >= T.int64(0)
-                                            and j >= valid_from[at] and j < valid_to[at],
-                                            T.exp(probs[x] * T.Cast(acc_dtype, scale) + my_bias[x % 4 // 2] - row_lse[at]),
-                                            T.Cast(acc_dtype, 0))
+                                        probs[x] = T.exp(probs[x] * T.Cast(acc_dtype, scale) + my_bias[x % 4 // 2] - row_lse[at])
+                                        probs[x] = T.Select(tirx.all(a >= key_spans[at * T.int64(2)], a < key_spans[at * T.int64(2) + T.int64(1)]),
+                                                            probs[x], T.Cast(acc_dtype, 0))
                                     if dropout > T.float64(0):
                                         for x in T.unroll(QK_KEYS // 8 * 4):
                                             a: T.let = row0 + _c_element(x % 4)[0]
