@@ -130,6 +130,8 @@ static void longformer_copy16_async(float* dst, const float* row0, int row, int 
 static void longformer_async_wait() {}
 #endif
 static void longformer_async_commit() {}
+// 2^x: the tensor-core kernels' base-2 softmax (ex2.approx on the GPU).
+static float longformer_exp2(float x) { return std::exp2(x); }
 // The deltas' dot product of 8 elements (16 bytes of a half type on the GPU).
 static float longformer_dot8(const float* a, const float* b) {
   float sum = 0;

@@ -68,6 +68,8 @@ S_STRIDE = QK_KEYS + 4  # attention: the chunk's scores, [row, key]
 SPAN = 16  # threads along each axis of a 64 x 64 sub-product: 16 x 16 threads of 4 x 4 results
 ROW_PARTS = THREADS // TILE_ROWS  # threads per tile row in the row-wise passes (softmax, deltas): 4
 PER_PART = QK_KEYS // ROW_PARTS  # the softmax's columns of a chunk per thread
+LOG2E = 1.4426950408889634  # the tensor-core kernels' base-2 softmax (EXP2_SOURCE)
+LN2 = 0.6931471805599453
 
 
 def _packed_row(p, n, d):
@@ -131,11 +133,12 @@ def _chunk_rows(row_of, count, tx, first, n, d, base=0):
 
 @T.macro
 def _chunk_key_bias(bias, key_bias, key_row, b, tx, base=0):
-    """bias[base + x] = the key bias at chunk key x's sequence row (x < QK_KEYS; any value for keys
-    outside the sequence, whose scores the band masks), by the thread that wrote the row: read once a
-    chunk from global memory, not once per score (a 64-bit address and a load the score waits on)."""
+    """bias[base + x] = the key bias at chunk key x's sequence row times log2(e) (the tensor-core
+    kernels' base-2 softmax, LOG2E) (x < QK_KEYS; any value for keys outside the sequence, whose
+    scores the band masks), by the thread that wrote the row: read once a chunk from global memory,
+    not once per score (a 64-bit address and a load the score waits on)."""
     if tx < QK_KEYS:
-        bias[base + tx] = key_bias[b, T.max(key_row[base + tx], T.int64(0))]
+        bias[base + tx] = key_bias[b, T.max(key_row[base + tx], T.int64(0))] * T.float32(LOG2E)
 
 
 @T.macro
@@ -597,6 +600,26 @@ QUAD_SOURCE = {
 """}
 
 
+# The tensor-core kernels' softmax runs in base 2, as FlashAttention's: scores are scaled by
+# scale * log2(e) (the key bias staged times log2(e)), so that each exponential is one
+# ``ex2.approx.ftz`` (MUFU.EX2) where expf is eight instructions (its range reduction and
+# rounding), and the log-sum-exp is converted back (max * ln 2 + ln(sum)). Its error, 2 ulp, is far
+# under the half types' rounding of P. The CPU harness defines its own (std::exp2). (LOG2E and LN2:
+# at the top, where the macros find them.)
+EXP2_SOURCE = """__device__ __forceinline__ float longformer_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+
+
+def _exp2(x, operand_dtype: str):
+    """2^x in float32 (see EXP2_SOURCE)."""
+    source = EXP2_SOURCE if operand_dtype in MMA_PTX_TYPE else "// longformer_exp2: the CPU harness defines it\n"
+    return cuda_func_call("longformer_exp2", x, source_code=source, return_type="float32")
+
+
 def _c_element(i: int):
     """(row, column) offsets from (g, 2t) of accumulator element i."""
     return 8 * (i // 2), i % 2
@@ -921,7 +944,8 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                             reduced[r] = minus_inf
                                         for x in T.unroll(tiles * 4):
                                             kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                                            acc[x] = acc[x] * T.Cast(acc_dtype, scale) + chunk_bias[slot * T.int64(QK_KEYS) + T.Cast("int64", kk)]
+                                            acc[x] = (acc[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E))
+                                                      + chunk_bias[slot * T.int64(QK_KEYS) + T.Cast("int64", kk)])
                                             acc[x] = T.Select(_in_bounds(bounds, x), acc[x], minus_inf)
                                             reduced[x % 4 // 2] = T.max(reduced[x % 4 // 2], acc[x])
                                         for r in T.unroll(2):
@@ -929,13 +953,13 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                         for r in T.unroll(2):
                                             new_max: T.let = T.max(row_max[r], reduced[r])
                                             shift: T.let = T.Select(new_max == minus_inf, T.Cast(acc_dtype, 0), new_max)
-                                            rescale[r] = T.exp(row_max[r] - shift)
+                                            rescale[r] = _exp2(row_max[r] - shift, operand)
                                             row_max[r] = new_max
                                             reduced[r] = shift
                                         for r in T.unroll(2):
                                             row_sum[r] = row_sum[r] * rescale[r]
                                         for x in T.unroll(tiles * 4):
-                                            acc[x] = T.exp(acc[x] - reduced[x % 4 // 2])
+                                            acc[x] = _exp2(acc[x] - reduced[x % 4 // 2], operand)
                                             context[x] = context[x] * rescale[x % 4 // 2]
                                         for r in T.unroll(2):
                                             reduced[r] = T.Cast(acc_dtype, 0)
@@ -969,7 +993,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                 row: T.let = query_row[row0 + r * 8]
                                 if t2 == 0 and row >= T.int64(0):
                                     lse[b, row, h] = T.Select(row_sum[r] > T.Cast(acc_dtype, 0),
-                                                              row_max[r] + T.log(row_sum[r]), minus_inf)
+                                                              row_max[r] * T.float32(LN2) + T.log(row_sum[r]), minus_inf)
 
     return main
 
@@ -1173,7 +1197,7 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                             * T.Cast(acc_dtype, out[b, T.max(row, T.int64(0)), h, feature]),
                             T.Cast(acc_dtype, 0))
                     row_lse[r] = T.Select(row >= T.int64(0) and lse[b, T.max(row, T.int64(0)), h] != minus_inf,
-                                          lse[b, T.max(row, T.int64(0)), h], T.Cast(acc_dtype, 0))
+                                          lse[b, T.max(row, T.int64(0)), h] * T.float32(LOG2E), T.Cast(acc_dtype, 0))  # base 2
                 for r in T.unroll(2):
                     delta[r] = _quad("sum", delta[r])
                 for r in T.unroll(2):
@@ -1213,7 +1237,8 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                         for x in T.unroll(QK_KEYS // 8 * 4):
                             # P (its exponent unconditionally: inside the Select its load would be a branch).
                             kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                            scores[x] = T.exp(scores[x] * T.Cast(acc_dtype, scale) + chunk_bias[kk] - row_lse[x % 4 // 2])
+                            scores[x] = _exp2(scores[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E)) + chunk_bias[kk]
+                                              - row_lse[x % 4 // 2], operand)
                             scores[x] = T.Select(_in_bounds(bounds, x), scores[x], T.Cast(acc_dtype, 0)) * (grad_p[x] - delta[x % 4 // 2])
                         if blocks > T.int64(1):  # dQ's features f0 of these keys (one block: already there)
                             T.tvm_storage_sync("shared")
@@ -1320,8 +1345,8 @@ def _delta_halves(part_sum, part_lse, total, query_row, grad, out, lse, grad_lse
                   minus_inf, base=0):
     """Chunk query tx // 2 (row query_row[base + tx // 2]), two threads: part_sum[tx] = half of
     rowsum(dO * O) (the features of every other group of 8, 16 bytes per load), the even thread's
-    less d lse, and part_lse[tx] the row's log-sum-exp (0 for a row with none: its P is
-    exp(-inf) = 0 everywhere). :func:`_delta_combine` puts them in the chunk's tables: reading no
+    less d lse, and part_lse[tx] the row's log-sum-exp times log2(e) (the base-2 softmax, LOG2E;
+    0 for a row with none: its P is exp(-inf) = 0 everywhere). :func:`_delta_combine` puts them in the chunk's tables: reading no
     table there, the combine shares a barrier interval with the next chunk's rows being written."""
     row: T.let = query_row[base + T.Cast("int64", tx // 2)]
     total[0] = T.Cast(acc_dtype, 0)
@@ -1332,7 +1357,7 @@ def _delta_halves(part_sum, part_lse, total, query_row, grad, out, lse, grad_lse
     part_sum[tx] = total[0] - T.Select(row >= T.int64(0) and tx % 2 == 0, grad_lse[b, T.max(row, T.int64(0)), h],
                                        T.Cast(acc_dtype, 0))
     part_lse[tx] = T.Select(row >= T.int64(0) and lse[b, T.max(row, T.int64(0)), h] != minus_inf,
-                            lse[b, T.max(row, T.int64(0)), h], T.Cast(acc_dtype, 0))
+                            lse[b, T.max(row, T.int64(0)), h] * T.float32(LOG2E), T.Cast(acc_dtype, 0))
 
 
 @T.macro
@@ -1421,7 +1446,7 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                     T.tvm_storage_sync("shared")
                     for r in T.unroll(2):
                         my_key[r] = key_row[row0 + r * 8]
-                        my_bias[r] = key_bias[b, T.max(my_key[r], T.int64(0))]
+                        my_bias[r] = key_bias[b, T.max(my_key[r], T.int64(0))] * T.float32(LOG2E)  # base 2
                     for f0 in range(blocks):
                         for x in T.unroll(FEATURE_BLOCK // 8 * 4):
                             grad_k_acc[x] = T.Cast(acc_dtype, 0)
@@ -1490,7 +1515,8 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                                         a: T.let = row0 + _c_element(x % 4)[0]
                                         col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
                                         at: T.let = slot * T.int64(QK_KEYS) + T.Cast("int64", col)
-                                        probs[x] = T.exp(probs[x] * T.Cast(acc_dtype, scale) + my_bias[x % 4 // 2] - row_lse[at])
+                                        probs[x] = _exp2(probs[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E)) + my_bias[x % 4 // 2]
+                                                         - row_lse[at], operand)
                                         probs[x] = T.Select(tirx.all(a >= key_spans[at * T.int64(2)], a < key_spans[at * T.int64(2) + T.int64(1)]),
                                                             probs[x], T.Cast(acc_dtype, 0))
                                     if dropout > T.float64(0):
