@@ -133,8 +133,8 @@ def _chunk_rows(row_of, count, tx, first, n, d, base=0):
 
 @T.macro
 def _chunk_key_bias(bias, key_bias, key_row, b, tx, base=0):
-    """bias[base + x] = the key bias at chunk key x's sequence row times log2(e) (the tensor-core
-    kernels' base-2 softmax, LOG2E) (x < QK_KEYS; any value for keys outside the sequence, whose
+    """bias[base + x] = the key bias at chunk key x's sequence row, times log2(e) for the
+    tensor-core kernels' base-2 softmax (x < QK_KEYS; any value for keys outside the sequence, whose
     scores the band masks), by the thread that wrote the row: read once a chunk from global memory,
     not once per score (a 64-bit address and a load the score waits on)."""
     if tx < QK_KEYS:
@@ -852,7 +852,7 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                     valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                     valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                     key_row = T.alloc_buffer((2 * QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
-                    chunk_bias = T.alloc_buffer((2 * QK_KEYS,), acc_dtype, scope="shared")  # the key rows' key_bias
+                    chunk_bias = T.alloc_buffer((2 * QK_KEYS,), acc_dtype, scope="shared")  # key_bias x log2(e), per key
                     acc = T.alloc_buffer((tiles * 4,), acc_dtype, scope="local")  # scores, then probabilities
                     bounds = T.alloc_buffer((4,), "int32", scope="local")  # this chunk's band, as columns
                     context = T.alloc_buffer((tiles * 4,), acc_dtype, scope="local")
@@ -1158,7 +1158,7 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                 valid_from = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                 valid_to = T.alloc_buffer((TILE_ROWS,), "int64", scope="shared")
                 key_row = T.alloc_buffer((QK_KEYS,), "int64", scope="shared")  # -1 outside the sequence
-                chunk_bias = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")  # the key rows' key_bias
+                chunk_bias = T.alloc_buffer((QK_KEYS,), acc_dtype, scope="shared")  # key_bias x log2(e), per key
                 scores = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # S, then P, then dS
                 bounds = T.alloc_buffer((4,), "int32", scope="local")  # this chunk's band, as columns
                 grad_p = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # dP
@@ -1345,9 +1345,10 @@ def _delta_halves(part_sum, part_lse, total, query_row, grad, out, lse, grad_lse
                   minus_inf, base=0):
     """Chunk query tx // 2 (row query_row[base + tx // 2]), two threads: part_sum[tx] = half of
     rowsum(dO * O) (the features of every other group of 8, 16 bytes per load), the even thread's
-    less d lse, and part_lse[tx] the row's log-sum-exp times log2(e) (the base-2 softmax, LOG2E;
-    0 for a row with none: its P is exp(-inf) = 0 everywhere). :func:`_delta_combine` puts them in the chunk's tables: reading no
-    table there, the combine shares a barrier interval with the next chunk's rows being written."""
+    less d lse, and part_lse[tx] the row's log-sum-exp times log2(e) (the base-2 softmax; 0 for a
+    row with none: its P is 2^-inf = 0 everywhere). :func:`_delta_combine` puts them in the chunk's
+    tables: reading no table there, the combine shares a barrier interval with the next chunk's rows
+    being written."""
     row: T.let = query_row[base + T.Cast("int64", tx // 2)]
     total[0] = T.Cast(acc_dtype, 0)
     for piece in range(head_dim // T.int64(2 * VECTOR)):
