@@ -40,6 +40,8 @@ def main() -> None:
     scale = 1.0 / math.sqrt(args.head_dim)
 
     def step():
+        for x in (q, k, v):  # fresh gradients, as after zero_grad(): no accumulating adds in the profile
+            x.grad = None
         out = sliding_window_attention(q, k, v, args.window, dilation, scale=scale)
         out.backward(grad)
 
