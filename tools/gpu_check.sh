@@ -8,6 +8,7 @@
 #   STEPS="tests bench" tools/gpu_check.sh   # some steps only (a lent machine's call lasts 10 minutes)
 #   LIMITS="tests=240 bench=270"             # seconds per step (killed past it; the others still run)
 #   PYTEST_ARGS="-n 8" BENCH_ARGS="--seq-lens 4096 ..." FLEX_ARGS=... TESTS_K="cuda or layer"   # replace defaults
+#   STEPS=ncu tools/gpu_check.sh         # Nsight Compute on one forward and backward (PROFILE_ARGS: its case)
 #   tools/gpu_check.sh baseline COMMIT   # here: COMMIT's tree into .baseline/ (carry it): its kernels benched
 #                                        # there too, right after ours (BASELINE_ARGS), so a change is
 #                                        # measured against what it changed in one machine
