@@ -20,6 +20,12 @@ attention (600 tokens run as 1024 at window 512); a patched model does not (``pa
 model whose self-attention is not all patched): its layers run at the input's length, with the same
 outputs at the real tokens.
 
+A patched model's ``nn.Dropout`` modules (in Longformer models the hidden-state dropouts: the
+embeddings', each layer's two, the task heads') run on :class:`longformer_ops.dropout.Dropout`: the
+same dropout, drawn by the fused attention's counter-based generator in one kernel pass on CPU
+(torch's CPU dropout draws its mask on one thread), seeded from torch's default generator; on CUDA it
+is torch's own. (LED calls torch's functional dropout for its hidden states: those stay torch's.)
+
 With ``output_attentions=True`` the module returns transformers' own attention tensors: the local
 probabilities ``[batch, seq, heads, max_globals + attention_window + 1]`` (global keys' columns first,
 rows of global tokens zeroed) and the global tokens' ``[batch, heads, max_globals, seq]`` (slots an
@@ -38,15 +44,19 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch import nn
 
 from longformer_ops._loader import KernelNotAvailableError
 from longformer_ops.checks import KERNEL_DTYPES
 from longformer_ops.config import AttentionMode
+from longformer_ops.dropout import Dropout
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
 
 _patched_classes: dict[type, type] = {}   # transformers' class -> its patched subclass
 _class_patches: list[tuple[object, str, type]] = []  # (module, name, original class) replaced by patch()
 _padding_originals: dict[type, object] = {}          # model class -> its own _pad_to_window_size, replaced by patch()
+# pretrained-model class -> (its post_init as resolved before patch(), the one in its own __dict__ or None)
+_post_init_originals: dict[type, tuple[object, object]] = {}
 _warned: set[str] = set()
 
 
@@ -100,6 +110,37 @@ def _unpad_models() -> None:
         if cls not in _padding_originals:
             _padding_originals[cls] = cls._pad_to_window_size
             cls._pad_to_window_size = _pad_to_window_size
+
+
+class _PatchedDropout(Dropout):
+    """A transformers model's ``nn.Dropout`` switched by :func:`patch` (:func:`unpatch` switches it back)."""
+
+
+def _swap_dropouts(model, ours: bool) -> None:
+    """Switch ``model``'s plain ``nn.Dropout`` modules to :class:`_PatchedDropout` (``ours``) or back.
+    Modules keep their ``p`` and have no state, so parameters and checkpoints are untouched; one
+    with ``inplace=True`` (not in transformers' Longformer or LED) stays torch's."""
+    for module in model.modules():
+        if ours and type(module) is nn.Dropout and not module.inplace:
+            module.__class__ = _PatchedDropout
+        elif not ours and type(module) is _PatchedDropout:
+            module.__class__ = nn.Dropout
+
+
+def _pretrained_classes() -> list[type]:
+    """The base classes of the transformers models whose hidden-state dropouts are modules: every
+    Longformer task model's (LED's are functional calls)."""
+    from transformers.models.longformer import modeling_longformer
+
+    return [modeling_longformer.LongformerPreTrainedModel]
+
+
+def _post_init(self):
+    """transformers' ``post_init`` (which every model's ``__init__`` ends with), then the model's
+    dropouts on our kernel: for models built while :func:`patch` has patched the classes."""
+    cls = next(cls for cls in type(self).__mro__ if cls in _post_init_originals)
+    _post_init_originals[cls][0](self)
+    _swap_dropouts(self, ours=True)
 
 
 def _adopt(module) -> None:
@@ -200,7 +241,8 @@ def patch(model=None):
     """Run the self-attention of ``model`` (any transformers model holding Longformer or LED encoder
     self-attention modules, PEFT-wrapped ones included) on our kernels, in place; returns ``model``.
     Without a model, patch transformers' classes, so that every model built afterwards runs on them.
-    Either way ``LongformerModel``'s and ``LEDEncoder``'s ``_pad_to_window_size`` is replaced class-wide
+    The model's ``nn.Dropout`` modules become :class:`longformer_ops.dropout.Dropout` (the same
+    dropout on our kernel; see the module docstring). Either way ``LongformerModel``'s and ``LEDEncoder``'s ``_pad_to_window_size`` is replaced class-wide
     by :func:`_pad_to_window_size`, which pads as before for a model whose self-attention is not all
     patched (``unpatch()`` restores it)."""
     targets = _target_classes()
@@ -210,21 +252,29 @@ def patch(model=None):
             if getattr(original, "_original_class", None) is None:
                 _class_patches.append((namespace, name, original))
                 setattr(namespace, name, _patched_class(original))
+        for cls in _pretrained_classes():
+            if cls not in _post_init_originals:
+                _post_init_originals[cls] = (cls.post_init, cls.__dict__.get("post_init"))
+                cls.post_init = _post_init
         _unpad_models()
         return None
     originals = _original_attention_classes()
+    patched = False
     for module in model.modules():
         cls = type(module)
         if cls in originals:
             module.__class__ = _patched_class(cls)
             _adopt(module)
+            patched = True
+    if patched:
+        _swap_dropouts(model, ours=True)
     _unpad_models()
     return model
 
 
 def unpatch(model=None):
-    """Undo :func:`patch`: for ``model``, its modules run transformers' code again (returns ``model``);
-    without a model, transformers' classes are restored."""
+    """Undo :func:`patch`: for ``model``, its modules run transformers' code again, its dropouts are
+    torch's ``nn.Dropout`` (returns ``model``); without a model, transformers' classes are restored."""
     if model is None:
         while _class_patches:
             namespace, name, original = _class_patches.pop()
@@ -232,7 +282,14 @@ def unpatch(model=None):
         while _padding_originals:
             cls, original = _padding_originals.popitem()
             cls._pad_to_window_size = original
+        while _post_init_originals:
+            cls, (_, own) = _post_init_originals.popitem()
+            if own is None:
+                del cls.post_init  # inherited again
+            else:
+                cls.post_init = own
         return None
+    _swap_dropouts(model, ours=False)
     for module in model.modules():
         original = getattr(type(module), "_original_class", None)
         if original is not None:

@@ -170,6 +170,56 @@ def test_patched_model_compiles(kernel_calls):
     assert_close(got[real], expected[real], ATOL, "compiled patched model")
 
 
+def _dropout_types(model) -> list[type]:
+    return [type(m) for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+
+
+@pytest.mark.parametrize("name", ["LongformerForSequenceClassification", "LongformerForMaskedLM"])
+def test_patched_models_drop_hidden_states_on_our_kernel(name, monkeypatch):
+    """patch(model) puts the model's hidden-state nn.Dropout modules on our dropout (same p, no
+    state: the state dict is unchanged); in training the patched model then draws its hidden-state
+    masks with our kernel, reproducibly from torch's seed; unpatch(model) gives torch's back."""
+    model, inputs = _model(name), _inputs(name)
+    before = _dropout_types(model)
+    assert before and set(before) == {torch.nn.Dropout}
+    keys = list(model.state_dict())
+    hf.patch(model)
+    assert _dropout_types(model) == [hf._PatchedDropout] * len(before)
+    assert list(model.state_dict()) == keys
+
+    calls = []
+    monkeypatch.setattr(torch.ops.longformer_ops, "dropout",
+                        lambda *args, op=torch.ops.longformer_ops.dropout: calls.append(args[2]) or op(*args))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.25
+    model.train()
+    with torch.no_grad():
+        torch.manual_seed(5)
+        first = model(**inputs)[0]
+        torch.manual_seed(5)
+        again = model(**inputs)[0]
+        other = model(**inputs)[0]
+    assert calls and set(calls) == {0.25}, calls
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    hf.unpatch(model)
+    assert _dropout_types(model) == before
+
+
+def test_models_built_while_classes_are_patched_drop_on_our_kernel():
+    """patch() makes every Longformer model built afterwards use our dropout; unpatch() restores
+    transformers' post_init, and models built then have torch's."""
+    assert "post_init" not in transformers.LongformerPreTrainedModel.__dict__
+    config = hf_config(random_hf_windows(0, 2))
+    hf.patch()
+    for name in ("LongformerForMaskedLM", "LongformerForMultipleChoice"):
+        assert set(_dropout_types(getattr(transformers, name)(config))) == {hf._PatchedDropout}, name
+    hf.unpatch()
+    assert "post_init" not in transformers.LongformerPreTrainedModel.__dict__
+    for name in ("LongformerForMaskedLM", "LongformerForMultipleChoice"):
+        assert set(_dropout_types(getattr(transformers, name)(config))) == {torch.nn.Dropout}, name
+
+
 def test_attention_mask_with_2_for_global(kernel_calls):
     """transformers' older convention: one attention_mask with 0 padding, 1 local, 2 global (no
     global_attention_mask); the patched model reads it as the unpatched one does."""
