@@ -571,9 +571,13 @@ VECTOR = 8  # operand elements per staging load: 16 bytes of the half types
 DYNAMIC_OPERAND_ROWS = 6 * TILE_ROWS
 
 
+def _element_bytes(dtype: str) -> int:
+    return tvm.DataType(dtype).bits // 8
+
+
 def dynamic_shared_bytes(operand_dtype: str) -> int:
     """The tensor-core dK/dV kernel's dynamic shared memory with operands of ``operand_dtype``."""
-    return DYNAMIC_OPERAND_ROWS * OP_STRIDE * (4 if operand_dtype == "float32" else 2)
+    return DYNAMIC_OPERAND_ROWS * OP_STRIDE * _element_bytes(operand_dtype)
 
 # ldmatrix.x4 (PTX ISA, "warp-level matrix load instruction: ldmatrix"): lane l gives the address of
 # row l % 8 of matrix l // 8 (8 elements, 16 bytes) and receives in its register m elements
@@ -759,7 +763,7 @@ def _stage_operand(buf, t, row_of, b, h, feature0, head_dim, tx, operand, base=0
         if row >= T.int64(0) and feature < head_dim:
             T.evaluate(cuda_func_call(COPY_FUNCTION[copy], buf.access_ptr("w", offset=base + r * OP_STRIDE + f, extent=VECTOR),
                                       T.address_of(t[b, T.int64(0), h, feature]), T.Cast("int32", row),
-                                      T.Cast("int32", t.shape[2] * t.shape[3] * T.int64(tvm.DataType(t.dtype).bits // 8)),
+                                      T.Cast("int32", t.shape[2] * t.shape[3] * T.int64(_element_bytes(t.dtype))),
                                       source_code=_copy_source(operand, copy)))
         else:
             T.evaluate(cuda_func_call("longformer_zero16", buf.access_ptr("w", offset=base + r * OP_STRIDE + f, extent=VECTOR),
