@@ -31,7 +31,7 @@ import os
 import platform
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from longformer_ops import _manifest
@@ -58,9 +58,15 @@ class KernelLibrary:
     feature_multiple: int  # head_dim the kernels accept must be a multiple of this
     module: object         # tvm_ffi.Module
     functions: frozenset[str] = frozenset()  # exported kernel names, from the manifest
+    # Looked up once per name: a lookup makes a new function object each time (and, on CUDA, one with
+    # an empty per-device kernel-handle cache).
+    _looked_up: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def function(self, name: str):
-        return self.module[name]
+        found = self._looked_up.get(name)
+        if found is None:
+            found = self._looked_up[name] = self.module[name]
+        return found
 
     def has(self, name: str) -> bool:
         return name in self.functions

@@ -128,6 +128,16 @@ def _call_with_prebuilt(monkeypatch, directory):
         _loader._manifest_or_raise.cache_clear()
 
 
+def test_kernel_functions_are_looked_up_once():
+    """A lookup in the module makes a new function object (on CUDA with an empty kernel-handle
+    cache); the library hands out the first one every time, and still raises for a missing name."""
+    library = _loader.library_for(torch.device("cpu"), "float32")
+    name = _manifest.function_name("qk", False)
+    assert library.function(name) is library.function(name)
+    with pytest.raises(AttributeError, match="no_such_kernel"):
+        library.function("no_such_kernel")
+
+
 def test_missing_manifest(tmp_path, monkeypatch):
     with pytest.raises(_loader.KernelNotAvailableError, match=r"no kernel manifest: expected .*manifest.json.*make kernels"):
         _call_with_prebuilt(monkeypatch, tmp_path)
