@@ -9,9 +9,10 @@
 #   LIMITS="tests=240 bench=270"             # seconds per step (killed past it; the others still run)
 #   PYTEST_ARGS="-n 8" BENCH_ARGS="--seq-lens 4096 ..." FLEX_ARGS=... TESTS_K="cuda or layer"   # replace defaults
 #   STEPS=ncu tools/gpu_check.sh         # Nsight Compute on one forward and backward (PROFILE_ARGS: its case)
-#   tools/gpu_check.sh baseline COMMIT   # here: COMMIT's tree into .baseline/ (carry it): its kernels benched
-#                                        # there too, right after ours (BASELINE_ARGS), so a change is
-#                                        # measured against what it changed in one machine
+#   tools/gpu_check.sh baseline COMMIT...  # here: each COMMIT's tree into .baseline/NAME/ (carry .baseline):
+#                                        # its kernels benched there too, right after ours (BASELINE_ARGS),
+#                                        # so a change is measured against what it changed in one machine;
+#                                        # NAME is COMMIT with / as - (results: <gpu>-baseline-NAME.*)
 #
 # Seen on an H200 (third run, bench/NOTES.md): tests 36 s (8 workers of 2 threads; with all 16
 # threads each, over 220 s), memcheck 11 s, racecheck 52 s, the bench 70 s (its default cases,
@@ -41,11 +42,16 @@ if [ "${1:-}" = "wheels" ]; then
         -d .whl "apache-tvm-ffi==0.1.15.post2" "pytest-reportlog==1.0.0"  # tvm-ffi: pyproject.toml's pin
 fi
 
-if [ "${1:-}" = "baseline" ]; then  # the tree of an earlier commit, its libraries included (not its results)
-    commit=${2:?usage: tools/gpu_check.sh baseline COMMIT}
+if [ "${1:-}" = "baseline" ]; then  # trees of other commits, their libraries included (not their results)
+    shift
+    [ $# -gt 0 ] || { echo "usage: tools/gpu_check.sh baseline COMMIT..."; exit 2; }
     rm -rf .baseline && mkdir .baseline
-    git archive "$commit" -- . ":(exclude)bench/results" | tar -x -C .baseline || exit 1
-    echo ".baseline: $(git rev-parse --short "$commit"), $(du -sh .baseline | cut -f1); carry it with .whl"
+    for commit in "$@"; do
+        tree=".baseline/${commit//\//-}"
+        mkdir "$tree" && git archive "$commit" -- . ":(exclude)bench/results" | tar -x -C "$tree" || exit 1
+        echo "$tree: $(git rev-parse --short "$commit"), $(du -sh "$tree" | cut -f1)"
+    done
+    echo "carry .baseline with .whl ($(du -sh .baseline | cut -f1) in all)"
     exit 0
 fi
 
@@ -66,9 +72,9 @@ fi
 
 failed=0
 STEPS=${STEPS:-gpu info tests memcheck racecheck bench baseline}  # and flex (a second call), ncu
-limit() {  # limit NAME: its seconds from $LIMITS, 0 (none) if not named
+limit() {  # limit NAME: its seconds from $LIMITS (baseline-X: baseline's), 0 (none) if not named
     local kv
-    for kv in ${LIMITS:-}; do [ "${kv%%=*}" = "$1" ] && { echo "${kv#*=}"; return; }; done
+    for kv in ${LIMITS:-}; do [ "${kv%%=*}" = "${1%%-*}" ] && { echo "${kv#*=}"; return; }; done
     echo 0
 }
 step() {  # step NAME COMMAND...: if NAME is in $STEPS, run it, log to $out/NAME.log, record its exit code
@@ -110,14 +116,18 @@ gpu_name=""
 case " $STEPS " in  # (the results' name: only where the step runs, each import of torch costs device time)
     *" flex "* | *" baseline "*) gpu_name=$("$PYTHON" -c "from bench.machine import device_name; print(device_name('cuda'))") ;;
 esac
-# The earlier commit's kernels (.baseline, if carried) on the same cases as BASELINE_ARGS: its own tree,
-# sources and bench, in a process of its own (the loader refuses libraries built from other sources).
-if [ -d .baseline ]; then
-    step baseline env -C .baseline PYTHONPATH="/tmp/site:$PWD/.baseline" "$PYTHON" -m bench --device cuda \
-        --out "$(realpath "$out")" --name "$gpu_name-baseline" ${BASELINE_ARGS:---dtype bfloat16 --seq-lens 16384 \
-        --ops local_attention --methods tvm --passes forward,forward+backward --dilated-passes forward,forward+backward \
-        --repeats 5 --no-memory}
-fi
+# Other commits' kernels (.baseline/NAME/, if carried) on the cases of BASELINE_ARGS, one step each
+# (baseline-NAME, run where STEPS names baseline): each its own tree, sources and bench, in a process
+# of its own (the loader refuses libraries built from other sources).
+for tree in .baseline/*/; do
+    [ -d "$tree" ] || continue
+    name=$(basename "$tree")
+    case " $STEPS " in *" baseline "*) STEPS="$STEPS baseline-$name" ;; esac
+    step "baseline-$name" env -C "$tree" PYTHONPATH="/tmp/site:$PWD/$tree" "$PYTHON" -m bench --device cuda \
+        --out "$(realpath "$out")" --name "$gpu_name-baseline-$name" ${BASELINE_ARGS:---dtype bfloat16 \
+        --seq-lens 16384 --ops local_attention --methods tvm --passes forward,forward+backward \
+        --dilated-passes forward,forward+backward --repeats 5 --no-memory}
+done
 step flex "$PYTHON" -m bench --device cuda --out "$out" --name "$gpu_name-flex" ${FLEX_ARGS:---dtype bfloat16 \
     --seq-lens 16384 --ops local_attention --methods tvm,tvm_steps_torch_softmax,flex --passes forward,forward+backward \
     --dilated-passes forward,forward+backward --repeats 5 --no-memory}
