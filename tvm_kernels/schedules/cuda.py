@@ -178,6 +178,15 @@ def _in_bounds(bounds, x):
     return tirx.all(T.int32(c) >= bounds[2 * r], T.int32(c) < bounds[2 * r + 1])
 
 
+def _whole_chunk_in_band(bounds):
+    """Whether every accumulator element of this thread lies in its row's band (columns c of 0 ..
+    57, :func:`_in_bounds`): then the chunk's scores need no mask. At w = 256 that is 7 of a tile's
+    9 chunks (all but the first and the last, inside the sequence), and the mask was ~3 of the ~5
+    instructions a score left after :func:`_chunk_column_bounds`."""
+    last = (QK_KEYS // 8 - 1) * 8 + 1
+    return tirx.all(bounds[0] == 0, bounds[1] > last, bounds[2] == 0, bounds[3] > last)
+
+
 @T.macro
 def _qk_chunk(acc, queries, keys, t1, t2, query_row, key_row, b, h, head_dim, tx, acc_dtype):
     """acc = the 4 x 4 results of this thread in the tile's queries . the chunk's keys^T, the
@@ -807,6 +816,19 @@ def _quad(reduction: str, x):
     return cuda_func_call(f"longformer_quad_{reduction}", x, source_code=QUAD_SOURCE[reduction], return_type="float32")
 
 
+@T.macro
+def _chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, acc_dtype, masked):
+    """The forward's scores of a chunk in base 2 (scale x log2 e, the key's bias staged times log2 e),
+    -inf off the band where ``masked`` (a Python bool: the code without the mask is another branch),
+    and each of this thread's two rows' maximum into ``reduced``."""
+    for x in T.unroll(QK_KEYS // 8 * 4):
+        kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+        acc[x] = acc[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E)) + chunk_bias[slot * T.int64(QK_KEYS) + T.Cast("int64", kk)]
+        if masked:
+            acc[x] = T.Select(_in_bounds(bounds, x), acc[x], tirx.const(float("-inf"), acc_dtype))
+        reduced[x % 4 // 2] = T.max(reduced[x % 4 // 2], acc[x])
+
+
 def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = None):
     """Fused local attention forward on tensor cores (``mma.sync``, float32 accumulation), laid out
     as FlashAttention-2: per tile of 64 packed queries, 4 warps of 16 query rows each, and per chunk
@@ -946,12 +968,10 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                         _chunk_column_bounds(bounds, valid_from, valid_to, row0, chunk, t2)
                                         for r in T.unroll(2):
                                             reduced[r] = minus_inf
-                                        for x in T.unroll(tiles * 4):
-                                            kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                                            acc[x] = (acc[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E))
-                                                      + chunk_bias[slot * T.int64(QK_KEYS) + T.Cast("int64", kk)])
-                                            acc[x] = T.Select(_in_bounds(bounds, x), acc[x], minus_inf)
-                                            reduced[x % 4 // 2] = T.max(reduced[x % 4 // 2], acc[x])
+                                        if _whole_chunk_in_band(bounds):
+                                            _chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, acc_dtype, False)
+                                        else:
+                                            _chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, acc_dtype, True)
                                         for r in T.unroll(2):
                                             reduced[r] = _quad("max", reduced[r])  # (stored: a let would repeat the shuffles)
                                         for r in T.unroll(2):
@@ -1145,6 +1165,20 @@ def _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
 
 
 @T.macro
+def _chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, acc_dtype, operand, masked):
+    """The dQ kernel's dS = P * (dP - delta) of a chunk, P = 2^(score in base 2 - lse), 0 off the band
+    where ``masked`` (a Python bool: the code without the mask is another branch)."""
+    for x in T.unroll(QK_KEYS // 8 * 4):
+        # P (its exponent unconditionally: inside the Select its load would be a branch).
+        kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+        scores[x] = _exp2(scores[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E)) + chunk_bias[kk]
+                          - row_lse[x % 4 // 2], operand)
+        if masked:
+            scores[x] = T.Select(_in_bounds(bounds, x), scores[x], T.Cast(acc_dtype, 0))
+        scores[x] = scores[x] * (grad_p[x] - delta[x % 4 // 2])
+
+
+@T.macro
 def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n,
                           heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q, operand, source):
     """dQ, per query tile, on tensor cores in the forward's layout (:func:`attention_mma`): per chunk
@@ -1238,12 +1272,10 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                                         row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - row0 - r * 8), T.int64(0)),
                                         dropout, acc_dtype, bind=True)
                         _chunk_column_bounds(bounds, valid_from, valid_to, row0, chunk, t2)
-                        for x in T.unroll(QK_KEYS // 8 * 4):
-                            # P (its exponent unconditionally: inside the Select its load would be a branch).
-                            kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                            scores[x] = _exp2(scores[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E)) + chunk_bias[kk]
-                                              - row_lse[x % 4 // 2], operand)
-                            scores[x] = T.Select(_in_bounds(bounds, x), scores[x], T.Cast(acc_dtype, 0)) * (grad_p[x] - delta[x % 4 // 2])
+                        if _whole_chunk_in_band(bounds):
+                            _chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, acc_dtype, operand, False)
+                        else:
+                            _chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, acc_dtype, operand, True)
                         if blocks > T.int64(1):  # dQ's features f0 of these keys (one block: already there)
                             T.tvm_storage_sync("shared")
                             _stage_operand(keys, k, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
