@@ -242,9 +242,10 @@ def patch(model=None):
     self-attention modules, PEFT-wrapped ones included) on our kernels, in place; returns ``model``.
     Without a model, patch transformers' classes, so that every model built afterwards runs on them.
     The model's ``nn.Dropout`` modules become :class:`longformer_ops.dropout.Dropout` (the same
-    dropout on our kernel; see the module docstring). Either way ``LongformerModel``'s and ``LEDEncoder``'s ``_pad_to_window_size`` is replaced class-wide
-    by :func:`_pad_to_window_size`, which pads as before for a model whose self-attention is not all
-    patched (``unpatch()`` restores it)."""
+    dropout on our kernel; see the module docstring). Either way ``LongformerModel``'s and
+    ``LEDEncoder``'s ``_pad_to_window_size`` is replaced class-wide by :func:`_pad_to_window_size`,
+    which pads as before for a model whose self-attention is not all patched (``unpatch()``
+    restores it)."""
     targets = _target_classes()
     if model is None:
         for namespace, name in targets:

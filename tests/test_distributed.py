@@ -187,7 +187,8 @@ def _spawn_once(out: Path) -> str | None:
 
 
 def _spawn(tmp_path: Path) -> Path:
-    """Run the ranks in a fresh folder; retry once a run where a rank stalled before training."""
+    """Run the ranks in a fresh folder; the folder holding their results. A run that stalled before
+    every rank trained is retried once; one that stalled after both saved their results is used."""
     first = tmp_path / "attempt0"
     first.mkdir()
     failure = _spawn_once(first)
