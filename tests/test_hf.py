@@ -401,6 +401,27 @@ def test_gradient_checkpointing(name, kernel_calls):
     _assert_patch_keeps_outputs(model, inputs, True, kernel_calls, f"{name}, checkpointed")
 
 
+def test_checkpointing_replays_the_patched_dropouts():
+    """With the hidden-state dropouts on our kernel (p = 0.25) and attention dropout, a patched
+    model's gradients under gradient_checkpointing_enable() are those without it, from the same
+    seed: the recomputed forward draws the same masks (their seeds come from torch's generator,
+    whose state checkpointing replays)."""
+    grads = []
+    for checkpointed in (False, True):
+        model = hf.patch(_model("LongformerForTokenClassification", layers=2))
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.25
+            if hasattr(module, "one_sided_attn_window_size"):
+                module.dropout = 0.2
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        torch.manual_seed(11)
+        grads.append(_outputs(model, _inputs("LongformerForTokenClassification"), training=True))
+    for i, (plain, replayed) in enumerate(zip(*grads)):
+        assert_close(replayed, plain, 1e-6, f"checkpointed vs plain, tensor {i}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_model(dtype, kernel_calls):
     """In a half type the patched model errs against float32 at most twice as much as transformers'
