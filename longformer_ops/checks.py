@@ -148,6 +148,24 @@ def check_dropout_p(dropout_p, name: str = "dropout_p") -> float:
     return float(dropout_p)
 
 
+def check_bias_gelu(h, bias) -> None:
+    """``h`` a floating tensor of at least one dimension, ``bias`` of size ``h.shape[-1]`` on its
+    device and of its dtype."""
+    if not isinstance(h, torch.Tensor) or not h.is_floating_point():
+        raise TypeError(f"h must be a floating-point torch.Tensor, got "
+                        f"{h.dtype if isinstance(h, torch.Tensor) else type(h).__name__}")
+    if h.dim() < 1:
+        raise ValueError("h must have at least one dimension (the features, which bias is added along), got a scalar")
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+    if bias.shape != h.shape[-1:]:
+        raise ValueError(f"bias must have shape [{h.shape[-1]}] (h's last dimension), got {list(bias.shape)}")
+    if bias.dtype != h.dtype:
+        raise TypeError(f"bias must have h's dtype {h.dtype}, got {bias.dtype}")
+    if bias.device != h.device:
+        raise ValueError(f"bias must be on h's device {h.device}, got {bias.device}")
+
+
 def check_out(out, shape: tuple[int, ...], inputs: dict[str, torch.Tensor], differentiable: bool = True) -> None:
     """Validate an ``out=`` tensor for a result of ``shape`` computed from ``inputs`` (by name)."""
     first = next(iter(inputs.values()))

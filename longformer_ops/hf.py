@@ -25,6 +25,10 @@ embeddings', each layer's two, the task heads') run on :class:`longformer_ops.dr
 same dropout, drawn by the fused attention's counter-based generator in one kernel pass on CPU
 (torch's CPU dropout draws its mask on one thread), seeded from torch's default generator; on CUDA it
 is torch's own. (LED calls torch's functional dropout for its hidden states: those stay torch's.)
+Its ``LongformerIntermediate`` modules with transformers' exact ``gelu`` run the dense layer without
+its bias and then :func:`longformer_ops.gelu.bias_gelu`: bias and GELU in one kernel pass, forward
+and backward, on CPU (elsewhere, and for other activations, transformers' own forward). LED's
+feed-forward is written inline in its layers and stays torch's.
 
 With ``output_attentions=True`` the module returns transformers' own attention tensors: the local
 probabilities ``[batch, seq, heads, max_globals + attention_window + 1]`` (global keys' columns first,
@@ -50,6 +54,7 @@ from longformer_ops._loader import KernelNotAvailableError
 from longformer_ops.checks import KERNEL_DTYPES
 from longformer_ops.config import AttentionMode
 from longformer_ops.dropout import Dropout
+from longformer_ops.gelu import linear_gelu
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
 
 _patched_classes: dict[type, type] = {}   # transformers' class -> its patched subclass
@@ -116,15 +121,45 @@ class _PatchedDropout(Dropout):
     """A transformers model's ``nn.Dropout`` switched by :func:`patch` (:func:`unpatch` switches it back)."""
 
 
-def _swap_dropouts(model, ours: bool) -> None:
-    """Switch ``model``'s plain ``nn.Dropout`` modules to :class:`_PatchedDropout` (``ours``) or back.
-    Modules keep their ``p`` and have no state, so parameters and checkpoints are untouched; one
-    with ``inplace=True`` (not in transformers' Longformer or LED) stays torch's."""
+def _exact_gelu(activation) -> bool:
+    """Whether ``activation`` is transformers' ``gelu`` (``torch.nn.functional.gelu``, exact)."""
+    from transformers.activations import GELUActivation
+
+    return type(activation) is GELUActivation and activation.act is nn.functional.gelu
+
+
+def _patched_intermediate_class(original: type) -> type:
+    """A subclass of transformers' ``LongformerIntermediate`` whose exact GELU takes the dense
+    layer's bias in our kernel (:func:`longformer_ops.gelu.linear_gelu`); any other activation
+    runs transformers' forward."""
+    if original not in _patched_classes:
+        def forward(self, hidden_states):
+            if _exact_gelu(self.intermediate_act_fn):
+                return linear_gelu(hidden_states, self.dense)
+            return original.forward(self, hidden_states)
+
+        _patched_classes[original] = type(original.__name__, (original,),
+                                          {"forward": forward, "_original_class": original, "__module__": __name__})
+    return _patched_classes[original]
+
+
+def _swap_modules(model, ours: bool) -> None:
+    """Switch ``model``'s plain ``nn.Dropout`` modules to :class:`_PatchedDropout` and its
+    ``LongformerIntermediate`` modules to :func:`_patched_intermediate_class` (``ours``), or back.
+    Modules keep their attributes and parameters, so checkpoints are untouched; a dropout with
+    ``inplace=True`` (not in transformers' Longformer or LED) stays torch's."""
+    from transformers.models.longformer.modeling_longformer import LongformerIntermediate
+
+    intermediate = getattr(LongformerIntermediate, "_original_class", LongformerIntermediate)
     for module in model.modules():
         if ours and type(module) is nn.Dropout and not module.inplace:
             module.__class__ = _PatchedDropout
+        elif ours and type(module) is intermediate:
+            module.__class__ = _patched_intermediate_class(intermediate)
         elif not ours and type(module) is _PatchedDropout:
             module.__class__ = nn.Dropout
+        elif not ours and type(module) is _patched_classes.get(intermediate):
+            module.__class__ = intermediate
 
 
 def _pretrained_classes() -> list[type]:
@@ -137,10 +172,11 @@ def _pretrained_classes() -> list[type]:
 
 def _post_init(self):
     """transformers' ``post_init`` (which every model's ``__init__`` ends with), then the model's
-    dropouts on our kernel: for models built while :func:`patch` has patched the classes."""
+    dropouts and intermediate layers on our kernels: for models built while :func:`patch` has
+    patched the classes."""
     cls = next(cls for cls in type(self).__mro__ if cls in _post_init_originals)
     _post_init_originals[cls][0](self)
-    _swap_dropouts(self, ours=True)
+    _swap_modules(self, ours=True)
 
 
 def _adopt(module) -> None:
@@ -242,7 +278,8 @@ def patch(model=None):
     self-attention modules, PEFT-wrapped ones included) on our kernels, in place; returns ``model``.
     Without a model, patch transformers' classes, so that every model built afterwards runs on them.
     The model's ``nn.Dropout`` modules become :class:`longformer_ops.dropout.Dropout` (the same
-    dropout on our kernel; see the module docstring). Either way ``LongformerModel``'s and
+    dropout on our kernel) and its ``LongformerIntermediate`` modules take their bias and GELU in
+    one kernel pass (see the module docstring). Either way ``LongformerModel``'s and
     ``LEDEncoder``'s ``_pad_to_window_size`` is replaced class-wide by :func:`_pad_to_window_size`,
     which pads as before for a model whose self-attention is not all patched (``unpatch()``
     restores it)."""
@@ -268,14 +305,15 @@ def patch(model=None):
             _adopt(module)
             patched = True
     if patched:
-        _swap_dropouts(model, ours=True)
+        _swap_modules(model, ours=True)
     _unpad_models()
     return model
 
 
 def unpatch(model=None):
     """Undo :func:`patch`: for ``model``, its modules run transformers' code again, its dropouts are
-    torch's ``nn.Dropout`` (returns ``model``); without a model, transformers' classes are restored."""
+    torch's ``nn.Dropout`` and its intermediate layers transformers' (returns ``model``); without a
+    model, transformers' classes are restored."""
     if model is None:
         while _class_patches:
             namespace, name, original = _class_patches.pop()
@@ -290,7 +328,7 @@ def unpatch(model=None):
             else:
                 cls.post_init = own
         return None
-    _swap_dropouts(model, ours=False)
+    _swap_modules(model, ours=False)
     for module in model.modules():
         original = getattr(type(module), "_original_class", None)
         if original is not None:

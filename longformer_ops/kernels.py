@@ -21,6 +21,9 @@ already checked by the public functions in :mod:`longformer_ops.diagonaled` and
   autograd is :class:`BandSoftmax` (an op that mutates cannot carry its own);
 - ``dropout(x, seed, p) -> out``: hidden-state dropout with the fused kernels' counter-based mask
   (CPU libraries), its backward the same op on the gradient;
+- ``bias_gelu(h, bias) -> out``: ``gelu(h + bias)`` (exact GELU) over the last dimension, the
+  FFN's activation after a bias-free GEMM (CPU libraries); its backward ``bias_gelu_backward``;
+  ``bias_gelu_(h, bias)`` the same in place, for inference;
 - ``*_out`` variants of each forward op write into a given ``out`` (``mutates_args=("out",)``;
   not differentiable, as custom ops that mutate cannot have autograd).
 
@@ -51,6 +54,9 @@ BAND_SOFTMAX = "softmax"
 BAND_SOFTMAX_BACKWARD = "softmax_backward"
 # Hidden-state dropout (tvm_kernels.variants.DROPOUT): one function, no band variants.
 DROPOUT = "dropout"
+# The FFN's bias and GELU (tvm_kernels.variants.BIAS_GELU).
+BIAS_GELU = "bias_gelu"
+BIAS_GELU_BACKWARD = "bias_gelu_backward"
 
 
 # ----------------------------------------------------------------------------- helpers (eager only)
@@ -120,21 +126,30 @@ def band_softmax_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _kernels_available(device, dtype, (BAND_SOFTMAX, BAND_SOFTMAX_BACKWARD))
 
 
-def _has_dropout_kernel(device_type: str, dtype: torch.dtype) -> bool:
+def _has_optional_kernels(device_type: str, dtype: torch.dtype, names: tuple[str, ...]) -> bool:
     try:
-        return has_kernels(device_type, dtype, (DROPOUT,))
-    except KernelNotAvailableError:  # no library for (device, dtype): torch's dropout serves
+        return has_kernels(device_type, dtype, names)
+    except KernelNotAvailableError:  # no library for (device, dtype): torch's own ops serve
         return False
 
 
-_dropout_decision = torch.compiler.assume_constant_result(_has_dropout_kernel)
+_optional_kernels_decision = torch.compiler.assume_constant_result(_has_optional_kernels)
+
+
+def _optional_kernels_available(device: torch.device, dtype: torch.dtype, names: tuple[str, ...]) -> bool:
+    if torch.compiler.is_compiling():
+        return _optional_kernels_decision(device.type, dtype, names)
+    return _has_optional_kernels(device.type, dtype, names)
 
 
 def dropout_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a library for (device, dtype) has the dropout kernel (False, not an error, without one)."""
-    if torch.compiler.is_compiling():
-        return _dropout_decision(device.type, dtype)
-    return _has_dropout_kernel(device.type, dtype)
+    return _optional_kernels_available(device, dtype, (DROPOUT,))
+
+
+def bias_gelu_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a library for (device, dtype) has the bias-GELU kernels (False, not an error, without one)."""
+    return _optional_kernels_available(device, dtype, (BIAS_GELU, BIAS_GELU_BACKWARD))
 
 
 def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: tuple[int, ...], autoregressive: bool,
@@ -458,6 +473,72 @@ def _dropout_backward(ctx, grad):
 
 
 dropout.register_autograd(_dropout_backward, setup_context=_save_dropout)
+
+
+# ----------------------------------------------------------------------------- the FFN's bias and GELU
+def _rows(x: Tensor) -> Tensor:
+    """``x`` (contiguous) as ``[rows, x.shape[-1]]``."""
+    return x.contiguous().view(-1, x.shape[-1])
+
+
+@torch.library.custom_op(f"{NAMESPACE}::bias_gelu", mutates_args=())
+def bias_gelu(h: Tensor, bias: Tensor) -> Tensor:
+    """``gelu(h + bias)``, the exact GELU, ``bias`` ``[h.shape[-1]]`` broadcast over the rows; the
+    sum and the GELU in the accumulation dtype, rounded once."""
+    out = new_output(h, h.shape)
+    if out.numel() == 0:
+        return out
+    with _on_device(h):
+        _library(h).function(BIAS_GELU)(_rows(h), bias.contiguous(), out.view(-1, h.shape[-1]))
+    return out
+
+
+@bias_gelu.register_fake
+def _(h, bias):
+    return h.new_empty(h.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::bias_gelu_", mutates_args=("h",))
+def bias_gelu_(h: Tensor, bias: Tensor) -> None:
+    """:func:`bias_gelu` in place, into ``h`` (contiguous); not differentiable."""
+    if h.numel():
+        with _on_device(h):
+            _library(h).function(BIAS_GELU)(h.view(-1, h.shape[-1]), bias.contiguous(), h.view(-1, h.shape[-1]))
+
+
+@bias_gelu_.register_fake
+def _(h, bias):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::bias_gelu_backward", mutates_args=())
+def bias_gelu_backward(grad: Tensor, h: Tensor, bias: Tensor) -> Tensor:
+    """The gradient of :func:`bias_gelu` with respect to ``h``: ``grad * gelu'(h + bias)``."""
+    grad_h = new_output(h, h.shape)
+    if grad_h.numel() == 0:
+        return grad_h
+    with _on_device(h):
+        _library(h).function(BIAS_GELU_BACKWARD)(_rows(grad), _rows(h), bias.contiguous(), grad_h.view(-1, h.shape[-1]))
+    return grad_h
+
+
+@bias_gelu_backward.register_fake
+def _(grad, h, bias):
+    return h.new_empty(h.shape)
+
+
+def _save_bias_gelu(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _bias_gelu_autograd(ctx, grad):
+    h, bias = ctx.saved_tensors
+    grad_h = bias_gelu_backward(grad, h, bias)
+    grad_bias = grad_h.sum(tuple(range(grad_h.dim() - 1))) if ctx.needs_input_grad[1] else None
+    return grad_h, grad_bias
+
+
+bias_gelu.register_autograd(_bias_gelu_autograd, setup_context=_save_bias_gelu)
 
 
 # ----------------------------------------------------------------------------- autocast

@@ -307,7 +307,7 @@ class LongformerSelfAttention(nn.Module):
         # Few slots: the slots' queries go through the key weights and the probabilities meet the
         # rows before the value weights (see _keys_through_weights): no keys or values of all rows.
         through_weights = (_global_rows_through_weights(self.num_heads, q.shape[1], hidden)
-                           and _plain_linear(self.key_global) and _plain_linear(self.value_global))
+                           and plain_linear(self.key_global) and plain_linear(self.value_global))
         if through_weights:
             scores = _keys_through_weights(hidden_states, q, self.key_global)                         # [b, n, h, g]
         else:
@@ -474,7 +474,7 @@ def _global_rows_through_weights(heads: int, slots: int, hidden: int) -> bool:
     return heads * slots < hidden
 
 
-def _plain_linear(module: nn.Module) -> bool:
+def plain_linear(module: nn.Module) -> bool:
     """Whether ``module`` computes ``x W^T + b`` from its ``weight`` and ``bias`` and nothing else: not a
     subclass or wrapper (a LoRA adapter, a quantized layer) whose output the weights do not tell."""
     return type(module) is nn.Linear and module.bias is not None and not module._forward_hooks \

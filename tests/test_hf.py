@@ -220,6 +220,38 @@ def test_models_built_while_classes_are_patched_drop_on_our_kernel():
         assert set(_dropout_types(getattr(transformers, name)(config))) == {torch.nn.Dropout}, name
 
 
+def _intermediate_types(model) -> set[str]:
+    return {type(m).__module__ + "." + type(m).__name__ for m in model.modules() if type(m).__name__ == "LongformerIntermediate"}
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "relu"])
+def test_patched_intermediate_takes_bias_and_gelu_in_our_kernel(hidden_act, monkeypatch, kernel_calls):
+    """patch(model) switches each LongformerIntermediate (state dict unchanged): with transformers'
+    exact gelu it calls our bias-GELU kernel, forward and backward, with the outputs and gradients
+    of the unpatched model; with another activation it runs transformers' forward. unpatch(model)
+    switches back; the class-wide patch does the same for models built while it holds."""
+    torch.manual_seed(0)
+    config = hf_config(random_hf_windows(0, 2), hidden_act=hidden_act)
+    model = randomize_(transformers.LongformerModel(config), 0).eval()
+    inputs = _inputs("LongformerModel")
+    ours = "longformer_ops.hf.LongformerIntermediate"
+    theirs = "transformers.models.longformer.modeling_longformer.LongformerIntermediate"
+    assert _intermediate_types(model) == {theirs}
+    calls = []
+    forward, backward = torch.ops.longformer_ops.bias_gelu, kernels.bias_gelu_backward
+    monkeypatch.setattr(torch.ops.longformer_ops, "bias_gelu", lambda *args: calls.append("bias_gelu") or forward(*args))
+    monkeypatch.setattr(kernels, "bias_gelu_backward", lambda *args: calls.append("bias_gelu_backward") or backward(*args))
+    _assert_patch_keeps_outputs(model, inputs, True, kernel_calls, f"patched model with {hidden_act}")
+    assert _intermediate_types(model) == {ours}
+    assert sorted(set(calls)) == (["bias_gelu", "bias_gelu_backward"] if hidden_act == "gelu" else []), calls
+    hf.unpatch(model)
+    assert _intermediate_types(model) == {theirs}
+    hf.patch()
+    assert _intermediate_types(transformers.LongformerModel(config)) == {ours}
+    hf.unpatch()
+    assert _intermediate_types(transformers.LongformerModel(config)) == {theirs}
+
+
 def test_attention_mask_with_2_for_global(kernel_calls):
     """transformers' older convention: one attention_mask with 0 padding, 1 local, 2 global (no
     global_attention_mask); the patched model reads it as the unpatched one does."""
@@ -307,6 +339,7 @@ def test_no_kernel_for_the_call_falls_back_with_one_warning(kernel_calls, monkey
         raise longformer_ops.KernelNotAvailableError("no prebuilt kernels for this test")
 
     monkeypatch.setattr(kernels, "_library", no_kernel)
+    monkeypatch.setattr(kernels, "library_for", no_kernel)  # what the ops ask whether a kernel serves
     hf._warned.clear()
     with pytest.warns(UserWarning, match="no kernel for this call .no prebuilt kernels for this test.: this call "
                                          "runs transformers' own attention code") as caught:

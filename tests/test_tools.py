@@ -1,4 +1,5 @@
-"""tools/pytest_report_summary.py (what tools/gpu_check.sh prints after the tests on a GPU machine)."""
+"""tools/pytest_report_summary.py (what tools/gpu_check.sh prints after the tests on a GPU machine) and
+tools/fit_erf.py (the GELU kernels' erf coefficients)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import fit_erf  # noqa: E402
 import pytest_report_summary  # noqa: E402
 
 pytest_plugins = "pytester"
@@ -46,3 +48,25 @@ def test_report_summary_names_each_failure_and_error_with_its_message(pytester, 
     assert "test_passes" not in out.split("== slowest")[0]
     slowest = out.split("== slowest 2 (setup + call + teardown)\n")[1].splitlines()
     assert len(slowest) == 2 and slowest[0].endswith("test_sample.py::test_slow")
+
+
+def _constants_of(path: Path, names: tuple[str, ...]) -> dict:
+    """Module-level constants of a source file, read without importing it (the kernel sources
+    import TVM's compiler, which must not be loaded beside the prebuilt runtime in this process)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    return {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in names}
+
+
+def test_the_gelu_kernels_erf_is_the_fit_tools_fit_erf_makes():
+    """The coefficients in the kernels are the ones the script fits (reproducible), within the
+    accuracy the kernels' docs state."""
+    source = Path(__file__).resolve().parents[1] / "tvm_kernels" / "schedules" / "cpu" / "microkernels.py"
+    shipped = _constants_of(source, ("_ERF_P", "_ERF_Q", "_ERF_Z_MAX"))
+    error, p, q = fit_erf.fit()
+    assert error < 1.1e-8 and fit_erf.float32_error(p, q) < 4e-7
+    assert p.tolist() == pytest.approx(shipped["_ERF_P"], rel=1e-6)
+    assert q.tolist() == pytest.approx(shipped["_ERF_Q"], rel=1e-6)
+    assert fit_erf.Z_MAX == shipped["_ERF_Z_MAX"]

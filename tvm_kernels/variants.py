@@ -2,7 +2,7 @@
 
 A library holds every (op, autoregressive) pair of its target's band ops for one target and one
 dtype, named by :func:`function_name` (``qk_symmetric``, ``pv_causal``, ...), and its unbanded ops
-under their own names (``dropout``). Variants are chosen here, at build time, by name; no kernel
+under their own names (``dropout``, ``bias_gelu``). Variants are chosen here, at build time, by name; no kernel
 switches behaviour on a runtime flag.
 
 This module must stay importable without TVM: the runtime reads the same names
@@ -28,6 +28,9 @@ BAND_SOFTMAX = ("softmax", "softmax_backward")
 # Hidden-state dropout with the fused attention's counter-based mask (schedules/cpu/dropout.py):
 # CPU targets only, where torch's own draws its mask on one thread; elsewhere torch's dropout.
 DROPOUT = ("dropout",)
+# The FFN's bias and exact GELU after a bias-free GEMM, and its backward (schedules/cpu/gelu.py):
+# CPU targets only; elsewhere torch's addmm and GELU.
+BIAS_GELU = ("bias_gelu", "bias_gelu_backward")
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs
@@ -68,7 +71,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=1,
             cpu_flags=_V3_FLAGS,
             isa="avx2",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU,
         ),
         KernelTarget(
             name="cpu-avx512",
@@ -79,7 +82,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=2,
             cpu_flags=_V4_FLAGS,
             isa="avx512",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU,
         ),
         # bfloat16 only: what differs from cpu-avx512 is bfloat16 arithmetic (vdpbf16ps); the other
         # dtypes' libraries would be cpu-avx512's again.
@@ -92,7 +95,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=3,
             cpu_flags=_V4_FLAGS + ("avx512_bf16",),
             isa="avx512-bf16",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU,
         ),
         KernelTarget(
             name="cuda",

@@ -42,6 +42,8 @@ micro-kernel (bench/NOTES.md has every variant measured):
   (two in the forward, five in the backward), their probabilities and dS rounded to bfloat16.
 - dropout of hidden states: the attention dropout's counter-based mask over a ``[rows, cols]``
   tensor in one vectorised pass (dropout.py).
+- the FFN's bias and exact GELU over a ``[rows, cols]`` GEMM output, and its backward, one
+  vectorised pass each with a rational erf (gelu.py).
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
 (feature loops run over whole vectors or register tiles; the runtime zero-pads,
@@ -55,6 +57,7 @@ from __future__ import annotations
 from tvm_kernels.schedules.cpu.attention import attention, attention_backward
 from tvm_kernels.schedules.cpu.band_times_rows import pv, transposed
 from tvm_kernels.schedules.cpu.dropout import dropout
+from tvm_kernels.schedules.cpu.gelu import bias_gelu, bias_gelu_backward
 from tvm_kernels.schedules.cpu.qk import qk
 from tvm_kernels.schedules.cpu.softmax import softmax, softmax_backward
 
@@ -65,4 +68,5 @@ PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 
 HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": attention,
                 "attention_backward": attention_backward, "softmax": softmax, "softmax_backward": softmax_backward,
-                "dropout": dropout}  # (dropout has no band: (dtype, isa), one function)
+                "dropout": dropout, "bias_gelu": bias_gelu, "bias_gelu_backward": bias_gelu_backward}
+# (dropout and the GELU have no band: (dtype, isa), one function each)

@@ -249,3 +249,30 @@ def _exp(x, acc_dtype, half_results: bool = False):
     for c in coefficients[1:]:
         poly = poly * t + T.float32(c)
     return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", m) + T.int32(127), T.int32(23)))
+
+
+# erf for the GELU kernels, vectorisable (TVM lowers ``T.erf`` to one scalar ``erff`` call per
+# lane): erf(z) = z P(s) / Q(s), s = z^2 / 16, z clamped to [-4, 4] (1 - erf(4) = 1.5e-8, below
+# float32's half ulp of 1). A rational fit (tools/fit_erf.py: P of degree 7, Q of degree 4): 1.0e-8
+# in exact arithmetic, 3.8e-7 evaluated in float32, where torch's own float32 GELU is off by up to
+# 1.2e-6 (at x = 3.5; its erf is a fixed-form approximation).
+_ERF_Z_MAX = 4.0
+_ERF_P = (1.128379075110033, 2.3689332468719773, 11.529766079130393, 7.550756739158106, 9.005213846679423,
+          -3.678338374302783, 1.251627841146014, -0.20006841108392498)
+_ERF_Q = (1.0, 7.432727638433365, 24.26036545712762, 43.2919858710228, 39.84000414470118)
+
+
+def _erf(z, acc_dtype):
+    """The expression erf(z) (a plain Python helper building the expression); float64: the
+    library's erf (no speed goal there, and gradcheck's finite differences need its accuracy)."""
+    if acc_dtype == "float64":
+        return T.erf(z)
+    z = T.min(T.max(z, T.float32(-_ERF_Z_MAX)), T.float32(_ERF_Z_MAX))
+    s = z * z * T.float32(1 / _ERF_Z_MAX**2)
+    numerator = T.float32(_ERF_P[-1])
+    for c in reversed(_ERF_P[:-1]):
+        numerator = numerator * s + T.float32(c)
+    denominator = T.float32(_ERF_Q[-1])
+    for c in reversed(_ERF_Q[:-1]):
+        denominator = denominator * s + T.float32(c)
+    return z * (numerator / denominator)

@@ -1,0 +1,230 @@
+"""The FFN's bias and GELU (longformer_ops.gelu): the CPU kernels against float64 GELU and its
+derivative, gradients, the in-place inference path, ``linear_gelu`` against ``gelu(linear(x))``,
+the fallbacks, and the errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import CPU_DTYPES, stable_seed, unit_roundoff
+from longformer_ops import kernels
+from longformer_ops.gelu import bias_gelu, linear_gelu
+
+ops = torch.ops.longformer_ops
+
+# Odd widths (vector tails), widths under one vector, a 1-D tensor, the base FFN's width; values
+# spread to +-8 so that erf's clamp at |x / sqrt 2| = 4 and both tails are crossed.
+SHAPES = [(1,), (7,), (3, 5), (2, 37, 19), (4, 16), (2, 3, 65), (5, 3072)]
+
+
+def _inputs(dtype, shape, *parts):
+    generator = torch.Generator().manual_seed(stable_seed(str(dtype), shape, *parts))
+    h = (4 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(dtype)
+    bias = torch.randn(shape[-1], generator=generator, dtype=torch.float64).to(dtype)
+    grad = torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+    return h, bias, grad
+
+
+def _exact(h, bias, grad):
+    """float64 gelu(h + bias) and grad * gelu'(h + bias) on the same (rounded) inputs."""
+    x = h.double() + bias.double()
+    derivative = 0.5 * (1 + torch.erf(x / math.sqrt(2))) + x * torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    return nn.functional.gelu(x), grad.double() * derivative, x
+
+
+def _slack(dtype) -> float:
+    """The unit of the arithmetic the kernel computes in: float32 for float32 and the half types."""
+    return unit_roundoff(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def _subnormal_spacing(dtype) -> float:
+    """The spacing of ``dtype``'s subnormal numbers: where results round absolutely, not relatively."""
+    return torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+
+
+def _assert_within(got, exact, bound, what):
+    error = (got.double() - exact).abs()
+    assert not got.isnan().any(), f"{what}: NaN"
+    worst = (error - bound).max().item()
+    assert worst <= 0, f"{what}: error exceeds its bound by {worst:.3e} (largest error {error.max().item():.3e})"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_kernels_match_float64(cpu_library, dtype, shape):
+    """Forward: within one rounding of the output (2 u |y|, or a subnormal spacing) plus 8 units
+    of the arithmetic's roundoff times |x| (erf is a rational fit within 3.8e-7 = 6.3 units of
+    float32's, halved by GELU's 1/2). Backward: the same with |g gelu'| and |g|. A 1% error, a
+    dropped bias or a sign flip is far outside both (test_the_bound_catches_faults)."""
+    h, bias, grad = _inputs(dtype, shape)
+    y, grad_h, x = _exact(h, bias, grad)
+    u, slack, spacing = unit_roundoff(dtype), _slack(dtype), _subnormal_spacing(dtype)
+    got = ops.bias_gelu(h, bias)
+    assert got.shape == h.shape and got.dtype == dtype
+    _assert_within(got, y, 2 * u * y.abs() + 8 * slack * x.abs() + spacing, f"bias_gelu {shape} {dtype}")
+    got_grad = ops.bias_gelu_backward(grad, h, bias)
+    assert got_grad.shape == h.shape and got_grad.dtype == dtype
+    _assert_within(got_grad, grad_h, 2 * u * grad_h.abs() + 8 * slack * grad.double().abs() + spacing,
+                   f"bias_gelu_backward {shape} {dtype}")
+
+
+@pytest.mark.parametrize("fault", ["one-percent-off", "no-bias", "negated"])
+def test_the_bound_catches_faults(fault):
+    """The forward and backward bounds above reject outputs off by the usual faults."""
+    h, bias, grad = _inputs(torch.float32, (5, 3072), fault)
+    y, grad_h, x = _exact(h, bias, grad)
+    u, slack = unit_roundoff(torch.float32), _slack(torch.float32)
+    faulty = {"one-percent-off": lambda t, exact: (exact * 1.01).float(),
+              "no-bias": lambda t, exact: t,
+              "negated": lambda t, exact: -t}[fault]
+    forward = faulty(ops.bias_gelu(h, bias), y) if fault != "no-bias" else ops.bias_gelu(h, torch.zeros_like(bias))
+    backward = (faulty(ops.bias_gelu_backward(grad, h, bias), grad_h) if fault != "no-bias"
+                else ops.bias_gelu_backward(grad, h, torch.zeros_like(bias)))
+    with pytest.raises(AssertionError, match="exceeds its bound"):
+        _assert_within(forward, y, 2 * u * y.abs() + 8 * slack * x.abs(), "forward")
+    with pytest.raises(AssertionError, match="exceeds its bound"):
+        _assert_within(backward, grad_h, 2 * u * grad_h.abs() + 8 * slack * grad.double().abs(), "backward")
+
+
+def test_gradcheck_float64():
+    h = torch.randn(3, 2, 21, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(21, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(bias_gelu, (h, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_autograd_gradients_of_both_inputs(dtype):
+    """Through autograd: h's gradient is the backward kernel's, the bias's its sum over the rows:
+    within one rounding of the sum (u |sum|) and float32 accumulation (rows u32 sum of |terms|)."""
+    h, bias, grad = _inputs(dtype, (2, 33, 40))
+    h.requires_grad_(True)
+    bias.requires_grad_(True)
+    bias_gelu(h, bias).backward(grad)
+    grad_h = ops.bias_gelu_backward(grad, h.detach(), bias.detach())
+    assert torch.equal(h.grad, grad_h)
+    terms = grad_h.double().flatten(0, 1)
+    rows = terms.shape[0]
+    bound = unit_roundoff(dtype) * terms.sum(0).abs() + rows * unit_roundoff(torch.float32) * terms.abs().sum(0)
+    _assert_within(bias.grad, terms.sum(0), bound, "bias gradient")
+    with pytest.raises(AssertionError, match="exceeds its bound"):  # the bound rejects a gradient 1% off
+        _assert_within(bias.grad.double() * 1.01, terms.sum(0), bound, "bias gradient 1% off")
+
+
+def test_in_place_is_the_same_kernel():
+    h, bias, _ = _inputs(torch.float32, (6, 70))
+    expected = ops.bias_gelu(h, bias)
+    ops.bias_gelu_(h, bias)
+    assert torch.equal(h, expected)
+
+
+def test_inputs_at_any_address():
+    """Tensors that start one element into their storage (a slice of rows; a bias read from a
+    checkpoint file at any offset): the kernels may not assume vector-aligned data."""
+    h, bias, grad = _inputs(torch.float32, (3, 64))
+
+    def shifted(t):
+        storage = torch.empty(t.numel() + 1, dtype=t.dtype)
+        view = storage[1:].view(t.shape)
+        assert view.data_ptr() % 8 != 0
+        return view.copy_(t)
+
+    assert torch.equal(ops.bias_gelu(shifted(h), shifted(bias)), ops.bias_gelu(h, bias))
+    assert torch.equal(ops.bias_gelu_backward(shifted(grad), shifted(h), shifted(bias)),
+                       ops.bias_gelu_backward(grad, h, bias))
+    in_place = shifted(h)
+    ops.bias_gelu_(in_place, shifted(bias))
+    assert torch.equal(in_place, ops.bias_gelu(h, bias))
+
+
+def test_non_contiguous_and_empty():
+    h, bias, _ = _inputs(torch.float32, (12, 20))
+    transposed = h.t().contiguous().t()  # [12, 20], not contiguous
+    assert not transposed.is_contiguous()
+    assert torch.equal(bias_gelu(transposed, bias), ops.bias_gelu(h, bias))
+    assert bias_gelu(torch.empty(0, 20), bias).shape == (0, 20)
+
+
+def _assert_linear_gelu_close(got, x, linear, dtype, what):
+    """``got`` against float64 ``gelu(x W^T + b)`` on ``x``, ``W`` and ``b`` rounded to ``dtype``:
+    within the GEMM output's rounding to ``dtype`` carried through GELU (slope <= 1.13) and the
+    output's rounding, 2 u (|x W^T| + |y|), plus float32 accumulation, K u32 (|x| |W|^T)."""
+    x64, weight, bias = (t.detach().to(dtype).double() for t in (x, linear.weight, linear.bias))
+    product = x64 @ weight.t()
+    expected = nn.functional.gelu(product + bias)
+    accumulation = x.shape[-1] * unit_roundoff(torch.float32) * (x64.abs() @ weight.abs().t())
+    bound = 2 * unit_roundoff(dtype) * (product.abs() + expected.abs()) + accumulation
+    _assert_within(got, expected, bound, what)
+    with pytest.raises(AssertionError, match="exceeds its bound"):  # the bound rejects a result 1% off
+        _assert_within(got.double() * 1.01, expected, bound, what + " 1% off")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("grad_enabled", [True, False], ids=["training", "inference"])
+def test_linear_gelu_is_gelu_of_linear(dtype, grad_enabled):
+    torch.manual_seed(5)
+    linear = nn.Linear(48, 200).to(dtype)
+    x = torch.randn(2, 9, 48, dtype=dtype)
+    with torch.set_grad_enabled(grad_enabled):
+        got = linear_gelu(x, linear)
+    assert got.dtype == dtype and got.requires_grad == grad_enabled
+    _assert_linear_gelu_close(got, x, linear, dtype, f"linear_gelu {dtype}")
+
+
+def test_linear_gelu_under_autocast_runs_in_autocast_dtype():
+    torch.manual_seed(6)
+    linear = nn.Linear(32, 64)
+    x = torch.randn(5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_gelu(x, linear)
+    assert got.dtype == torch.bfloat16
+    _assert_linear_gelu_close(got, x, linear, torch.bfloat16, "linear_gelu under autocast")
+
+
+class _ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+@pytest.mark.parametrize("which", ["subclass", "hooked", "no-bias"])
+def test_linear_gelu_calls_other_modules_as_they_are(monkeypatch, which):
+    """An adapter, a hook or a missing bias: the module is called, our kernel is not."""
+    monkeypatch.setattr(ops, "bias_gelu", lambda *args: pytest.fail("bias_gelu called"))
+    torch.manual_seed(7)
+    linear = _ScaledLinear(16, 24) if which == "subclass" else nn.Linear(16, 24, bias=which != "no-bias")
+    if which == "hooked":
+        linear.register_forward_hook(lambda module, args, out: out + 1)
+    x = torch.randn(3, 16)
+    assert torch.equal(linear_gelu(x, linear), nn.functional.gelu(linear(x)))
+
+
+def test_without_a_kernel_it_is_torch_gelu(monkeypatch):
+    monkeypatch.setattr(kernels, "bias_gelu_available", lambda device, dtype: False)
+    h, bias, _ = _inputs(torch.float32, (4, 30))
+    assert torch.equal(bias_gelu(h, bias), nn.functional.gelu(h + bias))
+    linear = nn.Linear(30, 8)
+    assert torch.equal(linear_gelu(h, linear), nn.functional.gelu(linear(h)))
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (("h", torch.ones(3)), TypeError, "h must be a floating-point torch.Tensor, got str"),
+    ((torch.ones(3, dtype=torch.int64), torch.ones(3)), TypeError, "h must be a floating-point torch.Tensor, got torch.int64"),
+    ((torch.tensor(1.0), torch.ones(1)), ValueError, "h must have at least one dimension"),
+    ((torch.ones(2, 3), [1.0, 2.0, 3.0]), TypeError, "bias must be a torch.Tensor, got list"),
+    ((torch.ones(2, 3), torch.ones(2)), ValueError, r"bias must have shape \[3\] \(h's last dimension\), got \[2\]"),
+    ((torch.ones(2, 3), torch.ones(2, 3)), ValueError, r"bias must have shape \[3\] \(h's last dimension\), got \[2, 3\]"),
+    ((torch.ones(2, 3), torch.ones(3, dtype=torch.float64)), TypeError, "bias must have h's dtype torch.float32, got torch.float64"),
+    ((torch.ones(2, 3), torch.ones(3, device="meta")), ValueError, "bias must be on h's device cpu, got meta"),
+])
+def test_bad_input(args, error, message):
+    with pytest.raises(error, match=message):
+        bias_gelu(*args)
+
+
+def test_compiles_without_graph_break():
+    h, bias, _ = _inputs(torch.float32, (8, 24))
+    compiled = torch.compile(lambda t, b: bias_gelu(t, b) * 2, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(h, bias), ops.bias_gelu(h, bias) * 2)

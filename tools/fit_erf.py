@@ -1,0 +1,63 @@
+"""Fit the rational approximation of erf used by the CPU GELU kernels (tvm_kernels/schedules/cpu/microkernels.py).
+
+erf(z) = z * P(s) / Q(s), s = z^2 / 16, |z| <= 4 (beyond, erf rounds to +-1 in float32), P of degree
+7 and Q of degree 4 with Q(0) = 1. Linearised least squares (P - f Q, weighted by 1 / Q of the
+previous step), then Lawson reweighting toward the minimax of the absolute error of erf. Prints the
+coefficients (lowest degree first) and the error in float64 and in float32 Horner evaluation.
+
+    python tools/fit_erf.py
+"""
+import math
+
+import numpy as np
+
+Z_MAX = 4.0
+P_DEGREE, Q_DEGREE = 7, 4
+
+
+def fit(iterations: int = 60):
+    z = np.linspace(0, Z_MAX, 20001)[1:]
+    s = (z / Z_MAX) ** 2
+    erf = np.array([math.erf(v) for v in z])
+    f = erf / z
+    q = np.zeros(Q_DEGREE + 1)
+    q[0] = 1
+    lawson = np.ones_like(s)
+    best = None
+    powers_p = np.vander(s, P_DEGREE + 1, increasing=True)
+    powers_q = np.vander(s, Q_DEGREE + 1, increasing=True)[:, 1:]
+    for step in range(iterations):
+        weight = lawson / np.abs(powers_q @ q[1:] + 1) * z
+        system = np.hstack([powers_p, -f[:, None] * powers_q])
+        solution = np.linalg.lstsq(system * weight[:, None], f * weight, rcond=None)[0]
+        p, q = solution[:P_DEGREE + 1], np.concatenate([[1.0], solution[P_DEGREE + 1:]])
+        denominator = powers_q @ q[1:] + 1
+        if np.any(denominator <= 0):
+            break
+        error = np.abs(z * (powers_p @ p) / denominator - erf)
+        if best is None or error.max() < best[0]:
+            best = (error.max(), p.copy(), q.copy())
+        if step > 10:
+            lawson = lawson * np.sqrt(error / error.max()) + 1e-12
+            lawson /= lawson.max()
+    return best
+
+
+def float32_error(p, q) -> float:
+    z = np.linspace(-4.5, 4.5, 300001).astype(np.float32)
+    zc = np.clip(z, -Z_MAX, Z_MAX)
+    s = (zc * zc * np.float32(1 / Z_MAX**2)).astype(np.float32)
+    numerator, denominator = np.float32(p[-1]), np.float32(q[-1])
+    for c in p[-2::-1]:
+        numerator = (numerator * s + np.float32(c)).astype(np.float32)
+    for c in q[-2::-1]:
+        denominator = (denominator * s + np.float32(c)).astype(np.float32)
+    approx = (zc * (numerator / denominator).astype(np.float32)).astype(np.float32)
+    return float(np.abs(approx - np.array([math.erf(float(v)) for v in z])).max())
+
+
+if __name__ == "__main__":
+    error, p, q = fit()
+    print(f"max |error| in float64: {error:.3g}; evaluated in float32: {float32_error(p, q):.3g}")
+    print("P:", [float(c) for c in p])
+    print("Q:", [float(c) for c in q])
