@@ -296,3 +296,22 @@ def test_scale_points_measure_and_write(tmp_path):
     assert {p["op"] for p in scale.points(quick=True)} == {"local_attention", "layer", "model", "full"}
     layer = scale.measure(dict(op="layer", backward=False, dilation=(1,) * 12, dtype="float32", n=600))
     assert layer["status"] == "ok" and layer["peak_mib"] > 0
+
+
+def test_ffn_bench_alternates_both_ffns_and_restores_ours(tmp_path, monkeypatch):
+    """bench.ffn times each FFN in every round (ours through the bias-GELU kernel, torch's
+    without it), writes its table, and leaves the encoder's own FFN in place."""
+    from bench import ffn
+    from longformer_ops.model import LongformerIntermediate
+
+    shipped = LongformerIntermediate.forward
+    calls = []
+    kernel = torch.ops.longformer_ops.bias_gelu_
+    monkeypatch.setattr(torch.ops.longformer_ops, "bias_gelu_", lambda *args: calls.append("ours") or kernel(*args))
+    ffn.main(["--dtypes", "float32", "--passes", "forward", "--rounds", "2", "--seq-len", "64", "--out", str(tmp_path)])
+    assert LongformerIntermediate.forward is shipped
+    assert len(calls) == 12 * 3  # 12 layers, in the warm-up round and both timed rounds
+    table = next(tmp_path.glob("*-ffn.md")).read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| float32 | forward |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert len(cells[2].split()) == len(cells[3].split()) == 2 and float(cells[4]) > 0
