@@ -24,6 +24,10 @@ already checked by the public functions in :mod:`longformer_ops.diagonaled` and
 - ``bias_gelu(h, bias) -> out``: ``gelu(h + bias)`` (exact GELU) over the last dimension, the
   FFN's activation after a bias-free GEMM (CPU libraries); its backward ``bias_gelu_backward``;
   ``bias_gelu_(h, bias)`` the same in place, for inference;
+- ``global_merge(context, a, omega, values) -> out``: the layer's merge of global keys into the band's
+  attention, ``a context + sum_g omega_g values_g`` (CPU libraries), ``global_merge_`` in place;
+  ``global_merge_backward(grad, context, values, a) -> (grad a, <grad, context>, <grad, values_g>)``;
+  their autograd is the layer's ``_GlobalKeyMerge``;
 - ``*_out`` variants of each forward op write into a given ``out`` (``mutates_args=("out",)``;
   not differentiable, as custom ops that mutate cannot have autograd).
 
@@ -57,6 +61,9 @@ DROPOUT = "dropout"
 # The FFN's bias and GELU (tvm_kernels.variants.BIAS_GELU).
 BIAS_GELU = "bias_gelu"
 BIAS_GELU_BACKWARD = "bias_gelu_backward"
+# The layer's global-key merge (tvm_kernels.variants.GLOBAL_MERGE).
+GLOBAL_MERGE = "global_merge"
+GLOBAL_MERGE_BACKWARD = "global_merge_backward"
 
 
 # ----------------------------------------------------------------------------- helpers (eager only)
@@ -475,6 +482,11 @@ def _dropout_backward(ctx, grad):
 dropout.register_autograd(_dropout_backward, setup_context=_save_dropout)
 
 
+def global_merge_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a library for (device, dtype) has the global-key merge kernels (False, not an error, without one)."""
+    return _optional_kernels_available(device, dtype, (GLOBAL_MERGE, GLOBAL_MERGE_BACKWARD))
+
+
 # ----------------------------------------------------------------------------- the FFN's bias and GELU
 def _rows(x: Tensor) -> Tensor:
     """``x`` (contiguous) as ``[rows, x.shape[-1]]``."""
@@ -539,6 +551,62 @@ def _bias_gelu_autograd(ctx, grad):
 
 
 bias_gelu.register_autograd(_bias_gelu_autograd, setup_context=_save_bias_gelu)
+
+
+# ----------------------------------------------------------------------------- the layer's global-key merge
+@torch.library.custom_op(f"{NAMESPACE}::global_merge", mutates_args=())
+def global_merge(context: Tensor, a: Tensor, omega: Tensor, values: Tensor) -> Tensor:
+    """``a[..., None] context + sum_g omega[..., g, None] values[:, g]`` over ``context [b, n, h, d]``,
+    ``a [b, n, h]``, ``omega [b, n, h, g]`` (both in the accumulation dtype) and ``values [b, g, h, d]``;
+    in the accumulation dtype, rounded once to ``context``'s."""
+    out = new_output(context, context.shape)
+    if out.numel():
+        with _on_device(context):
+            _library(context).function(GLOBAL_MERGE)(context.contiguous(), a.contiguous(), omega.contiguous(),
+                                                     values.contiguous(), out)
+    return out
+
+
+@global_merge.register_fake
+def _(context, a, omega, values):
+    return context.new_empty(context.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::global_merge_", mutates_args=("context",))
+def global_merge_(context: Tensor, a: Tensor, omega: Tensor, values: Tensor) -> None:
+    """:func:`global_merge` in place, into ``context`` (contiguous); not differentiable."""
+    if context.numel():
+        with _on_device(context):
+            _library(context).function(GLOBAL_MERGE)(context, a.contiguous(), omega.contiguous(), values.contiguous(),
+                                                     context)
+
+
+@global_merge_.register_fake
+def _(context, a, omega, values):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::global_merge_backward", mutates_args=())
+def global_merge_backward(grad: Tensor, context: Tensor, values: Tensor, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """For :func:`global_merge`'s output gradient ``grad``: ``grad a`` (``context``'s dtype), and in
+    ``a``'s dtype ``u [b, n, h] = <grad, context>`` and ``t [b, n, h, g] = <grad, values_g>`` over the
+    features (products and sums in ``a``'s dtype)."""
+    grad_context = new_output(context, context.shape)
+    u = a.new_empty(a.shape)
+    t = a.new_empty((*a.shape, values.shape[1]))
+    if grad_context.numel():
+        with _on_device(context):
+            _library(context).function(GLOBAL_MERGE_BACKWARD)(grad.contiguous(), context.contiguous(),
+                                                              values.contiguous(), a.contiguous(), grad_context, u, t)
+    else:
+        u.zero_()
+        t.zero_()
+    return grad_context, u, t
+
+
+@global_merge_backward.register_fake
+def _(grad, context, values, a):
+    return context.new_empty(context.shape), a.new_empty(a.shape), a.new_empty((*a.shape, values.shape[1]))
 
 
 # ----------------------------------------------------------------------------- autocast

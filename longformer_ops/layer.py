@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from longformer_ops import kernels
 from longformer_ops.attention import sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.diagonaled import diagonaled_mm, fill_band_at_keys_
@@ -212,9 +213,13 @@ class LongformerSelfAttention(nn.Module):
         if torch.is_grad_enabled():
             keep = nn.functional.dropout(torch.ones_like(scores), dropout_p) if dropout_p > 0 else None
             return _GlobalKeyMerge.apply(context, lse, scores, globals_.gather(v), keep)
-        # Inference: the same operations in place, in the input dtype: one temporary.
         band_weight, global_weights, total = _merge_weights(lse, scores)
         dropped = nn.functional.dropout(global_weights, dropout_p, training=dropout_p > 0)
+        if context.is_contiguous() and _merge_kernel_serves(context, lse):  # in place in the context: no temporary
+            torch.ops.longformer_ops.global_merge_(context, band_weight / total, dropped / total[..., None],
+                                                   globals_.gather(v))
+            return context
+        # Inference: the same operations in place, in the input dtype: one temporary.
         merged = _weighted_slots(dropped.to(v.dtype), globals_.gather(v))
         merged.add_(context.mul_(band_weight.to(context.dtype)[..., None]))
         return merged.div_(total.to(merged.dtype)[..., None])
@@ -515,6 +520,14 @@ def _merge_weights(lse: torch.Tensor, scores: torch.Tensor):
     return band_weight, global_weights, total
 
 
+def _merge_kernel_serves(context: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Whether the global-key merge kernels take ``context`` with weights (``a``, ``lse``) in
+    ``weights``' dtype: a library for its device and dtype has them, and the weights are in that
+    library's accumulation dtype (the fused attention's log-sum-exp is)."""
+    return (weights.dtype == kernels.accumulation_dtype(context.dtype)
+            and kernels.global_merge_available(context.device, context.dtype))
+
+
 class _GlobalKeyMerge(torch.autograd.Function):
     """The training form of :meth:`LongformerSelfAttention._merge_global_keys`, with a backward of its
     own: ``apply(context [b, n, h, d], lse [b, n, h], scores [b, n, h, g], values [b, g, h, d], keep)``
@@ -523,8 +536,9 @@ class _GlobalKeyMerge(torch.autograd.Function):
     factors ``[b, n, h, g]`` or None), in the accumulation dtype of ``lse``, rounded once to
     ``context``'s. Written out because autograd of the plain expression took about a dozen passes
     over ``[b, n, h, d]`` per layer (dtype conversions, the division by Z and its backward); this
-    takes three forward and five backward (n = 4096, 12 x 64, one global token, forward and backward:
-    float32 33 -> 16 ms, bfloat16 29 -> 11 ms). Backward, with G the output's gradient, u = <G,
+    takes three forward and five backward in torch's ops (n = 4096, 12 x 64, one global token,
+    forward and backward: float32 33 -> 16 ms, bfloat16 29 -> 11 ms), one each way where the
+    merge kernels serve (the CPU libraries: ``torch.ops.longformer_ops.global_merge``). Backward, with G the output's gradient, u = <G,
     context>, t_g = <G, values_g> and s = u a + sum_g t_g omega_g (= <G, output>): d context = G a,
     d values_g = sum over rows of omega_g G, d lse = (u - s) a, d score_g = (t_g keep_g - s)
     exp(score_g - m) / Z."""
@@ -534,20 +548,25 @@ class _GlobalKeyMerge(torch.autograd.Function):
         band_weight, global_weights, total = _merge_weights(lse, scores)
         a = band_weight / total
         omega = (global_weights if keep is None else global_weights * keep) / total[..., None]
+        ctx.save_for_backward(context, values, a, omega, global_weights / total[..., None], keep)
         # (Not a view: the layer writes the global rows' outputs into the result in place.)
+        if _merge_kernel_serves(context, lse):
+            return torch.ops.longformer_ops.global_merge(context, a, omega, values)
         out = _weighted_slots(omega, values.to(lse.dtype), out=context.new_empty(context.shape, dtype=lse.dtype))
         out.addcmul_(context, a[..., None])
-        ctx.save_for_backward(context, values, a, omega, global_weights / total[..., None], keep)
         return out.to(context.dtype)
 
     @staticmethod
     @once_differentiable  # (the fused attention under it is differentiable once too)
     def backward(ctx, grad):
         context, values, a, omega, weights, keep = ctx.saved_tensors  # weights: exp(score - m) / Z
-        u = (grad * context).sum(-1, dtype=a.dtype)                                    # [b, n, h]
-        t = _against_slots(grad, values).to(a.dtype)                                   # [b, n, h, g]
+        if _merge_kernel_serves(context, a):
+            grad_context, u, t = torch.ops.longformer_ops.global_merge_backward(grad, context, values, a)
+        else:
+            u = (grad * context).sum(-1, dtype=a.dtype)                                # [b, n, h]
+            t = _against_slots(grad, values).to(a.dtype)                               # [b, n, h, g]
+            grad_context = (grad * a[..., None]).to(context.dtype) if ctx.needs_input_grad[0] else None
         s = u * a + (t * omega).sum(-1)
-        grad_context = (grad * a[..., None]).to(context.dtype) if ctx.needs_input_grad[0] else None
         grad_lse = (u - s) * a
         grad_scores = ((t if keep is None else t * keep) - s[..., None]) * weights
         grad_values = _slots_weighted(omega.to(grad.dtype), grad) if ctx.needs_input_grad[3] else None

@@ -298,20 +298,23 @@ def test_scale_points_measure_and_write(tmp_path):
     assert layer["status"] == "ok" and layer["peak_mib"] > 0
 
 
-def test_ffn_bench_alternates_both_ffns_and_restores_ours(tmp_path, monkeypatch):
-    """bench.ffn times each FFN in every round (ours through the bias-GELU kernel, torch's
-    without it), writes its table, and leaves the encoder's own FFN in place."""
-    from bench import ffn
+@pytest.mark.parametrize("switch, kernel", [("ffn", "bias_gelu_"), ("global-merge", "global_merge_")])
+def test_alternate_bench_times_both_and_restores_ours(tmp_path, monkeypatch, switch, kernel):
+    """bench.alternate times the encoder as shipped and with one part on torch's ops in every
+    round (our kernel runs in one of the two), writes its table, and leaves the shipped code in place."""
+    from bench import alternate
+    from longformer_ops import kernels
     from longformer_ops.model import LongformerIntermediate
 
-    shipped = LongformerIntermediate.forward
+    shipped = LongformerIntermediate.forward, kernels.global_merge_available
     calls = []
-    kernel = torch.ops.longformer_ops.bias_gelu_
-    monkeypatch.setattr(torch.ops.longformer_ops, "bias_gelu_", lambda *args: calls.append("ours") or kernel(*args))
-    ffn.main(["--dtypes", "float32", "--passes", "forward", "--rounds", "2", "--seq-len", "64", "--out", str(tmp_path)])
-    assert LongformerIntermediate.forward is shipped
+    op = getattr(torch.ops.longformer_ops, kernel)
+    monkeypatch.setattr(torch.ops.longformer_ops, kernel, lambda *args: calls.append(kernel) or op(*args))
+    alternate.main(["--switch", switch, "--dtypes", "float32", "--passes", "forward", "--rounds", "2", "--seq-len", "64",
+                    "--out", str(tmp_path)])
+    assert (LongformerIntermediate.forward, kernels.global_merge_available) == shipped
     assert len(calls) == 12 * 3  # 12 layers, in the warm-up round and both timed rounds
-    table = next(tmp_path.glob("*-ffn.md")).read_text()
+    table = (tmp_path / next(p.name for p in tmp_path.glob(f"*-{switch}.md"))).read_text()
     row = next(line for line in table.splitlines() if line.startswith("| float32 | forward |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert len(cells[2].split()) == len(cells[3].split()) == 2 and float(cells[4]) > 0

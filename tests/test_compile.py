@@ -15,6 +15,7 @@ from torch._inductor import config as inductor_config
 
 from longformer_ops import (LongformerConfig, LongformerForMaskedLM, LongformerModel, LongformerSelfAttention,
                             diagonaled_mm, mask_invalid_locations, sliding_window_attention)
+from longformer_ops.kernels import accumulation_dtype
 
 ops = torch.ops.longformer_ops
 W, DILATION = 4, [1, 2, 3, 1]  # per-head dilations, one-sided window 4: reach 12 rows
@@ -119,7 +120,7 @@ def _band(seed, b, n, h, c, dtype):
 def _opcheck_cases(dtype, device="cpu"):
     """(op, args) for every op on awkward sizes: odd length, head_dim 40 (padded to 32's multiple),
     per-head dilation, window beyond the sequence, both modes. On CUDA the band ops only (its
-    libraries have no fused attention, band softmax, dropout or bias-GELU)."""
+    libraries have no fused attention, band softmax, dropout, bias-GELU or global merge)."""
     cases = []
     for n, w, autoregressive in ((37, W, False), (9, 12, True)):
         q, k, v = (x.detach().to(device).requires_grad_() for x in _inputs(n, n, dtype=dtype))
@@ -156,6 +157,12 @@ def _opcheck_cases(dtype, device="cpu"):
         cases += [(ops.bias_gelu, (h.clone().requires_grad_(True), bias)),
                   (ops.bias_gelu_backward, (torch.randn_like(h), h, bias.detach())),
                   (ops.bias_gelu_, (h.clone(), bias.detach()))]
+        acc = accumulation_dtype(dtype)
+        a, omega = torch.rand(*v.shape[:3], dtype=acc), torch.rand(*v.shape[:3], 2, dtype=acc)
+        slots = v.detach()[:, :2].contiguous()
+        cases += [(ops.global_merge, (v.detach(), a, omega, slots)),
+                  (ops.global_merge_, (v.detach().clone(), a, omega, slots)),
+                  (ops.global_merge_backward, (torch.randn_like(v.detach()), v.detach(), slots, a))]
     return cases
 
 
@@ -175,7 +182,7 @@ def test_opcheck_every_op(dtype):
         torch.library.opcheck(op, args)
         names.add(op._qualified_op_name.split("::")[1])
     registered = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
-    assert names == registered and len(names) == 15, (names, registered)
+    assert names == registered and len(names) == 18, (names, registered)
 
 
 # ----------------------------------------------------------------------------- layer and model

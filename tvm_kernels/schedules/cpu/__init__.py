@@ -44,6 +44,8 @@ micro-kernel (bench/NOTES.md has every variant measured):
   tensor in one vectorised pass (dropout.py).
 - the FFN's bias and exact GELU over a ``[rows, cols]`` GEMM output, and its backward, one
   vectorised pass each with a rational erf (gelu.py).
+- the layer's merge of global keys into the band's attention, and its backward's sums, one pass
+  each over ``[b, n, h, d]`` (global_merge.py).
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
 (feature loops run over whole vectors or register tiles; the runtime zero-pads,
@@ -58,6 +60,7 @@ from tvm_kernels.schedules.cpu.attention import attention, attention_backward
 from tvm_kernels.schedules.cpu.band_times_rows import pv, transposed
 from tvm_kernels.schedules.cpu.dropout import dropout
 from tvm_kernels.schedules.cpu.gelu import bias_gelu, bias_gelu_backward
+from tvm_kernels.schedules.cpu.global_merge import global_merge, global_merge_backward
 from tvm_kernels.schedules.cpu.qk import qk
 from tvm_kernels.schedules.cpu.softmax import softmax, softmax_backward
 
@@ -68,5 +71,6 @@ PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 
 HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": attention,
                 "attention_backward": attention_backward, "softmax": softmax, "softmax_backward": softmax_backward,
-                "dropout": dropout, "bias_gelu": bias_gelu, "bias_gelu_backward": bias_gelu_backward}
-# (dropout and the GELU have no band: (dtype, isa), one function each)
+                "dropout": dropout, "bias_gelu": bias_gelu, "bias_gelu_backward": bias_gelu_backward,
+                "global_merge": global_merge, "global_merge_backward": global_merge_backward}
+# (dropout, the GELU and the merge have no band: (dtype, isa), one function each)

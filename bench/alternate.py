@@ -1,0 +1,124 @@
+"""One of the encoder's kernels against the torch ops it replaced, in one process:
+``python -m bench.alternate --switch ffn|global-merge [--dtypes float32,bfloat16]
+[--passes forward,forward+backward] [--rounds 4] [--seq-len 4096]``.
+
+The bench's base encoder (``--ops model``: 12 layers, hidden 768, n = 4096, token 0 global) runs
+each pass alternately as shipped and with one part on torch's ops, the order flipped every round.
+Processes on these machines differ by up to 15% in speed, rounds within one process far less, so
+the figure is the median of the per-round ratios. The switches:
+
+- ``ffn``: ``LongformerIntermediate`` as shipped (``linear_gelu``: a bias-free GEMM, then the bias
+  and GELU in one kernel pass) or as torch runs it (``addmm`` with the bias, then GELU; without
+  autograd into recycled memory and in place, as the encoder ran it before);
+- ``global-merge``: the layer's global-key merge on its kernels or on torch's ops (the layer's own
+  fallback where no library has them).
+
+Writes ``bench/results/<cpu>-<switch>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _torch_ffn_forward(self, x):
+    """``LongformerIntermediate.forward`` on torch's ops (the encoder's before the bias-GELU kernel)."""
+    from longformer_ops._output_cache import new_output
+    from longformer_ops.model import _ACTIVATE_IN_PLACE
+
+    if torch.is_grad_enabled():
+        return self.act(self.dense(x))
+    h = new_output(x, (*x.shape[:-1], self.dense.out_features))
+    torch.addmm(self.dense.bias, x.reshape(-1, x.shape[-1]), self.dense.weight.t(), out=h.view(-1, h.shape[-1]))
+    return _ACTIVATE_IN_PLACE[type(self.act)](self.act, h)
+
+
+@contextlib.contextmanager
+def _torch_ffn():
+    from longformer_ops.model import LongformerIntermediate
+
+    shipped = LongformerIntermediate.forward
+    LongformerIntermediate.forward = _torch_ffn_forward
+    try:
+        yield
+    finally:
+        LongformerIntermediate.forward = shipped
+
+
+@contextlib.contextmanager
+def _torch_global_merge():
+    from longformer_ops import kernels
+
+    shipped = kernels.global_merge_available
+    kernels.global_merge_available = lambda device, dtype: False
+    try:
+        yield
+    finally:
+        kernels.global_merge_available = shipped
+
+
+# switch -> (what it compares, a context manager putting torch's ops in its place)
+SWITCHES = {
+    "ffn": ("The encoder's FFN: bias-GELU kernel against torch's addmm + GELU", _torch_ffn),
+    "global-merge": ("The layer's global-key merge: its kernels against torch's ops", _torch_global_merge),
+}
+
+
+def alternate(switch: str, dtype: torch.dtype, backward: bool, rounds: int, seq_len: int = 4096) -> dict[str, list[float]]:
+    """Seconds per pass of the bench's encoder as shipped ("ours") and with ``switch`` on torch's
+    ops ("torch"), ``rounds`` rounds after a warm-up."""
+    from bench import methods
+
+    (x,) = methods.make_inputs("model", 1, seq_len, 12, 64, 256, dtype, "cpu", backward)
+    run = methods.runner("model", "tvm", (x,), 256, (1,) * 12, backward)
+    times = {"ours": [], "torch": []}
+    variants = [("ours", contextlib.nullcontext), ("torch", SWITCHES[switch][1])]
+    for round_ in range(rounds + 1):
+        for name, context in variants if round_ % 2 else variants[::-1]:
+            with context():
+                start = time.perf_counter()
+                run()
+                if round_:
+                    times[name].append(time.perf_counter() - start)
+    return times
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.alternate", description=__doc__.splitlines()[0])
+    parser.add_argument("--switch", choices=sorted(SWITCHES), required=True)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--passes", default="forward,forward+backward")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args(argv)
+    from bench.machine import cpu_results_name, source_commit
+
+    lines = [f"# {SWITCHES[args.switch][0]} ({cpu_results_name()})", "",
+             f"Command: `python -m bench.alternate --switch {args.switch} --dtypes {args.dtypes} --passes {args.passes} "
+             f"--rounds {args.rounds} --seq-len {args.seq_len}` (commit {source_commit()}, torch {torch.__version__}, "
+             f"{torch.get_num_threads()} threads). Base encoder, n = {args.seq_len}, batch 1, token 0 global; one "
+             "process, the two alternating, seconds per pass.", "",
+             "| dtype | pass | ours (s) | torch's (s) | median ours / torch's |", "|---|---|---|---|---:|"]
+    for dtype in args.dtypes.split(","):
+        for pass_ in args.passes.split(","):
+            times = alternate(args.switch, getattr(torch, dtype), pass_ == "forward+backward", args.rounds, args.seq_len)
+            ratio = statistics.median(o / t for o, t in zip(times["ours"], times["torch"]))
+            cells = [" ".join(f"{t:.2f}" for t in times[name]) for name in ("ours", "torch")]
+            lines.append(f"| {dtype} | {pass_} | {cells[0]} | {cells[1]} | {ratio:.3f} |")
+            print(lines[-1], flush=True)
+    path = args.out / f"{cpu_results_name()}-{args.switch}.md"
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The layer's merge of global keys into the band's attention, on the CPU (one pass each way).
+
+The fused attention returns each row's band context ``C`` (normalised) and log-sum-exp; the layer
+(``longformer_ops.layer._GlobalKeyMerge``) turns those and the global keys' scores into weights,
+``a`` for the band part and ``omega_g`` for each global slot, and the output is
+``a C + sum_g omega_g V_g`` (``V_g`` slot g's value row). Its backward needs, per row and head,
+``G a`` (the context's gradient), ``u = <G, C>`` and ``t_g = <G, V_g>``. In torch these were a
+matmul, a mixed-dtype ``addcmul`` and a conversion forward (each a pass over ``[b, n, h, d]``, the
+half-type operands converted whole), and as many backward; here one pass each, in the accumulation
+dtype, rounded once.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from tvm_kernels.compute import accumulation_dtype
+from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK
+from tvm_kernels.schedules.cpu.tiles import tiles_for
+
+
+def _lanes(dtype: str, isa: str) -> int:
+    return tiles_for(isa).vector_bits // (64 if accumulation_dtype(dtype) == "float64" else 32)
+
+
+def global_merge(dtype: str, isa: str):
+    """``out[b, r, h, :] = a[b, r, h] context[b, r, h, :] + sum_g omega[b, r, h, g] values[b, g, h, :]``
+    in the accumulation dtype, rounded once. Arguments: context ``[b, n, h, d]``, a ``[b, n, h]`` and
+    omega ``[b, n, h, g]`` (accumulation dtype), values ``[b, g, h, d]``, out ``[b, n, h, d]`` (may be
+    context: each element is read before it is written, by the same lane)."""
+    acc_dtype = accumulation_dtype(dtype)
+    lanes = _lanes(dtype, isa)
+    # Buffers aligned to their element only (see gelu.py): views may start anywhere.
+    element, acc_element = _BITS[dtype] // 8, _BITS[acc_dtype] // 8
+
+    @T.prim_func
+    def main(context_handle: T.handle, a_handle: T.handle, omega_handle: T.handle, values_handle: T.handle,
+             out_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        d = T.int64()
+        slots = T.int64()
+        context = T.match_buffer(context_handle, (batch, n, heads, d), dtype, align=element)
+        a = T.match_buffer(a_handle, (batch, n, heads), acc_dtype, align=acc_element)
+        omega = T.match_buffer(omega_handle, (batch, n, heads, slots), acc_dtype, align=acc_element)
+        values = T.match_buffer(values_handle, (batch, slots, heads, d), dtype, align=element)
+        out = T.match_buffer(out_handle, (batch, n, heads, d), dtype, align=element)
+        for row in T.parallel(batch * n):
+            b: T.let = row // n
+            r: T.let = row % n
+            merged = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            for h in range(heads):
+                for vector in range(d // T.int64(lanes)):
+                    for lane in T.vectorized(lanes):
+                        merged[lane] = a[b, r, h] * T.Cast(acc_dtype, context[b, r, h, vector * T.int64(lanes) + lane])
+                    for g in range(slots):
+                        for lane in T.vectorized(lanes):
+                            merged[lane] = merged[lane] + omega[b, r, h, g] * T.Cast(
+                                acc_dtype, values[b, g, h, vector * T.int64(lanes) + lane])
+                    for lane in T.vectorized(lanes):
+                        out[b, r, h, vector * T.int64(lanes) + lane] = T.Cast(dtype, merged[lane])
+                for c in range(d // T.int64(lanes) * T.int64(lanes), d):
+                    merged[0] = a[b, r, h] * T.Cast(acc_dtype, context[b, r, h, c])
+                    for g in range(slots):
+                        merged[0] = merged[0] + omega[b, r, h, g] * T.Cast(acc_dtype, values[b, g, h, c])
+                    out[b, r, h, c] = T.Cast(dtype, merged[0])
+
+    return main
+
+
+def global_merge_backward(dtype: str, isa: str):
+    """From the output's gradient ``grad [b, n, h, d]``: ``grad_context = grad a`` (rounded once to
+    the dtype), ``u[b, r, h] = <grad, context>`` and ``t[b, r, h, g] = <grad, values[b, g, h]>`` over
+    ``d`` (accumulation dtype; products and sums in it, per lane, then the lanes in order).
+    Arguments: grad, context ``[b, n, h, d]``, values ``[b, g, h, d]``, a ``[b, n, h]``, then the
+    outputs grad_context ``[b, n, h, d]``, u ``[b, n, h]``, t ``[b, n, h, g]``."""
+    acc_dtype = accumulation_dtype(dtype)
+    lanes = _lanes(dtype, isa)
+    element, acc_element = _BITS[dtype] // 8, _BITS[acc_dtype] // 8
+
+    @T.prim_func
+    def main(grad_handle: T.handle, context_handle: T.handle, values_handle: T.handle, a_handle: T.handle,
+             grad_context_handle: T.handle, u_handle: T.handle, t_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        batch = T.int64()
+        n = T.int64()
+        heads = T.int64()
+        d = T.int64()
+        slots = T.int64()
+        grad = T.match_buffer(grad_handle, (batch, n, heads, d), dtype, align=element)
+        context = T.match_buffer(context_handle, (batch, n, heads, d), dtype, align=element)
+        values = T.match_buffer(values_handle, (batch, slots, heads, d), dtype, align=element)
+        a = T.match_buffer(a_handle, (batch, n, heads), acc_dtype, align=acc_element)
+        grad_context = T.match_buffer(grad_context_handle, (batch, n, heads, d), dtype, align=element)
+        u = T.match_buffer(u_handle, (batch, n, heads), acc_dtype, align=acc_element)
+        t = T.match_buffer(t_handle, (batch, n, heads, slots), acc_dtype, align=acc_element)
+        for row in T.parallel(batch * n):
+            b: T.let = row // n
+            r: T.let = row % n
+            partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            total = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            for h in range(heads):
+                # u, and the context's gradient on the way
+                for lane in T.vectorized(lanes):
+                    partial[lane] = T.Cast(acc_dtype, 0)
+                for vector in range(d // T.int64(lanes)):
+                    for lane in T.vectorized(lanes):
+                        partial[lane] = partial[lane] + T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane]) * T.Cast(
+                            acc_dtype, context[b, r, h, vector * T.int64(lanes) + lane])
+                        grad_context[b, r, h, vector * T.int64(lanes) + lane] = T.Cast(
+                            dtype, a[b, r, h] * T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane]))
+                for c in range(d // T.int64(lanes) * T.int64(lanes), d):
+                    partial[0] = partial[0] + T.Cast(acc_dtype, grad[b, r, h, c]) * T.Cast(acc_dtype, context[b, r, h, c])
+                    grad_context[b, r, h, c] = T.Cast(dtype, a[b, r, h] * T.Cast(acc_dtype, grad[b, r, h, c]))
+                total[0] = T.Cast(acc_dtype, 0)
+                for lane in range(lanes):
+                    total[0] = total[0] + partial[lane]
+                u[b, r, h] = total[0]
+                # t_g
+                for g in range(slots):
+                    for lane in T.vectorized(lanes):
+                        partial[lane] = T.Cast(acc_dtype, 0)
+                    for vector in range(d // T.int64(lanes)):
+                        for lane in T.vectorized(lanes):
+                            partial[lane] = partial[lane] + T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane]) * T.Cast(
+                                acc_dtype, values[b, g, h, vector * T.int64(lanes) + lane])
+                    for c in range(d // T.int64(lanes) * T.int64(lanes), d):
+                        partial[0] = partial[0] + T.Cast(acc_dtype, grad[b, r, h, c]) * T.Cast(acc_dtype, values[b, g, h, c])
+                    total[0] = T.Cast(acc_dtype, 0)
+                    for lane in range(lanes):
+                        total[0] = total[0] + partial[lane]
+                    t[b, r, h, g] = total[0]
+
+    return main
