@@ -159,6 +159,11 @@ def bias_gelu_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _optional_kernels_available(device, dtype, (BIAS_GELU, BIAS_GELU_BACKWARD))
 
 
+def global_merge_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a library for (device, dtype) has the global-key merge kernels (False, not an error, without one)."""
+    return _optional_kernels_available(device, dtype, (GLOBAL_MERGE, GLOBAL_MERGE_BACKWARD))
+
+
 def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: tuple[int, ...], autoregressive: bool,
                  padding: float, out: Tensor) -> Tensor:
     """One banded product into ``out``: 'qk' (t1, t2 rows), 'pv' or 'transposed' (t1 the band)."""
@@ -480,11 +485,6 @@ def _dropout_backward(ctx, grad):
 
 
 dropout.register_autograd(_dropout_backward, setup_context=_save_dropout)
-
-
-def global_merge_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a library for (device, dtype) has the global-key merge kernels (False, not an error, without one)."""
-    return _optional_kernels_available(device, dtype, (GLOBAL_MERGE, GLOBAL_MERGE_BACKWARD))
 
 
 # ----------------------------------------------------------------------------- the FFN's bias and GELU
