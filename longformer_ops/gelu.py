@@ -44,8 +44,12 @@ def linear_gelu(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     ``addmm`` casts it."""
     autocast = torch.is_autocast_enabled(x.device.type)
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-    if not plain_linear(linear) or not kernels.bias_gelu_available(x.device, dtype):
+    if not plain_linear(linear):
         return nn.functional.gelu(linear(x))
+    if not kernels.bias_gelu_available(x.device, dtype):
+        h = linear(x)
+        # Without autograd the GELU goes into the GEMM's fresh output: no second [rows, 4 x hidden].
+        return nn.functional.gelu(h) if torch.is_grad_enabled() else torch.ops.aten.gelu_(h)
     weight, bias = linear.weight, linear.bias
     if not torch.is_grad_enabled() and not autocast and x.dtype == weight.dtype == bias.dtype:
         # [rows, 4 x hidden]: at n = 4096 in float32 48 MiB, past malloc's mmap threshold, so

@@ -488,6 +488,12 @@ dropout.register_autograd(_dropout_backward, setup_context=_save_dropout)
 
 
 # ----------------------------------------------------------------------------- the FFN's bias and GELU
+def _check_contiguous(name: str, x: Tensor) -> None:
+    """The in-place ops write through the tensor's own memory as one block."""
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous to be written in place, got strides {x.stride()} for shape {tuple(x.shape)}")
+
+
 def _rows(x: Tensor) -> Tensor:
     """``x`` (contiguous) as ``[rows, x.shape[-1]]``."""
     return x.contiguous().view(-1, x.shape[-1])
@@ -513,6 +519,7 @@ def _(h, bias):
 @torch.library.custom_op(f"{NAMESPACE}::bias_gelu_", mutates_args=("h",))
 def bias_gelu_(h: Tensor, bias: Tensor) -> None:
     """:func:`bias_gelu` in place, into ``h`` (contiguous); not differentiable."""
+    _check_contiguous("h", h)
     if h.numel():
         with _on_device(h):
             _library(h).function(BIAS_GELU)(h.view(-1, h.shape[-1]), bias.contiguous(), h.view(-1, h.shape[-1]))
@@ -575,6 +582,7 @@ def _(context, a, omega, values):
 @torch.library.custom_op(f"{NAMESPACE}::global_merge_", mutates_args=("context",))
 def global_merge_(context: Tensor, a: Tensor, omega: Tensor, values: Tensor) -> None:
     """:func:`global_merge` in place, into ``context`` (contiguous); not differentiable."""
+    _check_contiguous("context", context)
     if context.numel():
         with _on_device(context):
             _library(context).function(GLOBAL_MERGE)(context, a.contiguous(), omega.contiguous(), values.contiguous(),

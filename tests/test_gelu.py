@@ -189,14 +189,18 @@ class _ScaledLinear(nn.Linear):
         return 2 * super().forward(x)
 
 
-@pytest.mark.parametrize("which", ["subclass", "hooked", "no-bias"])
+@pytest.mark.parametrize("which", ["subclass", "hooked", "own-forward", "no-bias"])
 def test_linear_gelu_calls_other_modules_as_they_are(monkeypatch, which):
-    """An adapter, a hook or a missing bias: the module is called, our kernel is not."""
+    """An adapter, a hook, a forward replaced on the instance (as accelerate's offloading does) or a
+    missing bias: the module is called, our kernel is not."""
     monkeypatch.setattr(ops, "bias_gelu", lambda *args: pytest.fail("bias_gelu called"))
     torch.manual_seed(7)
     linear = _ScaledLinear(16, 24) if which == "subclass" else nn.Linear(16, 24, bias=which != "no-bias")
     if which == "hooked":
         linear.register_forward_hook(lambda module, args, out: out + 1)
+    if which == "own-forward":
+        plain_forward = linear.forward
+        linear.forward = lambda x: plain_forward(x) - 1
     x = torch.randn(3, 16)
     assert torch.equal(linear_gelu(x, linear), nn.functional.gelu(linear(x)))
 
@@ -228,3 +232,27 @@ def test_compiles_without_graph_break():
     h, bias, _ = _inputs(torch.float32, (8, 24))
     compiled = torch.compile(lambda t, b: bias_gelu(t, b) * 2, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(h, bias), ops.bias_gelu(h, bias) * 2)
+
+
+def test_in_place_ops_refuse_non_contiguous_tensors():
+    h = torch.randn(8, 6).t()
+    with pytest.raises(ValueError, match=r"h must be contiguous to be written in place, got strides \(1, 6\) for shape \(6, 8\)"):
+        ops.bias_gelu_(h, torch.randn(8))
+    context = torch.randn(1, 3, 2, 8).transpose(1, 2)
+    with pytest.raises(ValueError, match="context must be contiguous to be written in place"):
+        ops.global_merge_(context, torch.rand(1, 2, 3), torch.rand(1, 2, 3, 1), torch.randn(1, 1, 3, 8))
+
+
+def test_without_a_kernel_inference_activates_in_place(monkeypatch):
+    """Without a kernel (CUDA) and without autograd, the GELU runs in the GEMM's own output."""
+    monkeypatch.setattr(kernels, "bias_gelu_available", lambda device, dtype: False)
+    outputs = []
+    linear = nn.Linear(10, 20)
+    x = torch.randn(3, 10)
+    expected = nn.functional.gelu(linear(x)).detach()
+    gemm = nn.functional.linear
+    monkeypatch.setattr(nn.functional, "linear", lambda *args: outputs.append(gemm(*args)) or outputs[-1])
+    with torch.no_grad():
+        got = linear_gelu(x, linear)
+    assert len(outputs) == 1 and got.data_ptr() == outputs[0].data_ptr()
+    assert torch.equal(got, expected)
