@@ -70,6 +70,24 @@ def global_merge(dtype: str, isa: str):
     return main
 
 
+@T.macro
+def _dot_over_features(result, at, grad, other, b, r, h, other_row, d, partial, total, lanes, acc_dtype):
+    """result[at] = <grad[b, r, h, :], other[b, other_row, h, :]>: products and sums per lane in the
+    accumulation dtype (the tail in lane 0), then the lanes summed in order."""
+    for lane in T.vectorized(lanes):
+        partial[lane] = T.Cast(acc_dtype, 0)
+    for vector in range(d // T.int64(lanes)):
+        for lane in T.vectorized(lanes):
+            partial[lane] = partial[lane] + T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane]) * T.Cast(
+                acc_dtype, other[b, other_row, h, vector * T.int64(lanes) + lane])
+    for c in range(d // T.int64(lanes) * T.int64(lanes), d):
+        partial[0] = partial[0] + T.Cast(acc_dtype, grad[b, r, h, c]) * T.Cast(acc_dtype, other[b, other_row, h, c])
+    total[0] = T.Cast(acc_dtype, 0)
+    for lane in range(lanes):
+        total[0] = total[0] + partial[lane]
+    result[at] = total[0]
+
+
 def global_merge_backward(dtype: str, isa: str):
     """From the output's gradient ``grad [b, n, h, d]``: ``grad_context = grad a`` (rounded once to
     the dtype), ``u[b, r, h] = <grad, context>`` and ``t[b, r, h, g] = <grad, values[b, g, h]>`` over
@@ -102,35 +120,14 @@ def global_merge_backward(dtype: str, isa: str):
             partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
             total = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
             for h in range(heads):
-                # u, and the context's gradient on the way
-                for lane in T.vectorized(lanes):
-                    partial[lane] = T.Cast(acc_dtype, 0)
                 for vector in range(d // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
-                        partial[lane] = partial[lane] + T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane]) * T.Cast(
-                            acc_dtype, context[b, r, h, vector * T.int64(lanes) + lane])
                         grad_context[b, r, h, vector * T.int64(lanes) + lane] = T.Cast(
                             dtype, a[b, r, h] * T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane]))
                 for c in range(d // T.int64(lanes) * T.int64(lanes), d):
-                    partial[0] = partial[0] + T.Cast(acc_dtype, grad[b, r, h, c]) * T.Cast(acc_dtype, context[b, r, h, c])
                     grad_context[b, r, h, c] = T.Cast(dtype, a[b, r, h] * T.Cast(acc_dtype, grad[b, r, h, c]))
-                total[0] = T.Cast(acc_dtype, 0)
-                for lane in range(lanes):
-                    total[0] = total[0] + partial[lane]
-                u[b, r, h] = total[0]
-                # t_g
+                _dot_over_features(u, (b, r, h), grad, context, b, r, h, r, d, partial, total, lanes, acc_dtype)
                 for g in range(slots):
-                    for lane in T.vectorized(lanes):
-                        partial[lane] = T.Cast(acc_dtype, 0)
-                    for vector in range(d // T.int64(lanes)):
-                        for lane in T.vectorized(lanes):
-                            partial[lane] = partial[lane] + T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane]) * T.Cast(
-                                acc_dtype, values[b, g, h, vector * T.int64(lanes) + lane])
-                    for c in range(d // T.int64(lanes) * T.int64(lanes), d):
-                        partial[0] = partial[0] + T.Cast(acc_dtype, grad[b, r, h, c]) * T.Cast(acc_dtype, values[b, g, h, c])
-                    total[0] = T.Cast(acc_dtype, 0)
-                    for lane in range(lanes):
-                        total[0] = total[0] + partial[lane]
-                    t[b, r, h, g] = total[0]
+                    _dot_over_features(t, (b, r, h, g), grad, values, b, r, h, g, d, partial, total, lanes, acc_dtype)
 
     return main
