@@ -1,5 +1,5 @@
 """One of the encoder's kernels against the torch ops it replaced, in one process:
-``python -m bench.alternate --switch ffn|global-merge [--dtypes float32,bfloat16]
+``python -m bench.alternate --switch ffn|global-merge|residual [--dtypes float32,bfloat16]
 [--passes forward,forward+backward] [--rounds 4] [--seq-len 4096]``.
 
 The bench's base encoder (``--ops model``: 12 layers, hidden 768, n = 4096, token 0 global) runs
@@ -11,7 +11,10 @@ the figure is the median of the per-round ratios. The switches:
   and GELU in one kernel pass) or as torch runs it (``addmm`` with the bias, then GELU; without
   autograd into recycled memory and in place, as the encoder ran it before);
 - ``global-merge``: the layer's global-key merge on its kernels or on torch's ops (the layer's own
-  fallback where no library has them).
+  fallback where no library has them);
+- ``residual``: each block's ``LayerNorm(x + dropout(dense(h)))`` with the bias, the dropout and
+  the residual in one kernel pass after a bias-free GEMM, or as ``addmm`` with the bias, the
+  dropout kernel and torch's add.
 
 Writes ``bench/results/<cpu>-<switch>.md``.
 """
@@ -53,6 +56,25 @@ def _torch_ffn():
         LongformerIntermediate.forward = shipped
 
 
+def _torch_residual_forward(self, h, x):
+    """``_DenseResidualNorm.forward`` on torch's ops (the encoder's before the bias-dropout-residual
+    kernel): ``addmm`` with the bias, the dropout kernel, the residual's add (in place without autograd)."""
+    y = self.dropout(self.dense(h))
+    return self.LayerNorm(y.add_(x) if not torch.is_grad_enabled() else x + y)
+
+
+@contextlib.contextmanager
+def _torch_residual():
+    from longformer_ops.model import _DenseResidualNorm
+
+    shipped = _DenseResidualNorm.forward
+    _DenseResidualNorm.forward = _torch_residual_forward
+    try:
+        yield
+    finally:
+        _DenseResidualNorm.forward = shipped
+
+
 @contextlib.contextmanager
 def _torch_global_merge():
     from longformer_ops import kernels
@@ -69,6 +91,8 @@ def _torch_global_merge():
 SWITCHES = {
     "ffn": ("The encoder's FFN: bias-GELU kernel against torch's addmm + GELU", _torch_ffn),
     "global-merge": ("The layer's global-key merge: its kernels against torch's ops", _torch_global_merge),
+    "residual": ("The blocks' way back into the residual stream: the bias-dropout-residual kernel against "
+                 "torch's addmm, dropout and add", _torch_residual),
 }
 
 

@@ -166,6 +166,19 @@ def check_bias_gelu(h, bias) -> None:
         raise ValueError(f"bias must be on h's device {h.device}, got {bias.device}")
 
 
+def check_bias_dropout_add(h, bias, residual) -> None:
+    """:func:`check_bias_gelu` for ``h`` and ``bias``; ``residual`` a tensor of ``h``'s shape, dtype and device."""
+    check_bias_gelu(h, bias)
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+    if residual.shape != h.shape:
+        raise ValueError(f"residual must have h's shape {list(h.shape)}, got {list(residual.shape)}")
+    if residual.dtype != h.dtype:
+        raise TypeError(f"residual must have h's dtype {h.dtype}, got {residual.dtype}")
+    if residual.device != h.device:
+        raise ValueError(f"residual must be on h's device {h.device}, got {residual.device}")
+
+
 def check_out(out, shape: tuple[int, ...], inputs: dict[str, torch.Tensor], differentiable: bool = True) -> None:
     """Validate an ``out=`` tensor for a result of ``shape`` computed from ``inputs`` (by name)."""
     first = next(iter(inputs.values()))

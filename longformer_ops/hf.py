@@ -27,8 +27,11 @@ same dropout, drawn by the fused attention's counter-based generator in one kern
 is torch's own. (LED calls torch's functional dropout for its hidden states: those stay torch's.)
 Its ``LongformerIntermediate`` modules with transformers' exact ``gelu`` run the dense layer without
 its bias and then :func:`longformer_ops.gelu.bias_gelu`: bias and GELU in one kernel pass, forward
-and backward, on CPU (elsewhere, and for other activations, transformers' own forward). LED's
-feed-forward is written inline in its layers and stays torch's.
+and backward, on CPU (elsewhere, and for other activations, transformers' own forward). Its
+``LongformerSelfOutput`` and ``LongformerOutput`` modules (``LayerNorm(dropout(dense(h)) + x)``) run
+the dense layer without its bias and then :func:`longformer_ops.residual.bias_dropout_add`: the
+bias, the dropout and the residual in one kernel pass on CPU. LED's feed-forward and residuals
+are written inline in its layers and stay torch's.
 
 With ``output_attentions=True`` the module returns transformers' own attention tensors: the local
 probabilities ``[batch, seq, heads, max_globals + attention_window + 1]`` (global keys' columns first,
@@ -56,6 +59,7 @@ from longformer_ops.config import AttentionMode
 from longformer_ops.dropout import Dropout
 from longformer_ops.gelu import linear_gelu
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
+from longformer_ops.residual import linear_dropout_add
 
 _patched_classes: dict[type, type] = {}   # transformers' class -> its patched subclass
 _class_patches: list[tuple[object, str, type]] = []  # (module, name, original class) replaced by patch()
@@ -128,38 +132,57 @@ def _exact_gelu(activation) -> bool:
     return type(activation) is GELUActivation and activation.act is nn.functional.gelu
 
 
-def _patched_intermediate_class(original: type) -> type:
-    """A subclass of transformers' ``LongformerIntermediate`` whose exact GELU takes the dense
-    layer's bias in our kernel (:func:`longformer_ops.gelu.linear_gelu`); any other activation
-    runs transformers' forward."""
-    if original not in _patched_classes:
-        def forward(self, hidden_states):
-            if _exact_gelu(self.intermediate_act_fn):
-                return linear_gelu(hidden_states, self.dense)
-            return original.forward(self, hidden_states)
+def _intermediate_forward(self, hidden_states):
+    """transformers' ``LongformerIntermediate``: an exact GELU takes the dense layer's bias in our
+    kernel (:func:`longformer_ops.gelu.linear_gelu`); any other activation runs transformers' forward."""
+    if _exact_gelu(self.intermediate_act_fn):
+        return linear_gelu(hidden_states, self.dense)
+    return self._original_class.forward(self, hidden_states)
 
+
+def _residual_forward(self, hidden_states, input_tensor):
+    """transformers' ``LongformerSelfOutput`` and ``LongformerOutput``, ``LayerNorm(dropout(dense(h)) +
+    x)``: the bias, the dropout and the residual in one kernel pass
+    (:func:`longformer_ops.residual.linear_dropout_add`)."""
+    return self.LayerNorm(linear_dropout_add(hidden_states, self.dense, self.dropout, input_tensor))
+
+
+# transformers' Longformer module classes (by name) whose patched subclass runs this forward.
+_MODULE_FORWARDS = {"LongformerIntermediate": _intermediate_forward, "LongformerSelfOutput": _residual_forward,
+                    "LongformerOutput": _residual_forward}
+
+
+def _patched_module_class(original: type) -> type:
+    """The subclass of ``original`` (one of :data:`_MODULE_FORWARDS`) that :func:`patch` switches its
+    modules to, made once."""
+    if original not in _patched_classes:
         _patched_classes[original] = type(original.__name__, (original,),
-                                          {"forward": forward, "_original_class": original, "__module__": __name__})
+                                          {"forward": _MODULE_FORWARDS[original.__name__], "_original_class": original,
+                                           "__module__": __name__})
     return _patched_classes[original]
 
 
 def _swap_modules(model, ours: bool) -> None:
-    """Switch ``model``'s plain ``nn.Dropout`` modules to :class:`_PatchedDropout` and its
-    ``LongformerIntermediate`` modules to :func:`_patched_intermediate_class` (``ours``), or back.
-    Modules keep their attributes and parameters, so checkpoints are untouched; a dropout with
-    ``inplace=True`` (not in transformers' Longformer or LED) stays torch's."""
-    from transformers.models.longformer.modeling_longformer import LongformerIntermediate
+    """Switch ``model``'s plain ``nn.Dropout`` modules to :class:`_PatchedDropout` and its modules of
+    :data:`_MODULE_FORWARDS` to :func:`_patched_module_class` (``ours``), or back. Modules keep
+    their attributes and parameters, so checkpoints are untouched; a dropout with ``inplace=True``
+    (not in transformers' Longformer or LED) stays torch's."""
+    from transformers.models.longformer import modeling_longformer
 
-    intermediate = getattr(LongformerIntermediate, "_original_class", LongformerIntermediate)
+    originals = set()
+    for name in _MODULE_FORWARDS:
+        cls = getattr(modeling_longformer, name)
+        originals.add(getattr(cls, "_original_class", cls))
     for module in model.modules():
-        if ours and type(module) is nn.Dropout and not module.inplace:
+        cls = type(module)
+        if ours and cls is nn.Dropout and not module.inplace:
             module.__class__ = _PatchedDropout
-        elif ours and type(module) is intermediate:
-            module.__class__ = _patched_intermediate_class(intermediate)
-        elif not ours and type(module) is _PatchedDropout:
+        elif ours and cls in originals:
+            module.__class__ = _patched_module_class(cls)
+        elif not ours and cls is _PatchedDropout:
             module.__class__ = nn.Dropout
-        elif not ours and type(module) is _patched_classes.get(intermediate):
-            module.__class__ = intermediate
+        elif not ours and getattr(cls, "_original_class", None) in originals:
+            module.__class__ = cls._original_class
 
 
 def _pretrained_classes() -> list[type]:
@@ -172,7 +195,7 @@ def _pretrained_classes() -> list[type]:
 
 def _post_init(self):
     """transformers' ``post_init`` (which every model's ``__init__`` ends with), then the model's
-    dropouts and intermediate layers on our kernels: for models built while :func:`patch` has
+    dropouts, intermediate and output layers on our kernels: for models built while :func:`patch` has
     patched the classes."""
     cls = next(cls for cls in type(self).__mro__ if cls in _post_init_originals)
     _post_init_originals[cls][0](self)
@@ -278,8 +301,9 @@ def patch(model=None):
     self-attention modules, PEFT-wrapped ones included) on our kernels, in place; returns ``model``.
     Without a model, patch transformers' classes, so that every model built afterwards runs on them.
     The model's ``nn.Dropout`` modules become :class:`longformer_ops.dropout.Dropout` (the same
-    dropout on our kernel) and its ``LongformerIntermediate`` modules take their bias and GELU in
-    one kernel pass (see the module docstring). Either way ``LongformerModel``'s and
+    dropout on our kernel), its ``LongformerIntermediate`` modules take their bias and GELU in
+    one kernel pass, and its ``LongformerSelfOutput`` and ``LongformerOutput`` modules their bias,
+    dropout and residual (see the module docstring). Either way ``LongformerModel``'s and
     ``LEDEncoder``'s ``_pad_to_window_size`` is replaced class-wide by :func:`_pad_to_window_size`,
     which pads as before for a model whose self-attention is not all patched (``unpatch()``
     restores it)."""
@@ -312,7 +336,7 @@ def patch(model=None):
 
 def unpatch(model=None):
     """Undo :func:`patch`: for ``model``, its modules run transformers' code again, its dropouts are
-    torch's ``nn.Dropout`` and its intermediate layers transformers' (returns ``model``); without a
+    torch's ``nn.Dropout`` and its intermediate and output layers transformers' (returns ``model``); without a
     model, transformers' classes are restored."""
     if model is None:
         while _class_patches:

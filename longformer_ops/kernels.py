@@ -21,6 +21,10 @@ already checked by the public functions in :mod:`longformer_ops.diagonaled` and
   autograd is :class:`BandSoftmax` (an op that mutates cannot carry its own);
 - ``dropout(x, seed, p) -> out``: hidden-state dropout with the fused kernels' counter-based mask
   (CPU libraries), its backward the same op on the gradient;
+- ``bias_dropout_add(h, bias, residual, seed, p) -> out``: ``dropout(h + bias) + residual`` with
+  the same mask, a block's dense output on its way into the residual's layer norm (CPU
+  libraries), ``bias_dropout_add_`` in place into ``h``; its backward ``dropout_column_sums(grad,
+  seed, p) -> (dropout(grad), its column sums)`` (the bias's gradient in the same pass);
 - ``bias_gelu(h, bias) -> out``: ``gelu(h + bias)`` (exact GELU) over the last dimension, the
   FFN's activation after a bias-free GEMM (CPU libraries); its backward ``bias_gelu_backward``;
   ``bias_gelu_(h, bias)`` the same in place, for inference;
@@ -56,8 +60,11 @@ FUSED_BACKWARD = "attention_backward"
 # The band softmax's op names (tvm_kernels.variants.BAND_SOFTMAX).
 BAND_SOFTMAX = "softmax"
 BAND_SOFTMAX_BACKWARD = "softmax_backward"
-# Hidden-state dropout (tvm_kernels.variants.DROPOUT): one function, no band variants.
+# Hidden-state dropout (tvm_kernels.variants.DROPOUT): no band variants. With the dense layer's bias
+# and the residual, and the column sums of that sum's backward.
 DROPOUT = "dropout"
+BIAS_DROPOUT_ADD = "bias_dropout_add"
+DROPOUT_COLUMN_SUMS = "dropout_column_sums"
 # The FFN's bias and GELU (tvm_kernels.variants.BIAS_GELU).
 BIAS_GELU = "bias_gelu"
 BIAS_GELU_BACKWARD = "bias_gelu_backward"
@@ -152,6 +159,11 @@ def _optional_kernels_available(device: torch.device, dtype: torch.dtype, names:
 def dropout_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a library for (device, dtype) has the dropout kernel (False, not an error, without one)."""
     return _optional_kernels_available(device, dtype, (DROPOUT,))
+
+
+def bias_dropout_add_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a library for (device, dtype) has the bias-dropout-residual kernels (False, not an error, without one)."""
+    return _optional_kernels_available(device, dtype, (BIAS_DROPOUT_ADD, DROPOUT_COLUMN_SUMS))
 
 
 def bias_gelu_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -485,6 +497,84 @@ def _dropout_backward(ctx, grad):
 
 
 dropout.register_autograd(_dropout_backward, setup_context=_save_dropout)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::bias_dropout_add", mutates_args=())
+def bias_dropout_add(h: Tensor, bias: Tensor, residual: Tensor, seed: Tensor, p: float) -> Tensor:
+    """``dropout(h + bias, seed, p) + residual`` (:func:`dropout`'s mask for ``h`` of that shape),
+    ``bias`` ``[h.shape[-1]]`` broadcast over the rows, ``residual`` of ``h``'s shape; in the
+    accumulation dtype, rounded once."""
+    out = new_output(h, h.shape)
+    if out.numel() == 0:
+        return out
+    with _on_device(h):
+        _library(h).function(BIAS_DROPOUT_ADD)(_rows(h), bias.contiguous(), _rows(residual), float(p), int(seed),
+                                               out.view(-1, h.shape[-1]))
+    return out
+
+
+@bias_dropout_add.register_fake
+def _(h, bias, residual, seed, p):
+    return h.new_empty(h.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::bias_dropout_add_", mutates_args=("h",))
+def bias_dropout_add_(h: Tensor, bias: Tensor, residual: Tensor, seed: Tensor, p: float) -> None:
+    """:func:`bias_dropout_add` in place, into ``h`` (contiguous); not differentiable."""
+    _check_contiguous("h", h)
+    if h.numel():
+        with _on_device(h):
+            _library(h).function(BIAS_DROPOUT_ADD)(h.view(-1, h.shape[-1]), bias.contiguous(), _rows(residual),
+                                                   float(p), int(seed), h.view(-1, h.shape[-1]))
+
+
+@bias_dropout_add_.register_fake
+def _(h, bias, residual, seed, p):
+    return None
+
+
+# Row chunks of dropout_column_sums, each a thread's at a time with its sums in L1: enough to
+# share among many cores, few enough that summing the chunks' sums costs nothing.
+_SUM_CHUNKS = 64
+
+
+@torch.library.custom_op(f"{NAMESPACE}::dropout_column_sums", mutates_args=())
+def dropout_column_sums(x: Tensor, seed: Tensor, p: float) -> tuple[Tensor, Tensor]:
+    """``(dropout(x, seed, p), its sums over all but the last dimension)``, the sums of the rounded
+    elements in the accumulation dtype, rounded once to ``x``'s: the backward of
+    :func:`bias_dropout_add` (the gradient of ``h`` and of the bias) in one pass."""
+    out = new_output(x, x.shape)
+    columns = x.shape[-1]
+    rows = out.numel() // columns if columns else 0
+    if out.numel() == 0:
+        return out, x.new_zeros(columns)
+    sums = torch.empty(min(rows, _SUM_CHUNKS), columns, dtype=accumulation_dtype(x.dtype), device=x.device)
+    with _on_device(x):
+        _library(x).function(DROPOUT_COLUMN_SUMS)(_rows(x), float(p), int(seed), out.view(-1, columns), sums)
+    return out, sums.sum(0).to(x.dtype)
+
+
+@dropout_column_sums.register_fake
+def _(x, seed, p):
+    return x.new_empty(x.shape), x.new_empty(x.shape[-1:])
+
+
+def _save_bias_dropout_add(ctx, inputs, output):
+    _, _, _, seed, p = inputs
+    ctx.save_for_backward(seed)
+    ctx.p = p
+
+
+def _bias_dropout_add_autograd(ctx, grad):
+    (seed,) = ctx.saved_tensors
+    if ctx.needs_input_grad[1]:
+        grad_h, grad_bias = dropout_column_sums(grad, seed, ctx.p)
+    else:
+        grad_h, grad_bias = dropout(grad, seed, ctx.p), None
+    return grad_h, grad_bias, grad if ctx.needs_input_grad[2] else None, None, None
+
+
+bias_dropout_add.register_autograd(_bias_dropout_add_autograd, setup_context=_save_bias_dropout_add)
 
 
 # ----------------------------------------------------------------------------- the FFN's bias and GELU

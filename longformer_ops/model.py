@@ -23,6 +23,7 @@ from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.dropout import Dropout
 from longformer_ops.gelu import linear_gelu
 from longformer_ops.layer import LongformerSelfAttention, PoolingformerSelfAttention
+from longformer_ops.residual import linear_dropout_add
 
 _ACTIVATIONS = {  # Hugging Face's names (ACT2FN) -> a fresh module
     "gelu": nn.GELU,
@@ -110,10 +111,9 @@ class _DenseResidualNorm(nn.Module):
         self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        y = self.dropout(self.dense(h))
-        # Without autograd the residual goes into the dense output, a tensor of our own: one
-        # hidden-size temporary fewer per block.
-        return self.LayerNorm(y.add_(x) if not torch.is_grad_enabled() else x + y)
+        # The bias, the dropout and the residual in one kernel pass after the GEMM (without autograd
+        # in place in the GEMM's output: one hidden-size temporary fewer per block).
+        return self.LayerNorm(linear_dropout_add(h, self.dense, self.dropout, x))
 
 
 class LongformerAttention(nn.Module):

@@ -120,7 +120,7 @@ def _band(seed, b, n, h, c, dtype):
 def _opcheck_cases(dtype, device="cpu"):
     """(op, args) for every op on awkward sizes: odd length, head_dim 40 (padded to 32's multiple),
     per-head dilation, window beyond the sequence, both modes. On CUDA the band ops only (its
-    libraries have no fused attention, band softmax, dropout, bias-GELU or global merge)."""
+    libraries have no fused attention, band softmax, dropouts, bias-GELU or global merge)."""
     cases = []
     for n, w, autoregressive in ((37, W, False), (9, 12, True)):
         q, k, v = (x.detach().to(device).requires_grad_() for x in _inputs(n, n, dtype=dtype))
@@ -153,6 +153,11 @@ def _opcheck_cases(dtype, device="cpu"):
         cases.append((ops.band_softmax_backward, (probs, torch.randn_like(probs), torch.randn_like(lse), w, DILATION,
                                                   autoregressive)))
         cases.append((ops.dropout, (v, seed, 0.3)))
+        rows = v.detach().reshape(-1, v.shape[-1])
+        shift = torch.randn(v.shape[-1], dtype=dtype, requires_grad=True)
+        cases += [(ops.bias_dropout_add, (rows.clone().requires_grad_(True), shift, rows.clone().requires_grad_(True), seed, 0.3)),
+                  (ops.bias_dropout_add_, (rows.clone(), shift.detach(), rows, seed, 0.3)),
+                  (ops.dropout_column_sums, (torch.randn_like(rows), seed, 0.3))]
         h, bias = v.reshape(-1, v.shape[-1]).detach(), torch.randn(v.shape[-1], dtype=dtype, requires_grad=True)
         cases += [(ops.bias_gelu, (h.clone().requires_grad_(True), bias)),
                   (ops.bias_gelu_backward, (torch.randn_like(h), h, bias.detach())),
@@ -182,7 +187,7 @@ def test_opcheck_every_op(dtype):
         torch.library.opcheck(op, args)
         names.add(op._qualified_op_name.split("::")[1])
     registered = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
-    assert names == registered and len(names) == 18, (names, registered)
+    assert names == registered and len(names) == 21, (names, registered)
 
 
 # ----------------------------------------------------------------------------- layer and model

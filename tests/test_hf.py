@@ -220,8 +220,12 @@ def test_models_built_while_classes_are_patched_drop_on_our_kernel():
         assert set(_dropout_types(getattr(transformers, name)(config))) == {torch.nn.Dropout}, name
 
 
+def _module_types(model, name: str) -> set[str]:
+    return {type(m).__module__ + "." + type(m).__name__ for m in model.modules() if type(m).__name__ == name}
+
+
 def _intermediate_types(model) -> set[str]:
-    return {type(m).__module__ + "." + type(m).__name__ for m in model.modules() if type(m).__name__ == "LongformerIntermediate"}
+    return _module_types(model, "LongformerIntermediate")
 
 
 @pytest.mark.parametrize("hidden_act", ["gelu", "relu"])
@@ -250,6 +254,34 @@ def test_patched_intermediate_takes_bias_and_gelu_in_our_kernel(hidden_act, monk
     assert _intermediate_types(transformers.LongformerModel(config)) == {ours}
     hf.unpatch()
     assert _intermediate_types(transformers.LongformerModel(config)) == {theirs}
+
+
+def test_patched_output_layers_take_bias_dropout_and_residual_in_our_kernel(monkeypatch, kernel_calls):
+    """patch(model) switches each LongformerSelfOutput and LongformerOutput (state dict unchanged):
+    they call our bias-dropout-residual kernels, forward and backward, with the outputs and
+    gradients of the unpatched model. unpatch(model) switches back; the class-wide patch does the
+    same for models built while it holds."""
+    torch.manual_seed(0)
+    config = hf_config(random_hf_windows(0, 2))
+    model = randomize_(transformers.LongformerModel(config), 0).eval()
+    names = ("LongformerSelfOutput", "LongformerOutput")
+    theirs = [{f"transformers.models.longformer.modeling_longformer.{name}"} for name in names]
+    ours = [{f"longformer_ops.hf.{name}"} for name in names]
+    assert [_module_types(model, name) for name in names] == theirs
+    calls = []
+    forward, backward = torch.ops.longformer_ops.bias_dropout_add, kernels.dropout_column_sums
+    monkeypatch.setattr(torch.ops.longformer_ops, "bias_dropout_add", lambda *args: calls.append("forward") or forward(*args))
+    monkeypatch.setattr(kernels, "dropout_column_sums", lambda *args: calls.append("backward") or backward(*args))
+    _assert_patch_keeps_outputs(model, _inputs("LongformerModel"), True, kernel_calls, "patched output layers")
+    assert [_module_types(model, name) for name in names] == ours
+    layers = config.num_hidden_layers
+    assert calls.count("forward") == calls.count("backward") == 2 * layers, calls
+    hf.unpatch(model)
+    assert [_module_types(model, name) for name in names] == theirs
+    hf.patch()
+    assert [_module_types(transformers.LongformerModel(config), name) for name in names] == ours
+    hf.unpatch()
+    assert [_module_types(transformers.LongformerModel(config), name) for name in names] == theirs
 
 
 def test_attention_mask_with_2_for_global(kernel_calls):

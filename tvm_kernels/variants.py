@@ -25,9 +25,10 @@ FUSED_ATTENTION = ("attention", "attention_backward")
 # The band softmax of the unfused path (in place, with the invalid-location mask) and its backward.
 # CPU targets only; elsewhere the runtime masks and softmaxes with torch ops.
 BAND_SOFTMAX = ("softmax", "softmax_backward")
-# Hidden-state dropout with the fused attention's counter-based mask (schedules/cpu/dropout.py):
-# CPU targets only, where torch's own draws its mask on one thread; elsewhere torch's dropout.
-DROPOUT = ("dropout",)
+# Hidden-state dropout with the fused attention's counter-based mask (schedules/cpu/dropout.py), alone
+# and with a dense layer's bias and the residual (and that sum's backward with the bias's gradient):
+# CPU targets only, where torch's own draws its mask on one thread; elsewhere torch's ops.
+DROPOUT = ("dropout", "bias_dropout_add", "dropout_column_sums")
 # The FFN's bias and exact GELU after a bias-free GEMM, and its backward (schedules/cpu/gelu.py):
 # CPU targets only; elsewhere torch's addmm and GELU.
 BIAS_GELU = ("bias_gelu", "bias_gelu_backward")

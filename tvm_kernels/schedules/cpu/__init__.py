@@ -41,7 +41,8 @@ micro-kernel (bench/NOTES.md has every variant measured):
   ``vdpbf16ps``, operands packed as 32-bit pairs (bf16_dot.py); so do the fused kernels' products
   (two in the forward, five in the backward), their probabilities and dS rounded to bfloat16.
 - dropout of hidden states: the attention dropout's counter-based mask over a ``[rows, cols]``
-  tensor in one vectorised pass (dropout.py).
+  tensor in one vectorised pass; with a dense layer's bias and the residual added in the same
+  pass, and, backward, with the gradient's column sums (dropout.py).
 - the FFN's bias and exact GELU over a ``[rows, cols]`` GEMM output, and its backward, one
   vectorised pass each with a rational erf (gelu.py).
 - the layer's merge of global keys into the band's attention, and its backward's sums, one pass
@@ -58,7 +59,7 @@ from __future__ import annotations
 
 from tvm_kernels.schedules.cpu.attention import attention, attention_backward
 from tvm_kernels.schedules.cpu.band_times_rows import pv, transposed
-from tvm_kernels.schedules.cpu.dropout import dropout
+from tvm_kernels.schedules.cpu.dropout import bias_dropout_add, dropout, dropout_column_sums
 from tvm_kernels.schedules.cpu.gelu import bias_gelu, bias_gelu_backward
 from tvm_kernels.schedules.cpu.global_merge import global_merge, global_merge_backward
 from tvm_kernels.schedules.cpu.qk import qk
@@ -71,6 +72,7 @@ PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 
 HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": attention,
                 "attention_backward": attention_backward, "softmax": softmax, "softmax_backward": softmax_backward,
-                "dropout": dropout, "bias_gelu": bias_gelu, "bias_gelu_backward": bias_gelu_backward,
+                "dropout": dropout, "bias_dropout_add": bias_dropout_add, "dropout_column_sums": dropout_column_sums,
+                "bias_gelu": bias_gelu, "bias_gelu_backward": bias_gelu_backward,
                 "global_merge": global_merge, "global_merge_backward": global_merge_backward}
-# (dropout, the GELU and the merge have no band: (dtype, isa), one function each)
+# (the dropouts, the GELU and the merge have no band: (dtype, isa), one function each)
