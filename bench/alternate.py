@@ -1,5 +1,5 @@
 """One of the encoder's kernels against the torch ops it replaced, in one process:
-``python -m bench.alternate --switch ffn|global-merge|residual [--dtypes float32,bfloat16]
+``python -m bench.alternate --switch ffn|global-merge|layer-norm|residual [--dtypes float32,bfloat16]
 [--passes forward,forward+backward] [--rounds 4] [--seq-len 4096]``.
 
 The bench's base encoder (``--ops model``: 12 layers, hidden 768, n = 4096, token 0 global) runs
@@ -12,6 +12,8 @@ the figure is the median of the per-round ratios. The switches:
   autograd into recycled memory and in place, as the encoder ran it before);
 - ``global-merge``: the layer's global-key merge on its kernels or on torch's ops (the layer's own
   fallback where no library has them);
+- ``layer-norm``: the layer norms (embeddings' and each block's two) on our kernels or on torch's
+  ``layer_norm``;
 - ``residual``: each block's ``LayerNorm(x + dropout(dense(h)))`` with the bias, the dropout and
   the residual in one kernel pass after a bias-free GEMM, or as ``addmm`` with the bias, the
   dropout kernel and torch's add.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -76,21 +79,25 @@ def _torch_residual():
 
 
 @contextlib.contextmanager
-def _torch_global_merge():
+def _without_kernel(available: str):
+    """The encoder with ``kernels.<available>`` answering False: the callers' own fallback to torch's ops."""
     from longformer_ops import kernels
 
-    shipped = kernels.global_merge_available
-    kernels.global_merge_available = lambda device, dtype: False
+    shipped = getattr(kernels, available)
+    setattr(kernels, available, lambda device, dtype: False)
     try:
         yield
     finally:
-        kernels.global_merge_available = shipped
+        setattr(kernels, available, shipped)
 
 
 # switch -> (what it compares, a context manager putting torch's ops in its place)
 SWITCHES = {
     "ffn": ("The encoder's FFN: bias-GELU kernel against torch's addmm + GELU", _torch_ffn),
-    "global-merge": ("The layer's global-key merge: its kernels against torch's ops", _torch_global_merge),
+    "global-merge": ("The layer's global-key merge: its kernels against torch's ops",
+                     functools.partial(_without_kernel, "global_merge_available")),
+    "layer-norm": ("The layer norms: our kernels against torch's layer_norm",
+                   functools.partial(_without_kernel, "layer_norm_available")),
     "residual": ("The blocks' way back into the residual stream: the bias-dropout-residual kernel against "
                  "torch's addmm, dropout and add", _torch_residual),
 }

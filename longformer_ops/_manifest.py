@@ -48,7 +48,8 @@ def function_name(op: str, autoregressive: bool) -> str:
 
 
 # Ops without a band (no symmetric / causal pair): exported under their own name.
-UNBANDED_OPS = ("dropout", "bias_dropout_add", "dropout_column_sums", "bias_gelu", "bias_gelu_backward", "global_merge", "global_merge_backward")
+UNBANDED_OPS = ("dropout", "bias_dropout_add", "dropout_column_sums", "bias_gelu", "bias_gelu_backward",
+                "global_merge", "global_merge_backward", "layer_norm", "layer_norm_backward")
 
 
 def function_names(op: str) -> tuple[str, ...]:

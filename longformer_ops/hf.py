@@ -30,8 +30,9 @@ its bias and then :func:`longformer_ops.gelu.bias_gelu`: bias and GELU in one ke
 and backward, on CPU (elsewhere, and for other activations, transformers' own forward). Its
 ``LongformerSelfOutput`` and ``LongformerOutput`` modules (``LayerNorm(dropout(dense(h)) + x)``) run
 the dense layer without its bias and then :func:`longformer_ops.residual.bias_dropout_add`: the
-bias, the dropout and the residual in one kernel pass on CPU. LED's feed-forward and residuals
-are written inline in its layers and stay torch's.
+bias, the dropout and the residual in one kernel pass on CPU. Its ``nn.LayerNorm`` modules run on
+:class:`longformer_ops.layer_norm.LayerNorm` (the same layer norm, one kernel pass each way on
+CPU). LED's feed-forward and residuals are written inline in its layers and stay torch's.
 
 With ``output_attentions=True`` the module returns transformers' own attention tensors: the local
 probabilities ``[batch, seq, heads, max_globals + attention_window + 1]`` (global keys' columns first,
@@ -59,6 +60,7 @@ from longformer_ops.config import AttentionMode
 from longformer_ops.dropout import Dropout
 from longformer_ops.gelu import linear_gelu
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
+from longformer_ops.layer_norm import LayerNorm
 from longformer_ops.residual import linear_dropout_add
 
 _patched_classes: dict[type, type] = {}   # transformers' class -> its patched subclass
@@ -125,6 +127,10 @@ class _PatchedDropout(Dropout):
     """A transformers model's ``nn.Dropout`` switched by :func:`patch` (:func:`unpatch` switches it back)."""
 
 
+class _PatchedLayerNorm(LayerNorm):
+    """A transformers model's ``nn.LayerNorm`` switched by :func:`patch` (:func:`unpatch` switches it back)."""
+
+
 def _exact_gelu(activation) -> bool:
     """Whether ``activation`` is transformers' ``gelu`` (``torch.nn.functional.gelu``, exact)."""
     from transformers.activations import GELUActivation
@@ -163,7 +169,8 @@ def _patched_module_class(original: type) -> type:
 
 
 def _swap_modules(model, ours: bool) -> None:
-    """Switch ``model``'s plain ``nn.Dropout`` modules to :class:`_PatchedDropout` and its modules of
+    """Switch ``model``'s plain ``nn.Dropout`` modules to :class:`_PatchedDropout`, its plain
+    ``nn.LayerNorm`` modules to :class:`_PatchedLayerNorm` and its modules of
     :data:`_MODULE_FORWARDS` to :func:`_patched_module_class` (``ours``), or back. Modules keep
     their attributes and parameters, so checkpoints are untouched; a dropout with ``inplace=True``
     (not in transformers' Longformer or LED) stays torch's."""
@@ -177,10 +184,14 @@ def _swap_modules(model, ours: bool) -> None:
         cls = type(module)
         if ours and cls is nn.Dropout and not module.inplace:
             module.__class__ = _PatchedDropout
+        elif ours and cls is nn.LayerNorm:
+            module.__class__ = _PatchedLayerNorm
         elif ours and cls in originals:
             module.__class__ = _patched_module_class(cls)
         elif not ours and cls is _PatchedDropout:
             module.__class__ = nn.Dropout
+        elif not ours and cls is _PatchedLayerNorm:
+            module.__class__ = nn.LayerNorm
         elif not ours and getattr(cls, "_original_class", None) in originals:
             module.__class__ = cls._original_class
 
@@ -195,7 +206,7 @@ def _pretrained_classes() -> list[type]:
 
 def _post_init(self):
     """transformers' ``post_init`` (which every model's ``__init__`` ends with), then the model's
-    dropouts, intermediate and output layers on our kernels: for models built while :func:`patch` has
+    dropouts, layer norms, intermediate and output layers on our kernels: for models built while :func:`patch` has
     patched the classes."""
     cls = next(cls for cls in type(self).__mro__ if cls in _post_init_originals)
     _post_init_originals[cls][0](self)
@@ -302,8 +313,9 @@ def patch(model=None):
     Without a model, patch transformers' classes, so that every model built afterwards runs on them.
     The model's ``nn.Dropout`` modules become :class:`longformer_ops.dropout.Dropout` (the same
     dropout on our kernel), its ``LongformerIntermediate`` modules take their bias and GELU in
-    one kernel pass, and its ``LongformerSelfOutput`` and ``LongformerOutput`` modules their bias,
-    dropout and residual (see the module docstring). Either way ``LongformerModel``'s and
+    one kernel pass, its ``LongformerSelfOutput`` and ``LongformerOutput`` modules their bias,
+    dropout and residual, and its ``nn.LayerNorm`` modules run on our layer norm (see the module
+    docstring). Either way ``LongformerModel``'s and
     ``LEDEncoder``'s ``_pad_to_window_size`` is replaced class-wide by :func:`_pad_to_window_size`,
     which pads as before for a model whose self-attention is not all patched (``unpatch()``
     restores it)."""
@@ -335,9 +347,9 @@ def patch(model=None):
 
 
 def unpatch(model=None):
-    """Undo :func:`patch`: for ``model``, its modules run transformers' code again, its dropouts are
-    torch's ``nn.Dropout`` and its intermediate and output layers transformers' (returns ``model``); without a
-    model, transformers' classes are restored."""
+    """Undo :func:`patch`: for ``model``, its modules run transformers' code again, its dropouts and
+    layer norms are torch's ``nn.Dropout`` and ``nn.LayerNorm``, its intermediate and output layers
+    transformers' (returns ``model``); without a model, transformers' classes are restored."""
     if model is None:
         while _class_patches:
             namespace, name, original = _class_patches.pop()

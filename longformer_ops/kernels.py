@@ -26,12 +26,16 @@ already checked by the public functions in :mod:`longformer_ops.diagonaled` and
   libraries), ``bias_dropout_add_`` in place into ``h``; its backward ``dropout_column_sums(grad,
   seed, p) -> (dropout(grad), its column sums)`` (the bias's gradient in the same pass);
 - ``bias_gelu(h, bias) -> out``: ``gelu(h + bias)`` (exact GELU) over the last dimension, the
-  FFN's activation after a bias-free GEMM (CPU libraries); its backward ``bias_gelu_backward``;
+  FFN's activation after a bias-free GEMM (CPU libraries); its backward ``bias_gelu_backward``
+  (both gradients: the bias's summed in the same pass);
   ``bias_gelu_(h, bias)`` the same in place, for inference;
 - ``global_merge(context, a, omega, values) -> out``: the layer's merge of global keys into the band's
   attention, ``a context + sum_g omega_g values_g`` (CPU libraries), ``global_merge_`` in place;
   ``global_merge_backward(grad, context, values, a) -> (grad a, <grad, context>, <grad, values_g>)``;
   their autograd is the layer's ``_GlobalKeyMerge``;
+- ``layer_norm(x, weight, bias, eps) -> (out, mean, rstd)``: layer normalisation over the last
+  dimension (CPU libraries); its backward ``layer_norm_backward(grad, x, weight, mean, rstd) ->
+  (grad x, grad weight, grad bias)`` in one pass;
 - ``*_out`` variants of each forward op write into a given ``out`` (``mutates_args=("out",)``;
   not differentiable, as custom ops that mutate cannot have autograd).
 
@@ -71,6 +75,9 @@ BIAS_GELU_BACKWARD = "bias_gelu_backward"
 # The layer's global-key merge (tvm_kernels.variants.GLOBAL_MERGE).
 GLOBAL_MERGE = "global_merge"
 GLOBAL_MERGE_BACKWARD = "global_merge_backward"
+# Layer normalisation (tvm_kernels.variants.LAYER_NORM).
+LAYER_NORM = "layer_norm"
+LAYER_NORM_BACKWARD = "layer_norm_backward"
 
 
 # ----------------------------------------------------------------------------- helpers (eager only)
@@ -174,6 +181,11 @@ def bias_gelu_available(device: torch.device, dtype: torch.dtype) -> bool:
 def global_merge_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a library for (device, dtype) has the global-key merge kernels (False, not an error, without one)."""
     return _optional_kernels_available(device, dtype, (GLOBAL_MERGE, GLOBAL_MERGE_BACKWARD))
+
+
+def layer_norm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a library for (device, dtype) has the layer-norm kernels (False, not an error, without one)."""
+    return _optional_kernels_available(device, dtype, (LAYER_NORM, LAYER_NORM_BACKWARD))
 
 
 def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: tuple[int, ...], autoregressive: bool,
@@ -533,9 +545,16 @@ def _(h, bias, residual, seed, p):
     return None
 
 
-# Row chunks of dropout_column_sums, each a thread's at a time with its sums in L1: enough to
-# share among many cores, few enough that summing the chunks' sums costs nothing.
+# Row chunks of the kernels that sum columns on the way (dropout_column_sums, bias_gelu_backward),
+# each a thread's at a time with its sums in L1: enough to share among many cores, few enough that
+# summing the chunks' sums after costs nothing.
 _SUM_CHUNKS = 64
+
+
+def _chunk_sums(x: Tensor) -> Tensor:
+    """The per-chunk column sums those kernels write, for ``x`` (not empty) as ``[rows, x.shape[-1]]``."""
+    rows = x.numel() // x.shape[-1]
+    return torch.empty(min(rows, _SUM_CHUNKS), x.shape[-1], dtype=accumulation_dtype(x.dtype), device=x.device)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::dropout_column_sums", mutates_args=())
@@ -544,13 +563,11 @@ def dropout_column_sums(x: Tensor, seed: Tensor, p: float) -> tuple[Tensor, Tens
     elements in the accumulation dtype, rounded once to ``x``'s: the backward of
     :func:`bias_dropout_add` (the gradient of ``h`` and of the bias) in one pass."""
     out = new_output(x, x.shape)
-    columns = x.shape[-1]
-    rows = out.numel() // columns if columns else 0
     if out.numel() == 0:
-        return out, x.new_zeros(columns)
-    sums = torch.empty(min(rows, _SUM_CHUNKS), columns, dtype=accumulation_dtype(x.dtype), device=x.device)
+        return out, x.new_zeros(x.shape[-1])
+    sums = _chunk_sums(x)
     with _on_device(x):
-        _library(x).function(DROPOUT_COLUMN_SUMS)(_rows(x), float(p), int(seed), out.view(-1, columns), sums)
+        _library(x).function(DROPOUT_COLUMN_SUMS)(_rows(x), float(p), int(seed), out.view(-1, x.shape[-1]), sums)
     return out, sums.sum(0).to(x.dtype)
 
 
@@ -621,19 +638,23 @@ def _(h, bias):
 
 
 @torch.library.custom_op(f"{NAMESPACE}::bias_gelu_backward", mutates_args=())
-def bias_gelu_backward(grad: Tensor, h: Tensor, bias: Tensor) -> Tensor:
-    """The gradient of :func:`bias_gelu` with respect to ``h``: ``grad * gelu'(h + bias)``."""
+def bias_gelu_backward(grad: Tensor, h: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradients of :func:`bias_gelu`: ``grad * gelu'(h + bias)`` for ``h`` and its sums over
+    all but the last dimension for ``bias`` (of the rounded elements, in the accumulation dtype,
+    rounded once), in one pass."""
     grad_h = new_output(h, h.shape)
     if grad_h.numel() == 0:
-        return grad_h
+        return grad_h, h.new_zeros(h.shape[-1])
+    sums = _chunk_sums(h)
     with _on_device(h):
-        _library(h).function(BIAS_GELU_BACKWARD)(_rows(grad), _rows(h), bias.contiguous(), grad_h.view(-1, h.shape[-1]))
-    return grad_h
+        _library(h).function(BIAS_GELU_BACKWARD)(_rows(grad), _rows(h), bias.contiguous(), grad_h.view(-1, h.shape[-1]),
+                                                 sums)
+    return grad_h, sums.sum(0).to(h.dtype)
 
 
 @bias_gelu_backward.register_fake
 def _(grad, h, bias):
-    return h.new_empty(h.shape)
+    return h.new_empty(h.shape), h.new_empty(h.shape[-1:])
 
 
 def _save_bias_gelu(ctx, inputs, output):
@@ -642,9 +663,8 @@ def _save_bias_gelu(ctx, inputs, output):
 
 def _bias_gelu_autograd(ctx, grad):
     h, bias = ctx.saved_tensors
-    grad_h = bias_gelu_backward(grad, h, bias)
-    grad_bias = grad_h.sum(tuple(range(grad_h.dim() - 1))) if ctx.needs_input_grad[1] else None
-    return grad_h, grad_bias
+    grad_h, grad_bias = bias_gelu_backward(grad, h, bias)
+    return grad_h, grad_bias if ctx.needs_input_grad[1] else None
 
 
 bias_gelu.register_autograd(_bias_gelu_autograd, setup_context=_save_bias_gelu)
@@ -723,3 +743,61 @@ def autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(x.to(dtype) if x.is_floating_point() and x.dtype != torch.float64 else x for x in tensors)
+
+
+# ----------------------------------------------------------------------------- layer norm
+@torch.library.custom_op(f"{NAMESPACE}::layer_norm", mutates_args=())
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension (biased variance),
+    with each row's mean and ``rstd = 1 / sqrt(var + eps)`` (accumulation dtype, ``x.shape[:-1]``)
+    for the backward; statistics and arithmetic in the accumulation dtype, rounded once."""
+    out = new_output(x, x.shape)
+    mean = x.new_empty(x.shape[:-1], dtype=accumulation_dtype(x.dtype))
+    rstd = torch.empty_like(mean)
+    if out.numel():
+        with _on_device(x):
+            _library(x).function(LAYER_NORM)(_rows(x), weight.contiguous(), bias.contiguous(), float(eps),
+                                              out.view(-1, x.shape[-1]), mean.view(-1), rstd.view(-1))
+    return out, mean, rstd
+
+
+@layer_norm.register_fake
+def _(x, weight, bias, eps):
+    stats = x.new_empty(x.shape[:-1], dtype=accumulation_dtype(x.dtype))
+    return x.new_empty(x.shape), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::layer_norm_backward", mutates_args=())
+def layer_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of :func:`layer_norm` for ``x``, ``weight`` and ``bias`` from its ``mean`` and
+    ``rstd``, in one pass (the parameters' sums over the rows on the way, unrounded terms in the
+    accumulation dtype, each sum rounded once)."""
+    grad_x = new_output(x, x.shape)
+    if grad_x.numel() == 0:
+        return grad_x, weight.new_zeros(weight.shape), weight.new_zeros(weight.shape)
+    sums_weight, sums_bias = _chunk_sums(x), _chunk_sums(x)
+    with _on_device(x):
+        _library(x).function(LAYER_NORM_BACKWARD)(_rows(grad), _rows(x), weight.contiguous(), mean.reshape(-1),
+                                                  rstd.reshape(-1), grad_x.view(-1, x.shape[-1]), sums_weight, sums_bias)
+    return grad_x, sums_weight.sum(0).to(weight.dtype), sums_bias.sum(0).to(weight.dtype)
+
+
+@layer_norm_backward.register_fake
+def _(grad, x, weight, mean, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _save_layer_norm(ctx, inputs, output):
+    x, weight, _, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _layer_norm_autograd(ctx, grad, grad_mean, grad_rstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = layer_norm_backward(grad, x, weight, mean, rstd)
+    return grad_x, grad_weight, grad_bias, None
+
+
+layer_norm.register_autograd(_layer_norm_autograd, setup_context=_save_layer_norm)

@@ -23,6 +23,7 @@ from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.dropout import Dropout
 from longformer_ops.gelu import linear_gelu
 from longformer_ops.layer import LongformerSelfAttention, PoolingformerSelfAttention
+from longformer_ops.layer_norm import LayerNorm
 from longformer_ops.residual import linear_dropout_add
 
 _ACTIVATIONS = {  # Hugging Face's names (ACT2FN) -> a fresh module
@@ -60,14 +61,15 @@ class LongformerModelOutput:
 # --------------------------------------------------------------------------- embeddings
 class LongformerEmbeddings(nn.Module):
     """Word + position + token-type embeddings, LayerNorm, dropout (RoBERTa's; hidden-state dropout
-    here and in the layers is :class:`longformer_ops.dropout.Dropout`, the kernels' own)."""
+    here and in the layers is :class:`longformer_ops.dropout.Dropout`, layer norms
+    :class:`longformer_ops.layer_norm.LayerNorm`: the kernels' own)."""
 
     def __init__(self, config: LongformerConfig):
         super().__init__()
         self.pad_token_id = config.pad_token_id
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                 padding_idx=config.pad_token_id)
@@ -107,7 +109,7 @@ class _DenseResidualNorm(nn.Module):
     def __init__(self, config: LongformerConfig, in_features: int):
         super().__init__()
         self.dense = nn.Linear(in_features, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob)
 
     def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

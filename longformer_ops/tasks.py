@@ -26,6 +26,7 @@ from torch import nn
 
 from longformer_ops.config import LongformerConfig
 from longformer_ops.dropout import Dropout
+from longformer_ops.layer_norm import LayerNorm
 from longformer_ops.model import LongformerModel, _PreTrained
 
 _IGNORE_INDEX = -100  # labels that do not count (torch's cross_entropy default, as in transformers)
@@ -113,7 +114,7 @@ class LongformerLMHead(nn.Module):
     def __init__(self, config: LongformerConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.layer_norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.decoder.bias = self.bias  # one tensor under two names, as in Hugging Face

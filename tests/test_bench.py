@@ -298,23 +298,25 @@ def test_scale_points_measure_and_write(tmp_path):
     assert layer["status"] == "ok" and layer["peak_mib"] > 0
 
 
-@pytest.mark.parametrize("switch, kernel, per_layer", [("ffn", "bias_gelu_", 1), ("global-merge", "global_merge_", 1),
-                                                      ("residual", "bias_dropout_add_", 2)])
-def test_alternate_bench_times_both_and_restores_ours(tmp_path, monkeypatch, switch, kernel, per_layer):
+@pytest.mark.parametrize("switch, kernel, per_pass", [("ffn", "bias_gelu_", 12), ("global-merge", "global_merge_", 12),
+                                                      ("layer-norm", "layer_norm", 25), ("residual", "bias_dropout_add_", 24)])
+def test_alternate_bench_times_both_and_restores_ours(tmp_path, monkeypatch, switch, kernel, per_pass):
     """bench.alternate times the encoder as shipped and with one part on torch's ops in every
     round (our kernel runs in one of the two), writes its table, and leaves the shipped code in place."""
     from bench import alternate
     from longformer_ops import kernels
     from longformer_ops.model import LongformerIntermediate, _DenseResidualNorm
 
-    shipped = LongformerIntermediate.forward, kernels.global_merge_available, _DenseResidualNorm.forward
+    shipped = (LongformerIntermediate.forward, kernels.global_merge_available, kernels.layer_norm_available,
+               _DenseResidualNorm.forward)
     calls = []
     op = getattr(torch.ops.longformer_ops, kernel)
     monkeypatch.setattr(torch.ops.longformer_ops, kernel, lambda *args: calls.append(kernel) or op(*args))
     alternate.main(["--switch", switch, "--dtypes", "float32", "--passes", "forward", "--rounds", "2", "--seq-len", "64",
                     "--out", str(tmp_path)])
-    assert (LongformerIntermediate.forward, kernels.global_merge_available, _DenseResidualNorm.forward) == shipped
-    assert len(calls) == 12 * per_layer * 3  # 12 layers, in the warm-up round and both timed rounds
+    assert (LongformerIntermediate.forward, kernels.global_merge_available, kernels.layer_norm_available,
+            _DenseResidualNorm.forward) == shipped
+    assert len(calls) == per_pass * 3  # (12 layers) in the warm-up round and both timed rounds
     table = (tmp_path / next(p.name for p in tmp_path.glob(f"*-{switch}.md"))).read_text()
     row = next(line for line in table.splitlines() if line.startswith("| float32 | forward |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]

@@ -120,7 +120,7 @@ def _band(seed, b, n, h, c, dtype):
 def _opcheck_cases(dtype, device="cpu"):
     """(op, args) for every op on awkward sizes: odd length, head_dim 40 (padded to 32's multiple),
     per-head dilation, window beyond the sequence, both modes. On CUDA the band ops only (its
-    libraries have no fused attention, band softmax, dropouts, bias-GELU or global merge)."""
+    libraries have no fused attention, band softmax, dropouts, bias-GELU, global merge or layer norm)."""
     cases = []
     for n, w, autoregressive in ((37, W, False), (9, 12, True)):
         q, k, v = (x.detach().to(device).requires_grad_() for x in _inputs(n, n, dtype=dtype))
@@ -168,6 +168,10 @@ def _opcheck_cases(dtype, device="cpu"):
         cases += [(ops.global_merge, (v.detach(), a, omega, slots)),
                   (ops.global_merge_, (v.detach().clone(), a, omega, slots)),
                   (ops.global_merge_backward, (torch.randn_like(v.detach()), v.detach(), slots, a))]
+        scale, shift = (torch.randn(v.shape[-1], dtype=dtype, requires_grad=True) for _ in range(2))
+        out, mean, rstd = ops.layer_norm(rows, scale.detach(), shift.detach(), 1e-5)
+        cases += [(ops.layer_norm, (rows.clone().requires_grad_(True), scale, shift, 1e-5)),
+                  (ops.layer_norm_backward, (torch.randn_like(rows), rows, scale.detach(), mean, rstd))]
     return cases
 
 
@@ -187,7 +191,7 @@ def test_opcheck_every_op(dtype):
         torch.library.opcheck(op, args)
         names.add(op._qualified_op_name.split("::")[1])
     registered = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
-    assert names == registered and len(names) == 21, (names, registered)
+    assert names == registered and len(names) == 23, (names, registered)
 
 
 # ----------------------------------------------------------------------------- layer and model

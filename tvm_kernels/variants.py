@@ -35,6 +35,9 @@ BIAS_GELU = ("bias_gelu", "bias_gelu_backward")
 # The layer's merge of the global keys into the band's attention, and the sums its backward needs
 # (schedules/cpu/global_merge.py): CPU targets only; elsewhere torch's ops.
 GLOBAL_MERGE = ("global_merge", "global_merge_backward")
+# Layer normalisation over the last dimension and its backward with the weight's and bias's
+# gradients (schedules/cpu/layer_norm.py): CPU targets only; elsewhere torch's layer_norm.
+LAYER_NORM = ("layer_norm", "layer_norm_backward")
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs
@@ -75,7 +78,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=1,
             cpu_flags=_V3_FLAGS,
             isa="avx2",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
         ),
         KernelTarget(
             name="cpu-avx512",
@@ -86,7 +89,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=2,
             cpu_flags=_V4_FLAGS,
             isa="avx512",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
         ),
         # bfloat16 only: what differs from cpu-avx512 is bfloat16 arithmetic (vdpbf16ps); the other
         # dtypes' libraries would be cpu-avx512's again.
@@ -99,7 +102,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=3,
             cpu_flags=_V4_FLAGS + ("avx512_bf16",),
             isa="avx512-bf16",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
         ),
         KernelTarget(
             name="cuda",

@@ -47,6 +47,8 @@ micro-kernel (bench/NOTES.md has every variant measured):
   vectorised pass each with a rational erf (gelu.py).
 - the layer's merge of global keys into the band's attention, and its backward's sums, one pass
   each over ``[b, n, h, d]`` (global_merge.py).
+- layer normalisation over a ``[rows, cols]`` tensor's rows, and its backward with the weight's
+  and bias's gradients summed on the way (layer_norm.py).
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
 (feature loops run over whole vectors or register tiles; the runtime zero-pads,
@@ -62,6 +64,7 @@ from tvm_kernels.schedules.cpu.band_times_rows import pv, transposed
 from tvm_kernels.schedules.cpu.dropout import bias_dropout_add, dropout, dropout_column_sums
 from tvm_kernels.schedules.cpu.gelu import bias_gelu, bias_gelu_backward
 from tvm_kernels.schedules.cpu.global_merge import global_merge, global_merge_backward
+from tvm_kernels.schedules.cpu.layer_norm import layer_norm, layer_norm_backward
 from tvm_kernels.schedules.cpu.qk import qk
 from tvm_kernels.schedules.cpu.softmax import softmax, softmax_backward
 
@@ -74,5 +77,6 @@ HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": atten
                 "attention_backward": attention_backward, "softmax": softmax, "softmax_backward": softmax_backward,
                 "dropout": dropout, "bias_dropout_add": bias_dropout_add, "dropout_column_sums": dropout_column_sums,
                 "bias_gelu": bias_gelu, "bias_gelu_backward": bias_gelu_backward,
-                "global_merge": global_merge, "global_merge_backward": global_merge_backward}
-# (the dropouts, the GELU and the merge have no band: (dtype, isa), one function each)
+                "global_merge": global_merge, "global_merge_backward": global_merge_backward,
+                "layer_norm": layer_norm, "layer_norm_backward": layer_norm_backward}
+# (the dropouts, the GELU, the merge and the layer norm have no band: (dtype, isa), one function each)

@@ -5,7 +5,7 @@ Why a kernel: torch's ``addmm`` copies the bias into each fresh output before th
 is a second pass, and its bfloat16 ``gelu_backward`` takes twice the forward's time (n = 4096 x
 3072 on Zen 4: 5.6 ms against 2.8). Here the bias is added in the accumulation dtype on the way
 in, so a half-type pre-activation is not rounded before the GELU, and the backward computes
-GELU's derivative from the same pre-activation in one pass.
+GELU's derivative from the same pre-activation in one pass, summing the bias's gradient on the way.
 
 The exact GELU, ``x Phi(x) = x (1 + erf(x / sqrt 2)) / 2``, as torch's ``gelu(approximate="none")``.
 erf and exp are the vectorisable expressions of microkernels.py (float32 arithmetic for float32
@@ -75,28 +75,41 @@ def bias_gelu(dtype: str, isa: str):
 
 def bias_gelu_backward(dtype: str, isa: str):
     """``grad_h[r, c] = grad[r, c] * gelu'(h[r, c] + bias[c])`` in the accumulation dtype, rounded
-    once. Arguments: grad, h ``[rows, cols]``, bias ``[cols]``, grad_h ``[rows, cols]`` (may be grad)."""
+    once, with the column sums of ``grad_h`` as rounded (the bias's gradient): ``sums[k, c]`` over
+    chunk k's rows, as :func:`tvm_kernels.schedules.cpu.dropout.dropout_column_sums` sums them.
+    Arguments: grad, h ``[rows, cols]``, bias ``[cols]``, grad_h ``[rows, cols]`` (may be grad),
+    sums ``[chunks, cols]`` (accumulation dtype)."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = _lanes(dtype, isa)
     element_bytes = _BITS[dtype] // 8  # see bias_gelu
 
     @T.prim_func
-    def main(grad_handle: T.handle, h_handle: T.handle, bias_handle: T.handle, grad_h_handle: T.handle):
+    def main(grad_handle: T.handle, h_handle: T.handle, bias_handle: T.handle, grad_h_handle: T.handle,
+             sums_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         rows = T.int64()
         cols = T.int64()
+        chunks = T.int64()
         grad = T.match_buffer(grad_handle, (rows, cols), dtype, align=element_bytes)
         h = T.match_buffer(h_handle, (rows, cols), dtype, align=element_bytes)
         bias = T.match_buffer(bias_handle, (cols,), dtype, align=element_bytes)
         grad_h = T.match_buffer(grad_h_handle, (rows, cols), dtype, align=element_bytes)
-        for r in T.parallel(rows):
-            for vector in range(cols // T.int64(lanes)):
-                for lane in T.vectorized(lanes):
-                    grad_h[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * _gelu_derivative(
-                        T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
-                        acc_dtype))
-            for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                grad_h[r, c] = T.Cast(dtype, T.Cast(acc_dtype, grad[r, c])
-                                      * _gelu_derivative(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype))
+        sums = T.match_buffer(sums_handle, (chunks, cols), acc_dtype)
+        for chunk in T.parallel(chunks):
+            size: T.let = (rows + chunks - T.int64(1)) // chunks
+            for c in range(cols):
+                sums[chunk, c] = T.Cast(acc_dtype, 0)
+            for r in range(chunk * size, T.min(rows, chunk * size + size)):
+                for vector in range(cols // T.int64(lanes)):
+                    for lane in T.vectorized(lanes):
+                        grad_h[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * _gelu_derivative(
+                            T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
+                            acc_dtype))
+                        sums[chunk, vector * T.int64(lanes) + lane] = (sums[chunk, vector * T.int64(lanes) + lane]
+                                                                       + T.Cast(acc_dtype, grad_h[r, vector * T.int64(lanes) + lane]))
+                for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
+                    grad_h[r, c] = T.Cast(dtype, T.Cast(acc_dtype, grad[r, c])
+                                          * _gelu_derivative(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype))
+                    sums[chunk, c] = sums[chunk, c] + T.Cast(acc_dtype, grad_h[r, c])
 
     return main

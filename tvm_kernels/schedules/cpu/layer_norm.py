@@ -1,0 +1,176 @@
+"""Layer normalisation over the last dimension on the CPU, forward and backward, one row at a time
+(a row of the encoder's 768 features stays in L1 between its passes).
+
+Why a kernel: torch's CPU ``layer_norm`` and its backward take 1.8-1.9 ms each on the base
+encoder's ``[4096, 768]`` bfloat16 rows inside a training step, 25 times each way; and the
+backward's weight and bias gradients, sums over the rows, are taken here on the way (per chunk of
+rows, as dropout.dropout_column_sums sums), not by more passes.
+
+Statistics and arithmetic in the accumulation dtype (float32 for the half types), the variance
+from the deviations (two passes over the row, as torch's), results rounded once.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from tvm_kernels.compute import accumulation_dtype
+from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK
+from tvm_kernels.schedules.cpu.tiles import tiles_for
+
+
+def _lanes(dtype: str, isa: str) -> int:
+    return tiles_for(isa).vector_bits // (64 if accumulation_dtype(dtype) == "float64" else 32)
+
+
+@T.macro
+def _zero(partial, lanes, acc_dtype):
+    for lane in T.vectorized(lanes):
+        partial[lane] = T.Cast(acc_dtype, 0)
+
+
+@T.macro
+def _total(total, partial, lanes):
+    """total[0] += the lanes of ``partial``, in lane order."""
+    for lane in range(lanes):
+        total[0] = total[0] + partial[lane]
+
+
+def layer_norm(dtype: str, isa: str):
+    """``out[r, c] = (x[r, c] - mean_r) * rstd_r * weight[c] + bias[c]``, ``rstd_r = 1 / sqrt(var_r +
+    eps)``, mean and (biased) variance over row r's columns; writes ``mean`` and ``rstd`` ``[rows]``
+    (accumulation dtype) for the backward. Arguments: x ``[rows, cols]``, weight, bias ``[cols]``,
+    eps (float64), out ``[rows, cols]`` (may be x: a row is read whole before it is written),
+    mean, rstd."""
+    acc_dtype = accumulation_dtype(dtype)
+    lanes = _lanes(dtype, isa)
+    # Buffers aligned to their element only (see gelu.bias_gelu): parameters read from a checkpoint,
+    # a slice of rows, may start anywhere.
+    element_bytes = _BITS[dtype] // 8
+
+    @T.prim_func
+    def main(x_handle: T.handle, weight_handle: T.handle, bias_handle: T.handle, eps: T.float64, out_handle: T.handle,
+             mean_handle: T.handle, rstd_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        rows = T.int64()
+        cols = T.int64()
+        x = T.match_buffer(x_handle, (rows, cols), dtype, align=element_bytes)
+        weight = T.match_buffer(weight_handle, (cols,), dtype, align=element_bytes)
+        bias = T.match_buffer(bias_handle, (cols,), dtype, align=element_bytes)
+        out = T.match_buffer(out_handle, (rows, cols), dtype, align=element_bytes)
+        mean = T.match_buffer(mean_handle, (rows,), acc_dtype)
+        rstd = T.match_buffer(rstd_handle, (rows,), acc_dtype)
+        vectors = cols // T.int64(lanes)
+        for r in T.parallel(rows):
+            partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            total = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            _zero(partial, lanes, acc_dtype)
+            for vector in range(vectors):
+                for lane in T.vectorized(lanes):
+                    partial[lane] = partial[lane] + T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
+            total[0] = T.Cast(acc_dtype, 0)
+            _total(total, partial, lanes)
+            for c in range(vectors * T.int64(lanes), cols):
+                total[0] = total[0] + T.Cast(acc_dtype, x[r, c])
+            row_mean: T.let = total[0] / T.Cast(acc_dtype, cols)
+            _zero(partial, lanes, acc_dtype)
+            for vector in range(vectors):
+                for lane in T.vectorized(lanes):
+                    partial[lane] = partial[lane] + (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * (
+                        T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean)
+            total[0] = T.Cast(acc_dtype, 0)
+            _total(total, partial, lanes)
+            for c in range(vectors * T.int64(lanes), cols):
+                total[0] = total[0] + (T.Cast(acc_dtype, x[r, c]) - row_mean) * (T.Cast(acc_dtype, x[r, c]) - row_mean)
+            row_rstd: T.let = T.Cast(acc_dtype, 1) / T.sqrt(total[0] / T.Cast(acc_dtype, cols) + T.Cast(acc_dtype, eps))
+            mean[r] = row_mean
+            rstd[r] = row_rstd
+            for vector in range(vectors):
+                for lane in T.vectorized(lanes):
+                    out[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, (
+                        T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd
+                        * T.Cast(acc_dtype, weight[vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]))
+            for c in range(vectors * T.int64(lanes), cols):
+                out[r, c] = T.Cast(dtype, (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd * T.Cast(acc_dtype, weight[c])
+                                   + T.Cast(acc_dtype, bias[c]))
+
+    return main
+
+
+def layer_norm_backward(dtype: str, isa: str):
+    """The gradients of :func:`layer_norm` from its ``mean`` and ``rstd``: with ``xhat = (x - mean)
+    rstd`` and ``gw = grad * weight``, ``grad_x = rstd (gw - mean_c(gw) - xhat mean_c(gw xhat))``
+    (rounded once); ``sums_weight[k, c]`` and ``sums_bias[k, c]`` the sums of ``grad * xhat`` and
+    ``grad`` over chunk k's rows (as dropout.dropout_column_sums chunks them), unrounded terms in
+    the accumulation dtype. Arguments: grad, x ``[rows, cols]``, weight ``[cols]``, mean, rstd
+    ``[rows]``, grad_x ``[rows, cols]`` (may be grad), sums_weight, sums_bias ``[chunks, cols]``."""
+    acc_dtype = accumulation_dtype(dtype)
+    lanes = _lanes(dtype, isa)
+    element_bytes = _BITS[dtype] // 8
+
+    @T.prim_func
+    def main(grad_handle: T.handle, x_handle: T.handle, weight_handle: T.handle, mean_handle: T.handle,
+             rstd_handle: T.handle, grad_x_handle: T.handle, sums_weight_handle: T.handle, sums_bias_handle: T.handle):
+        T.func_attr({"tir.noalias": True})
+        rows = T.int64()
+        cols = T.int64()
+        chunks = T.int64()
+        grad = T.match_buffer(grad_handle, (rows, cols), dtype, align=element_bytes)
+        x = T.match_buffer(x_handle, (rows, cols), dtype, align=element_bytes)
+        weight = T.match_buffer(weight_handle, (cols,), dtype, align=element_bytes)
+        mean = T.match_buffer(mean_handle, (rows,), acc_dtype)
+        rstd = T.match_buffer(rstd_handle, (rows,), acc_dtype)
+        grad_x = T.match_buffer(grad_x_handle, (rows, cols), dtype, align=element_bytes)
+        sums_weight = T.match_buffer(sums_weight_handle, (chunks, cols), acc_dtype)
+        sums_bias = T.match_buffer(sums_bias_handle, (chunks, cols), acc_dtype)
+        vectors = cols // T.int64(lanes)
+        for chunk in T.parallel(chunks):
+            size: T.let = (rows + chunks - T.int64(1)) // chunks
+            for c in range(cols):
+                sums_weight[chunk, c] = T.Cast(acc_dtype, 0)
+                sums_bias[chunk, c] = T.Cast(acc_dtype, 0)
+            partial_gw = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            partial_gwx = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            total_gw = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            total_gwx = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            for r in range(chunk * size, T.min(rows, chunk * size + size)):
+                row_mean: T.let = mean[r]
+                row_rstd: T.let = rstd[r]
+                _zero(partial_gw, lanes, acc_dtype)
+                _zero(partial_gwx, lanes, acc_dtype)
+                for vector in range(vectors):
+                    for lane in T.vectorized(lanes):
+                        partial_gw[lane] = partial_gw[lane] + T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * T.Cast(
+                            acc_dtype, weight[vector * T.int64(lanes) + lane])
+                        partial_gwx[lane] = partial_gwx[lane] + T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * T.Cast(
+                            acc_dtype, weight[vector * T.int64(lanes) + lane]) * (
+                            (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd)
+                total_gw[0] = T.Cast(acc_dtype, 0)
+                total_gwx[0] = T.Cast(acc_dtype, 0)
+                _total(total_gw, partial_gw, lanes)
+                _total(total_gwx, partial_gwx, lanes)
+                for c in range(vectors * T.int64(lanes), cols):
+                    total_gw[0] = total_gw[0] + T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c])
+                    total_gwx[0] = total_gwx[0] + T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c]) * (
+                        (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd)
+                mean_gw: T.let = total_gw[0] / T.Cast(acc_dtype, cols)
+                mean_gwx: T.let = total_gwx[0] / T.Cast(acc_dtype, cols)
+                for vector in range(vectors):
+                    for lane in T.vectorized(lanes):
+                        sums_weight[chunk, vector * T.int64(lanes) + lane] = sums_weight[chunk, vector * T.int64(lanes) + lane] + T.Cast(
+                            acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * (
+                            (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd)
+                        sums_bias[chunk, vector * T.int64(lanes) + lane] = sums_bias[chunk, vector * T.int64(lanes) + lane] + T.Cast(
+                            acc_dtype, grad[r, vector * T.int64(lanes) + lane])
+                        grad_x[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, row_rstd * (
+                            T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * T.Cast(acc_dtype, weight[vector * T.int64(lanes) + lane])
+                            - mean_gw
+                            - (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd * mean_gwx))
+                for c in range(vectors * T.int64(lanes), cols):
+                    sums_weight[chunk, c] = sums_weight[chunk, c] + T.Cast(acc_dtype, grad[r, c]) * (
+                        (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd)
+                    sums_bias[chunk, c] = sums_bias[chunk, c] + T.Cast(acc_dtype, grad[r, c])
+                    grad_x[r, c] = T.Cast(dtype, row_rstd * (T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c]) - mean_gw
+                                                             - (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd * mean_gwx))
+
+    return main
