@@ -1,5 +1,5 @@
 """One of the encoder's kernels against the torch ops it replaced, in one process:
-``python -m bench.alternate --switch ffn|global-merge|layer-norm|residual [--dtypes float32,bfloat16]
+``python -m bench.alternate --switch ffn|global-merge|layer-norm|residual|all [--dtypes float32,bfloat16]
 [--passes forward,forward+backward] [--rounds 4] [--seq-len 4096]``.
 
 The bench's base encoder (``--ops model``: 12 layers, hidden 768, n = 4096, token 0 global) runs
@@ -16,7 +16,8 @@ the figure is the median of the per-round ratios. The switches:
   ``layer_norm``;
 - ``residual``: each block's ``LayerNorm(x + dropout(dense(h)))`` with the bias, the dropout and
   the residual in one kernel pass after a bias-free GEMM, or as ``addmm`` with the bias, the
-  dropout kernel and torch's add.
+  dropout kernel and torch's add;
+- ``all``: every switch above at once.
 
 Writes ``bench/results/<cpu>-<switch>.md``.
 """
@@ -101,6 +102,18 @@ SWITCHES = {
     "residual": ("The blocks' way back into the residual stream: the bias-dropout-residual kernel against "
                  "torch's addmm, dropout and add", _torch_residual),
 }
+
+
+@contextlib.contextmanager
+def _torch_everywhere():
+    with contextlib.ExitStack() as stack:
+        for name, (_, switch) in SWITCHES.items():
+            if name != "all":
+                stack.enter_context(switch())
+        yield
+
+
+SWITCHES["all"] = ("Every switch above at once: our kernels against torch's ops for all of them", _torch_everywhere)
 
 
 def alternate(switch: str, dtype: torch.dtype, backward: bool, rounds: int, seq_len: int = 4096) -> dict[str, list[float]]:

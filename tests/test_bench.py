@@ -299,7 +299,8 @@ def test_scale_points_measure_and_write(tmp_path):
 
 
 @pytest.mark.parametrize("switch, kernel, per_pass", [("ffn", "bias_gelu_", 12), ("global-merge", "global_merge_", 12),
-                                                      ("layer-norm", "layer_norm", 25), ("residual", "bias_dropout_add_", 24)])
+                                                      ("layer-norm", "layer_norm", 25), ("residual", "bias_dropout_add_", 24),
+                                                      ("all", "bias_dropout_add_", 24)])
 def test_alternate_bench_times_both_and_restores_ours(tmp_path, monkeypatch, switch, kernel, per_pass):
     """bench.alternate times the encoder as shipped and with one part on torch's ops in every
     round (our kernel runs in one of the two), writes its table, and leaves the shipped code in place."""
