@@ -179,6 +179,24 @@ def check_bias_dropout_add(h, bias, residual) -> None:
         raise ValueError(f"residual must be on h's device {h.device}, got {residual.device}")
 
 
+def check_layer_norm(x, weight, bias, eps) -> None:
+    """``x`` a floating tensor of at least one dimension, ``weight`` and ``bias`` of size
+    ``x.shape[-1]`` on its device (of any floating dtype: another falls back to torch), ``eps`` >= 0."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point torch.Tensor, got {x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (the features, which it normalises over), got a scalar")
+    for name, parameter in (("weight", weight), ("bias", bias)):
+        if not isinstance(parameter, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(parameter).__name__}")
+        if parameter.shape != x.shape[-1:]:
+            raise ValueError(f"{name} must have shape [{x.shape[-1]}] (x's last dimension), got {list(parameter.shape)}")
+        if parameter.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {parameter.device}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+
+
 def check_out(out, shape: tuple[int, ...], inputs: dict[str, torch.Tensor], differentiable: bool = True) -> None:
     """Validate an ``out=`` tensor for a result of ``shape`` computed from ``inputs`` (by name)."""
     first = next(iter(inputs.values()))

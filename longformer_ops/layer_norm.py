@@ -11,28 +11,10 @@ autocast, parameters of another dtype) torch's ``layer_norm``.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import nn
 
-from longformer_ops import kernels
-
-
-def _check_layer_norm(x, weight, bias, eps) -> None:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point torch.Tensor, got {x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dimension (the features, which it normalises over), got a scalar")
-    for name, parameter in (("weight", weight), ("bias", bias)):
-        if not isinstance(parameter, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(parameter).__name__}")
-        if parameter.shape != x.shape[-1:]:
-            raise ValueError(f"{name} must have shape [{x.shape[-1]}] (x's last dimension), got {list(parameter.shape)}")
-        if parameter.device != x.device:
-            raise ValueError(f"{name} must be on x's device {x.device}, got {parameter.device}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
-        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+from longformer_ops import checks, kernels
 
 
 def _kernel_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
@@ -45,7 +27,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     three. Where the kernel serves (a library for ``x``'s device and dtype has it, the parameters
     are of ``x``'s dtype, autocast is off), the statistics and the normalisation are computed in the
     accumulation dtype (float32 for the half types) and rounded once; otherwise torch's op."""
-    _check_layer_norm(x, weight, bias, eps)
+    checks.check_layer_norm(x, weight, bias, eps)
     if not _kernel_serves(x, weight, bias):
         return nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
     return torch.ops.longformer_ops.layer_norm(x, weight, bias, float(eps))[0]

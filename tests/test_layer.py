@@ -488,9 +488,9 @@ def test_global_rows_through_the_weights_or_projected(monkeypatch, autoregressiv
         assert b.abs().max() > 1e-3, f"{name}: (almost) zero, the comparison says nothing"
 
 
-def test_global_rows_of_wrapped_projections_call_them():
-    """A global projection that is not a plain nn.Linear (a LoRA adapter, a quantized layer: its output
-    is more than its weight tells) is called, not read through its weight."""
+def test_wrapped_projections_are_called():
+    """A query or global projection that is not a plain nn.Linear (a LoRA adapter, a quantized layer:
+    its output is more than its weight tells) is called, not read through its weight."""
     class Adapted(torch.nn.Linear):
         def forward(self, x):
             return super().forward(x) + 0.5 * torch.tanh(x)
@@ -498,13 +498,25 @@ def test_global_rows_of_wrapped_projections_call_them():
     cfg = tiny_config(attention_window=2)
     x, mask = layer_inputs(3, 2, 13, 32, pad_from=[13, 9], globals_=[(0, 4), (1, 2)])
     layer = layer_for(cfg)
-    for name in ("key_global", "value_global"):
+    for name in ("query", "key_global", "value_global"):
         adapted = Adapted(32, 32).to(torch.float64)
         adapted.load_state_dict(getattr(layer, name).state_dict())
         setattr(layer, name, adapted)
     expected = explicit_attention(layer, x, mask, 2, (1,) * 4, False)
     real = mask >= 0
     assert_close(layer(x, mask)[0][real], expected[real], 1e-10, "adapted global projections")
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_query_scale_in_the_weights_is_exact_for_head_dim_64(grad_enabled):
+    """The query's 1/sqrt(64) = 1/8 folded into a plain nn.Linear's weight and bias gives
+    query(x) / 8 bit for bit (a power of two scales every rounding exactly)."""
+    torch.manual_seed(4)
+    layer = layer_for(tiny_config(attention_window=2, hidden_size=128, num_attention_heads=2), dtype=torch.float32)
+    assert layer.head_dim == 64
+    x = torch.randn(2, 11, 128)
+    with torch.set_grad_enabled(grad_enabled):
+        assert torch.equal(layer._scaled_query(x, not grad_enabled), layer.query(x) / 8)
 
 
 def test_dropout_in_training_mode():
