@@ -20,7 +20,7 @@ from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype, column_step, dropout_factor, dropout_factor_of, dropout_row_key
 from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK
-from tvm_kernels.schedules.cpu.tiles import tiles_for
+from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
 
 @T.macro
@@ -39,7 +39,7 @@ def dropout(dtype: str, isa: str):
     cols, p)``). Arguments: x ``[rows, cols]``, p (float64), seed (int64), out ``[rows, cols]``
     (not x). The product is taken in the accumulation dtype and rounded once."""
     acc_dtype = accumulation_dtype(dtype)
-    lanes = _lanes(dtype, isa)
+    lanes = accumulation_lanes(dtype, isa)
 
     @T.prim_func
     def main(x_handle: T.handle, p: T.float64, seed: T.int64, out_handle: T.handle):
@@ -63,9 +63,6 @@ def dropout(dtype: str, isa: str):
     return main
 
 
-def _lanes(dtype: str, isa: str) -> int:
-    return tiles_for(isa).vector_bits // (64 if accumulation_dtype(dtype) == "float64" else 32)
-
 
 def bias_dropout_add(dtype: str, isa: str):
     """``out[r, c] = (h[r, c] + bias[c]) * factor(seed, r, c) + residual[r, c]``, the factor
@@ -74,7 +71,7 @@ def bias_dropout_add(dtype: str, isa: str):
     (int64), out ``[rows, cols]`` (may be h: each element is read before it is written, by the same
     lane)."""
     acc_dtype = accumulation_dtype(dtype)
-    lanes = _lanes(dtype, isa)
+    lanes = accumulation_lanes(dtype, isa)
     # Buffers aligned to their element only (see gelu.bias_gelu): a bias read from a checkpoint, or a
     # slice of rows, may start anywhere.
     element_bytes = _BITS[dtype] // 8
@@ -115,7 +112,7 @@ def dropout_column_sums(dtype: str, isa: str):
     ``[rows, cols]``, p (float64), seed (int64), out ``[rows, cols]`` (not x), sums ``[chunks, cols]``
     (accumulation dtype; chunks run in parallel, one a thread at a time, their sums in L1)."""
     acc_dtype = accumulation_dtype(dtype)
-    lanes = _lanes(dtype, isa)
+    lanes = accumulation_lanes(dtype, isa)
     element_bytes = _BITS[dtype] // 8
 
     @T.prim_func

@@ -20,7 +20,7 @@ from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
 from tvm_kernels.schedules.cpu.microkernels import _BITS, _erf, _exp
-from tvm_kernels.schedules.cpu.tiles import tiles_for
+from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
 _SQRT_HALF = math.sqrt(0.5)
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
@@ -38,16 +38,13 @@ def _gelu_derivative(x, acc_dtype):
     return half * (T.Cast(acc_dtype, 1) + _erf(x * T.Cast(acc_dtype, _SQRT_HALF), acc_dtype)) + x * phi
 
 
-def _lanes(dtype: str, isa: str) -> int:
-    return tiles_for(isa).vector_bits // (64 if accumulation_dtype(dtype) == "float64" else 32)
-
 
 def bias_gelu(dtype: str, isa: str):
     """``out[r, c] = gelu(h[r, c] + bias[c])``, the sum and the GELU in the accumulation dtype,
     rounded once. Arguments: h ``[rows, cols]``, bias ``[cols]``, out ``[rows, cols]`` (may be h:
     each element is read before it is written, by the same lane)."""
     acc_dtype = accumulation_dtype(dtype)
-    lanes = _lanes(dtype, isa)
+    lanes = accumulation_lanes(dtype, isa)
     # Buffers aligned to their element only: a contiguous tensor (a slice of rows, a bias read from
     # a checkpoint file) may start anywhere, and with TVM's default 64-byte alignment the bias's
     # vector loads, at offsets that are multiples of a vector, are emitted as aligned loads (a fault).
@@ -80,7 +77,7 @@ def bias_gelu_backward(dtype: str, isa: str):
     Arguments: grad, h ``[rows, cols]``, bias ``[cols]``, grad_h ``[rows, cols]`` (may be grad),
     sums ``[chunks, cols]`` (accumulation dtype)."""
     acc_dtype = accumulation_dtype(dtype)
-    lanes = _lanes(dtype, isa)
+    lanes = accumulation_lanes(dtype, isa)
     element_bytes = _BITS[dtype] // 8  # see bias_gelu
 
     @T.prim_func

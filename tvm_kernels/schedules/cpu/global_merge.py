@@ -16,11 +16,8 @@ from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
 from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK
-from tvm_kernels.schedules.cpu.tiles import tiles_for
+from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
-
-def _lanes(dtype: str, isa: str) -> int:
-    return tiles_for(isa).vector_bits // (64 if accumulation_dtype(dtype) == "float64" else 32)
 
 
 def global_merge(dtype: str, isa: str):
@@ -29,7 +26,7 @@ def global_merge(dtype: str, isa: str):
     omega ``[b, n, h, g]`` (accumulation dtype), values ``[b, g, h, d]``, out ``[b, n, h, d]`` (may be
     context: each element is read before it is written, by the same lane)."""
     acc_dtype = accumulation_dtype(dtype)
-    lanes = _lanes(dtype, isa)
+    lanes = accumulation_lanes(dtype, isa)
     # Buffers aligned to their element only (see gelu.py): views may start anywhere.
     element, acc_element = _BITS[dtype] // 8, _BITS[acc_dtype] // 8
 
@@ -95,7 +92,7 @@ def global_merge_backward(dtype: str, isa: str):
     Arguments: grad, context ``[b, n, h, d]``, values ``[b, g, h, d]``, a ``[b, n, h]``, then the
     outputs grad_context ``[b, n, h, d]``, u ``[b, n, h]``, t ``[b, n, h, g]``."""
     acc_dtype = accumulation_dtype(dtype)
-    lanes = _lanes(dtype, isa)
+    lanes = accumulation_lanes(dtype, isa)
     element, acc_element = _BITS[dtype] // 8, _BITS[acc_dtype] // 8
 
     @T.prim_func

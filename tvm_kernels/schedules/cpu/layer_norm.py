@@ -16,11 +16,8 @@ from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
 from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK
-from tvm_kernels.schedules.cpu.tiles import tiles_for
+from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
-
-def _lanes(dtype: str, isa: str) -> int:
-    return tiles_for(isa).vector_bits // (64 if accumulation_dtype(dtype) == "float64" else 32)
 
 
 @T.macro
@@ -43,7 +40,7 @@ def layer_norm(dtype: str, isa: str):
     eps (float64), out ``[rows, cols]`` (may be x: a row is read whole before it is written),
     mean, rstd."""
     acc_dtype = accumulation_dtype(dtype)
-    lanes = _lanes(dtype, isa)
+    lanes = accumulation_lanes(dtype, isa)
     # Buffers aligned to their element only (see gelu.bias_gelu): parameters read from a checkpoint,
     # a slice of rows, may start anywhere.
     element_bytes = _BITS[dtype] // 8
@@ -105,7 +102,7 @@ def layer_norm_backward(dtype: str, isa: str):
     the accumulation dtype. Arguments: grad, x ``[rows, cols]``, weight ``[cols]``, mean, rstd
     ``[rows]``, grad_x ``[rows, cols]`` (may be grad), sums_weight, sums_bias ``[chunks, cols]``."""
     acc_dtype = accumulation_dtype(dtype)
-    lanes = _lanes(dtype, isa)
+    lanes = accumulation_lanes(dtype, isa)
     element_bytes = _BITS[dtype] // 8
 
     @T.prim_func

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tvm_kernels.compute import accumulation_dtype
+
 
 @dataclass(frozen=True)
 class Tiles:
@@ -70,3 +72,9 @@ def tiles_for(isa: str) -> Tiles:
     if isa not in ISAS:
         raise ValueError(f"no CPU tiles for isa {isa!r}; known: {sorted(ISAS)}")
     return ISAS[isa]
+
+
+def accumulation_lanes(dtype: str, isa: str) -> int:
+    """Lanes of one vector of ``dtype``'s accumulation dtype: the elementwise kernels' vector
+    (dropout, GELU, the global merge, the layer norm compute in it)."""
+    return tiles_for(isa).vector_bits // (64 if accumulation_dtype(dtype) == "float64" else 32)
