@@ -57,10 +57,11 @@ def linear_dropout_add(x: torch.Tensor, linear: nn.Linear, drop: nn.Module, resi
     :func:`bias_dropout_add` with ``drop``'s ``p`` and mode; without autograd (and outside
     autocast) the GEMM writes into recycled memory and the rest runs there in place. Otherwise
     torch's ops as the modules would run them. Under ``torch.autocast`` the GEMM runs in autocast's
-    dtype; a residual of another dtype (autocast's float32 stream) takes torch's ops."""
+    dtype; a residual of another dtype (autocast's float32 stream) or shape (broadcast) takes torch's ops."""
     autocast = torch.is_autocast_enabled(x.device.type)
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
     if not (plain_linear(linear) and _plain_dropout(drop) and residual.dtype == dtype
+            and residual.shape == (*x.shape[:-1], linear.out_features)  # (torch's add would broadcast)
             and kernels.bias_dropout_add_available(x.device, dtype)):
         y = drop(linear(x))
         # Without autograd the residual goes into the dense layer's fresh output: one hidden-size

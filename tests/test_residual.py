@@ -251,10 +251,11 @@ class _ScaledLinear(nn.Linear):
         return 2 * super().forward(x)
 
 
-@pytest.mark.parametrize("which", ["subclass", "hooked", "own-forward", "no-bias", "torch-dropout", "hooked-dropout"])
+@pytest.mark.parametrize("which", ["subclass", "hooked", "own-forward", "no-bias", "torch-dropout", "hooked-dropout",
+                                   "broadcast-residual"])
 def test_linear_dropout_add_calls_other_modules_as_they_are(monkeypatch, which):
     """An adapter, a hook, a forward replaced on the instance, a missing bias, torch's own dropout or
-    a hooked one: the modules are called, our kernels are not."""
+    a hooked one, a residual that broadcasts: the modules are called, our kernels are not."""
     for name in ("bias_dropout_add", "bias_dropout_add_"):
         monkeypatch.setattr(ops, name, lambda *args: pytest.fail(f"{name} called"))
     torch.manual_seed(7)
@@ -267,7 +268,7 @@ def test_linear_dropout_add_calls_other_modules_as_they_are(monkeypatch, which):
     if which == "own-forward":
         plain_forward = linear.forward
         linear.forward = lambda x: plain_forward(x) - 1
-    x, residual = torch.randn(3, 16), torch.randn(3, 24)
+    x, residual = torch.randn(3, 16), torch.randn(1 if which == "broadcast-residual" else 3, 24)
     torch.manual_seed(1)
     got = linear_dropout_add(x, linear, drop, residual)
     torch.manual_seed(1)
