@@ -148,22 +148,34 @@ def check_dropout_p(dropout_p, name: str = "dropout_p") -> float:
     return float(dropout_p)
 
 
+def _check_features(name: str, x, along: str) -> None:
+    """``x`` (the argument ``name``) a floating tensor with a last dimension of features (``along``
+    says what is done along it)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point torch.Tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension (the features, {along}), got a scalar")
+
+
+def _check_per_feature(name: str, vector, of: str, x, same_dtype: bool = True) -> None:
+    """``vector`` (the argument ``name``) one value per feature of ``x`` (the argument ``of``), on its
+    device and, with ``same_dtype``, of its dtype."""
+    if not isinstance(vector, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(vector).__name__}")
+    if vector.shape != x.shape[-1:]:
+        raise ValueError(f"{name} must have shape [{x.shape[-1]}] ({of}'s last dimension), got {list(vector.shape)}")
+    if same_dtype and vector.dtype != x.dtype:
+        raise TypeError(f"{name} must have {of}'s dtype {x.dtype}, got {vector.dtype}")
+    if vector.device != x.device:
+        raise ValueError(f"{name} must be on {of}'s device {x.device}, got {vector.device}")
+
+
 def check_bias_gelu(h, bias) -> None:
     """``h`` a floating tensor of at least one dimension, ``bias`` of size ``h.shape[-1]`` on its
     device and of its dtype."""
-    if not isinstance(h, torch.Tensor) or not h.is_floating_point():
-        raise TypeError(f"h must be a floating-point torch.Tensor, got "
-                        f"{h.dtype if isinstance(h, torch.Tensor) else type(h).__name__}")
-    if h.dim() < 1:
-        raise ValueError("h must have at least one dimension (the features, which bias is added along), got a scalar")
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
-    if bias.shape != h.shape[-1:]:
-        raise ValueError(f"bias must have shape [{h.shape[-1]}] (h's last dimension), got {list(bias.shape)}")
-    if bias.dtype != h.dtype:
-        raise TypeError(f"bias must have h's dtype {h.dtype}, got {bias.dtype}")
-    if bias.device != h.device:
-        raise ValueError(f"bias must be on h's device {h.device}, got {bias.device}")
+    _check_features("h", h, "which bias is added along")
+    _check_per_feature("bias", bias, "h", h)
 
 
 def check_bias_dropout_add(h, bias, residual) -> None:
@@ -182,17 +194,9 @@ def check_bias_dropout_add(h, bias, residual) -> None:
 def check_layer_norm(x, weight, bias, eps) -> None:
     """``x`` a floating tensor of at least one dimension, ``weight`` and ``bias`` of size
     ``x.shape[-1]`` on its device (of any floating dtype: another falls back to torch), ``eps`` >= 0."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point torch.Tensor, got {x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dimension (the features, which it normalises over), got a scalar")
-    for name, parameter in (("weight", weight), ("bias", bias)):
-        if not isinstance(parameter, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(parameter).__name__}")
-        if parameter.shape != x.shape[-1:]:
-            raise ValueError(f"{name} must have shape [{x.shape[-1]}] (x's last dimension), got {list(parameter.shape)}")
-        if parameter.device != x.device:
-            raise ValueError(f"{name} must be on x's device {x.device}, got {parameter.device}")
+    _check_features("x", x, "which it normalises over")
+    _check_per_feature("weight", weight, "x", x, same_dtype=False)
+    _check_per_feature("bias", bias, "x", x, same_dtype=False)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")
 
