@@ -16,8 +16,12 @@ from longformer_ops import _loader, _manifest, diagonaled_mm
 
 
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with this environment plus ``env``, less the TVM thread count
+    the loader exported in this process (from torch's thread count when a library was first
+    loaded here, 1 if that was inside a single-threaded test module): the child chooses its own."""
+    inherited = {k: v for k, v in os.environ.items() if k != _loader.THREADS_ENV}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, cwd=_manifest.REPO_ROOT)
+                          env={**inherited, **env}, cwd=_manifest.REPO_ROOT)
 
 
 def test_import_and_kernel_run_never_load_the_tvm_compiler():
@@ -43,9 +47,7 @@ _THREADS_PROBE = (
 
 def test_kernels_use_as_many_threads_as_torch():
     # TVM on its own takes half the cores on x86 (it assumes hyper-threading).
-    env = {k: v for k, v in os.environ.items() if k != _loader.THREADS_ENV}
-    result = subprocess.run([sys.executable, "-c", _THREADS_PROBE], capture_output=True, text=True, env=env,
-                            cwd=_manifest.REPO_ROOT)
+    result = _run_python(_THREADS_PROBE)
     assert result.returncode == 0, result.stderr
     torch_threads, tvm_threads = map(int, result.stdout.split())
     assert tvm_threads == min(torch_threads, os.cpu_count()) > 0
