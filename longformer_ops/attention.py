@@ -59,6 +59,7 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """
     q, k, v = kernels.autocast_inputs(q, k, v)
     w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask)
+    w = _reachable_window(w, dilations, q.shape[1])
     dropout_p = checks.check_dropout_p(dropout_p)
     checks.check_bool("return_lse", return_lse)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
@@ -76,6 +77,13 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         result, lse = _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p, out,
                                    return_lse, needs_grad)
     return (result, lse) if return_lse else result
+
+
+def _reachable_window(w: int, dilations, n: int) -> int:
+    """The narrowest window with the same keys: offsets past (n - 1) // min(d) reach no key of any
+    head, and the kernels' scratch grows with w (w = 10^8 at n = 20 had asked for gigabytes). The
+    dropout mask is that of this window's band columns."""
+    return min(w, max(n - 1, 0) // min(dilations)) if dilations else w
 
 
 def _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p, out, return_lse,

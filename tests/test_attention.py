@@ -57,7 +57,7 @@ def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64, 
                                                                                                          device=q.device)
     factor = None
     if dropout is not None:
-        factor = _dropout_factor(dropout, q.shape, w, autoregressive).to(q.device)
+        factor = _dropout_factor(dropout, q.shape, w, d, autoregressive).to(q.device)
         torch.manual_seed(dropout[1])
     out = sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=key_padding_mask,
                                    dropout_p=0.0 if dropout is None else dropout[0])
@@ -165,6 +165,24 @@ def test_library_without_the_fused_kernels_runs_the_band_products(monkeypatch, a
     _check_gradients(q, k, v, 9, [1, 2, 5], autoregressive, 0.3, key_padding_mask=mask)
 
 
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_a_window_past_the_sequence_is_the_narrowest_that_reaches_its_keys(cpu_library, dtype, autoregressive):
+    """w far past every key (10^8 at n = 20, where the kernels' scratch, sized by w, had aborted the
+    process) gives exactly what (n - 1) // min(d) gives, with and without dropout, values and gradients."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 20, 3, 8, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    d = [2, 1, 5]
+    for p in (0.0, 0.3):
+        results = []
+        for w in (19, 10**8):
+            torch.manual_seed(5)
+            out = sliding_window_attention(q, k, v, w, d, autoregressive, dropout_p=p)
+            results.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+        for name, x, y in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+            assert torch.equal(x, y), f"{name} differs (p={p})"
+
+
 def _padding_mask(b: int, n: int, generator) -> torch.Tensor:
     """Random masked keys (~30%), and the last example's second half all masked: some of its
     queries keep no key at all (their output must be 0)."""
@@ -257,13 +275,29 @@ def test_return_lse_gradients_match_reference(cpu_library, monkeypatch, size, dt
         assert_normwise_close(x, y, dtype, f"d{name}", zero_scale=terms, gradients=True)
 
 
-def _dropout_factor(dropout, shape, w, autoregressive):
+def _dropout_factor(dropout, shape, w, d, autoregressive):
     """The reference factors of the fused kernels' dropout mask for ``dropout`` = (p, torch seed): the
-    kernel seed is the call's one draw from torch's generator after ``torch.manual_seed(torch seed)``."""
+    kernel seed is the call's one draw from torch's generator after ``torch.manual_seed(torch seed)``.
+    A window wider than any head reaches (w > (n - 1) // min(d)) draws the mask of the narrowest one
+    with the same keys, whose band columns sit in the middle of w's (symmetric) or at its end (causal)."""
     p, torch_seed = dropout
     torch.manual_seed(torch_seed)
     b, n, h, _ = shape
-    return dropout_factor_reference(int(dropout_seed()), b, n, h, band_width(w, autoregressive), p)
+    reachable = _reachable_window(w, d, n)
+    return _in_window(dropout_factor_reference(int(dropout_seed()), b, n, h, band_width(reachable, autoregressive), p),
+                      w, reachable, autoregressive)
+
+
+def _reachable_window(w, d, n):
+    """The narrowest window reaching the same keys as ``w`` in every head: at most (n - 1) // min(d)."""
+    return min(w, max(n - 1, 0) // min(int(x) for x in ([d] if isinstance(d, int) else d)))
+
+
+def _in_window(factor, w, reachable, autoregressive):
+    """``factor`` [b, n, h, band(reachable)] as band(w) columns (the same keys), 0 in the others."""
+    wide = factor.new_zeros(*factor.shape[:3], band_width(w, autoregressive))
+    wide[..., w - reachable:w - reachable + factor.shape[-1]] = factor
+    return wide
 
 
 @pytest.mark.parametrize("with_grad", [False, True], ids=["fused", "autograd"])
@@ -275,7 +309,7 @@ def test_dropout_matches_reference(cpu_library, size, dtype, autoregressive, wit
     in PyTorch), forward and gradients: the backward regenerates the forward's mask."""
     q, k, v, w, d, mask, _ = _masked_case(size, dtype, autoregressive, "dropout")
     dropout = (0.3, 1234 + size[1])
-    factor = _dropout_factor(dropout, q.shape, w, autoregressive)
+    factor = _dropout_factor(dropout, q.shape, w, d, autoregressive)
     torch.manual_seed(dropout[1])
     inputs = [x.requires_grad_(with_grad) for x in (q, k, v)]
     out = sliding_window_attention(*inputs, w, d, autoregressive, key_padding_mask=mask, dropout_p=dropout[0])
@@ -293,7 +327,7 @@ def test_cuda_dropout_matches_reference(size, dtype, autoregressive):
     forward and gradients (the fused backward regenerates it)."""
     q, k, v, w, d, mask, _ = _masked_case(size, dtype, autoregressive, "cuda dropout", device="cuda")
     dropout = (0.3, 1234 + size[1])
-    factor = _dropout_factor(dropout, q.shape, w, autoregressive)
+    factor = _dropout_factor(dropout, q.shape, w, d, autoregressive)
     torch.manual_seed(dropout[1])
     out = sliding_window_attention(q, k, v, w, d, autoregressive, key_padding_mask=mask, dropout_p=dropout[0])
     _assert_close(out, q, k, v, w, d, autoregressive, 1 / math.sqrt(q.shape[-1]), dtype, mask.cpu(), factor)
@@ -326,7 +360,7 @@ def test_cuda_key_padding_mask_matches_reference(size, dtype, autoregressive):
 @pytest.mark.parametrize("size", MASKED_SIZES[:3], ids=str)
 def test_three_step_dropout_matches_reference(monkeypatch, device, size, autoregressive):
     """The three steps (forced) drop with torch's dropout on the [b, n, h, c]
-    probabilities: the same mask drawn again from the same seed gives the reference, values and
+    probabilities (c of the narrowest window reaching the same keys): the same mask drawn again from the same seed gives the reference, values and
     gradients (float64, float32 on CUDA, which has no float64 library: the dtypes' bounds are the
     tests above)."""
     monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
@@ -334,8 +368,10 @@ def test_three_step_dropout_matches_reference(monkeypatch, device, size, autoreg
     q, k, v, w, d, mask, _ = _masked_case(size, dtype, autoregressive, "three-step dropout", device=device)
     b, n, h, _ = q.shape
     torch.manual_seed(77)
-    factor = torch.nn.functional.dropout(torch.ones(b, n, h, band_width(w, autoregressive), dtype=dtype,
-                                                    device=device), 0.3)
+    reachable = _reachable_window(w, d, n)
+    factor = _in_window(torch.nn.functional.dropout(
+        torch.ones(b, n, h, band_width(reachable, autoregressive), dtype=dtype, device=device), 0.3), w, reachable,
+        autoregressive)
     inputs = [x.requires_grad_() for x in (q, k, v)]
     torch.manual_seed(77)
     out = sliding_window_attention(*inputs, w, d, autoregressive, key_padding_mask=mask, dropout_p=0.3)
