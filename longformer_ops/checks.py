@@ -230,6 +230,10 @@ def check_mask_invalid_locations(scores, w, d, autoregressive):
         raise ValueError(f"scores must be 4-D [batch, seq_len, heads, c], got shape {tuple(scores.shape)}")
     if not scores.dtype.is_floating_point:
         raise TypeError(f"scores must be a floating-point tensor (it receives -inf), got dtype={scores.dtype}")
+    if any(stride == 0 and size > 1 for size, stride in zip(scores.shape, scores.stride())):
+        # (an expanded tensor: writing one row's -inf would write it into every row sharing it)
+        raise ValueError(f"scores must not have elements sharing memory (it is written in place), got shape "
+                         f"{tuple(scores.shape)} with strides {scores.stride()}: pass scores.contiguous()")
     check_bool("autoregressive", autoregressive)
     w = check_window(w)
     band = w + (0 if autoregressive else w) + 1

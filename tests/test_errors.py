@@ -135,6 +135,9 @@ def test_unsupported_dtype_for_device_is_named():
         (lambda s: mask_invalid_locations(s, 2, [1, 2, 3], False), ValueError, r"one value per head: expected length 2, got 3"),
         (lambda s: mask_invalid_locations(s, -2, 1, False), ValueError, r"w \(one-sided window\) must be >= 0"),
         (lambda s: mask_invalid_locations(s.tolist(), 2, 1, False), TypeError, r"scores must be a torch.Tensor"),
+        (lambda s: mask_invalid_locations(s[:, :1].expand(1, 8, 2, 5), 2, 1, False), ValueError,
+         r"scores must not have elements sharing memory \(it is written in place\), got shape \(1, 8, 2, 5\) "
+         r"with strides \(80, 0, 5, 1\): pass scores.contiguous\(\)"),
     ],
 )
 def test_mask_invalid_locations_rejects(call, error, message):
