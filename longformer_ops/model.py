@@ -288,6 +288,10 @@ class LongformerModel(_PreTrained):
             attention_mask = torch.ones(shape, dtype=torch.long, device=device)
         if global_attention_mask is None:
             global_attention_mask = torch.zeros(shape, dtype=torch.long, device=device)
+        for name, given in (("attention_mask", attention_mask), ("global_attention_mask", global_attention_mask)):
+            if tuple(given.shape) != tuple(shape):  # (torch would broadcast a [n] or [b, 1] mask silently)
+                raise ValueError(f"{name} must be [batch, seq_len] = {tuple(shape)}, like the input, "
+                                 f"got shape {tuple(given.shape)}")
         mask = layer_attention_mask(attention_mask, global_attention_mask)  # [b, n]: -1 / 0 / 1
 
         x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [b, n, hidden]

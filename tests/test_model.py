@@ -3,6 +3,7 @@ attention mode), checkpoint loading, batch consistency, a tiny MLM training run,
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
@@ -286,6 +287,11 @@ def test_model_input_errors():
         model(ids, inputs_embeds=torch.zeros(1, 5, 8))
     with pytest.raises(ValueError, match=r"position id 12 is out of range: max_position_embeddings=12"):
         model(torch.randint(3, 20, (1, 11)))
+    for name in ("attention_mask", "global_attention_mask"):  # torch would broadcast these silently
+        for shape in ((5,), (1, 1), (2, 5), (1, 6)):
+            with pytest.raises(ValueError, match=rf"{name} must be \[batch, seq_len\] = \(1, 5\), like the input, "
+                                                 rf"got shape {re.escape(str(shape))}"):
+                model(ids, **{name: torch.ones(shape, dtype=torch.long)})
 
 
 def test_import_is_cheap():
