@@ -106,6 +106,8 @@ def test_out_rejects(call, error, message):
         (lambda q, k, v: sliding_window_attention(q.requires_grad_(), k, v, 1, out=torch.empty(1, 8, 2, 4)), RuntimeError,
          r"out= is not differentiable"),
         (lambda q, k, v: sliding_window_attention(q, k, v, 1, return_lse=1), TypeError, r"return_lse must be a bool, got int"),
+        (lambda q, k, v: sliding_window_attention(q, k, v, 1, autoregressive=pytest.importorskip("numpy").bool_(True)),
+         TypeError, r"autoregressive must be a bool, got numpy.bool"),
         (lambda q, k, v: sliding_window_attention(q, k, v, 1, dropout_p=1.5), ValueError,
          r"dropout_p must be a probability in \[0, 1\], got 1.5"),
         (lambda q, k, v: sliding_window_attention(q, k, v, 1, dropout_p=True), ValueError, r"dropout_p must be a probability"),
