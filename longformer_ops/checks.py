@@ -59,9 +59,9 @@ def check_dilation(d, heads: int) -> tuple[int, ...]:
 def check_bool(name: str, value) -> bool:
     """A flag that must be a real bool (not 0/1 or None)."""
     if not isinstance(value, bool):
-        kind = type(value)  # (numpy's bool is also named "bool": name its module)
-        raise TypeError(f"{name} must be a bool, got "
-                        f"{kind.__name__ if kind.__module__ == 'builtins' else f'{kind.__module__}.{kind.__qualname__}'}")
+        kind = type(value)  # numpy's bool is also named "bool": name its module
+        named = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"{name} must be a bool, got {named}")
     return value
 
 
