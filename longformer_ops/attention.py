@@ -40,6 +40,12 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ``[batch, seq_len]``, True for keys no query attends to (padding); a query left with no key
     gets 0. Returns ``[batch, seq_len, heads, head_dim]`` in the inputs' dtype.
 
+    A NaN or infinity in the inputs is carried as a dense softmax carries it: a NaN or +inf score
+    makes its row NaN, also at a key flagged in ``key_padding_mask`` (the mask is added as -inf,
+    as torch's attention and transformers' Longformer add theirs). A non-finite value of ``v``
+    also reaches the other rows of the kernel's tile of queries, whose band may not hold it (they
+    multiply it by a probability of 0).
+
     Differentiable in ``q``, ``k``, ``v`` (once). Where the library has the fused kernels (CPU and
     CUDA), neither inference nor training keeps a band in memory (the backward recomputes each
     tile's probabilities from the rows' log-sum-exp).

@@ -109,8 +109,9 @@ def diagonaled_mm_reference(t1, t2, w: int, d, is_t1_diagonaled: bool = False, p
 
 
 def _sliding_window_scores(q, k, w: int, d, autoregressive: bool, scale: float | None, key_padding_mask) -> torch.Tensor:
-    """Band scores ``[b, n, h, c]`` of ``scale * Q.K^T``, ``-inf`` at keys outside the sequence or
-    flagged in ``key_padding_mask``."""
+    """Band scores ``[b, n, h, c]`` of ``scale * Q.K^T``, ``-inf`` at keys outside the sequence, and
+    ``-inf`` added at keys flagged in ``key_padding_mask`` (added, as torch's attention and
+    transformers' Longformer add their masks: a NaN or +inf score of a flagged key stays NaN)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = diagonaled_mm_reference(q * scale, k, w, d, False, float("-inf"), autoregressive)
     if key_padding_mask is not None:
@@ -118,7 +119,7 @@ def _sliding_window_scores(q, k, w: int, d, autoregressive: bool, scale: float |
         keys = key_positions(n, w, _per_head(d, h, q.device), autoregressive)     # [n, h, c]
         inside = (keys >= 0) & (keys < n)
         masked = key_padding_mask[:, keys.clamp(0, max(n - 1, 0))] & inside       # [b, n, h, c]
-        scores = scores.masked_fill(masked, float("-inf"))
+        scores = scores + scores.new_zeros(masked.shape).masked_fill_(masked, float("-inf"))
     return scores
 
 
@@ -126,9 +127,10 @@ def sliding_window_probs_reference(q, k, w: int, d, autoregressive: bool = False
                                    key_padding_mask=None) -> torch.Tensor:
     """The band probabilities of :func:`sliding_window_attention_reference`, ``[b, n, h, c]``: a softmax
     of the scores with ``-inf`` at keys outside the sequence or flagged in ``key_padding_mask``
-    (a row with no key left: 0)."""
+    (a row with no key left: 0; a NaN or +inf score makes its row NaN, as a dense softmax does)."""
     scores = _sliding_window_scores(q, k, w, d, autoregressive, scale, key_padding_mask)
-    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows of -inf only give NaN: 0
+    no_key = (scores == float("-inf")).all(-1, keepdim=True)
+    return torch.softmax(scores.masked_fill(no_key, 0), dim=-1).masked_fill(no_key, 0)
 
 
 def sliding_window_lse_reference(q, k, w: int, d, autoregressive: bool = False, scale: float | None = None,
@@ -137,7 +139,7 @@ def sliding_window_lse_reference(q, k, w: int, d, autoregressive: bool = False, 
     what ``sliding_window_attention(..., return_lse=True)`` returns beside the result. Differentiable,
     with gradient 0 (not NaN) at rows with no key."""
     scores = _sliding_window_scores(q, k, w, d, autoregressive, scale, key_padding_mask)
-    empty = ~torch.isfinite(scores).any(-1)
+    empty = (scores == float("-inf")).all(-1)
     return torch.logsumexp(scores.masked_fill(empty[..., None], 0), dim=-1).masked_fill(empty, float("-inf"))
 
 

@@ -141,6 +141,28 @@ def test_cuda_attention_code_matches_reference(kernels, case, dropout, kernel):
         raise AssertionError(f"seed {seed}: {error}") from None
 
 
+@pytest.mark.parametrize("which", ["q", "k"])
+@pytest.mark.parametrize("kernel", ["attention", "attention_mma"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=case_id)
+def test_cuda_attention_code_carries_a_nan(kernels, case, kernel, which):
+    """A NaN in q or k: the result's NaN rows and the NaN log-sum-exps are the float64 reference's
+    (a NaN score makes its row NaN, never a row of finite numbers), as on the CPU kernels
+    (tests/test_non_finite.py)."""
+    batch, n, heads, head_dim, w, dilation, autoregressive = case
+    g = torch.Generator().manual_seed(stable_seed("cuda_on_cpu nan", str(case), which))
+    q, k, v = (torch.randn(batch, n, heads, head_dim, generator=g) for _ in range(3))
+    dict(q=q, k=k)[which][0, n // 2, 0, 1] = float("nan")
+    out, lse = torch.full_like(q, 7.0), torch.full((batch, n, heads), 7.0)
+    _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, q=q, k=k, v=v,
+          key_bias=torch.zeros(batch, n), dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=0.3,
+          dropout=0.0, seed=0, out=out, lse=lse)
+    exact = [x.double() for x in (q, k, v)]
+    expected = sliding_window_attention_reference(*exact, w, dilation, autoregressive, 0.3).isnan().any(-1)
+    assert expected.any()
+    assert torch.equal(out.isnan().any(-1), expected), f"NaN rows {out.isnan().any(-1).nonzero().tolist()}"
+    assert torch.equal(lse.isnan(), sliding_window_lse_reference(*exact[:2], w, dilation, autoregressive, 0.3).isnan())
+
+
 @pytest.mark.parametrize("kernel", ["attention_backward", "attention_backward_mma"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)

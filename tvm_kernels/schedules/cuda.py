@@ -546,14 +546,14 @@ def attention_fma(dtype: str, autoregressive: bool):
                                 a: T.let = ty * 4 + i
                                 f: T.let = f0 * T.int64(OUT_FEATURES) + T.Cast("int64", tc + u * SPAN)
                                 row: T.let = query_row[a]
-                                total_a: T.let = row_sum[a]
+                                total_a: T.let = row_sum[a]  # 0: a row with no key (== 0, so that a NaN sum stays NaN)
                                 if row >= T.int64(0) and f < head_dim:
-                                    out[b, row, h, f] = T.Cast(dtype, T.Select(total_a > T.Cast(acc_dtype, 0), context[i, u] / total_a,
-                                                                              T.Cast(acc_dtype, 0)))
+                                    out[b, row, h, f] = T.Cast(dtype, T.Select(total_a == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0),
+                                                                              context[i, u] / total_a))
                         if tx < TILE_ROWS:
                             row: T.let = query_row[tx]
                             if row >= T.int64(0):
-                                lse[b, row, h] = T.Select(row_sum[tx] > T.Cast(acc_dtype, 0), row_max[tx] + T.log(row_sum[tx]), minus_inf)
+                                lse[b, row, h] = T.Select(row_sum[tx] == T.Cast(acc_dtype, 0), minus_inf, row_max[tx] + T.log(row_sum[tx]))
 
     return main
 
@@ -1009,15 +1009,15 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                 a: T.let = row0 + _c_element(x % 4)[0]
                                 f: T.let = f0 * T.int64(FEATURE_BLOCK) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
                                 row: T.let = query_row[a]
-                                total: T.let = row_sum[x % 4 // 2]
+                                total: T.let = row_sum[x % 4 // 2]  # 0: a row with no key (== 0: a NaN sum stays NaN)
                                 if row >= T.int64(0) and f < head_dim:
-                                    out[b, row, h, f] = T.Cast(dtype, T.Select(total > T.Cast(acc_dtype, 0), context[x] / total,
-                                                                              T.Cast(acc_dtype, 0)))
+                                    out[b, row, h, f] = T.Cast(dtype, T.Select(total == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0),
+                                                                              context[x] / total))
                             for r in T.unroll(2):
                                 row: T.let = query_row[row0 + r * 8]
                                 if t2 == 0 and row >= T.int64(0):
-                                    lse[b, row, h] = T.Select(row_sum[r] > T.Cast(acc_dtype, 0),
-                                                              row_max[r] * T.float32(LN2) + T.log(row_sum[r]), minus_inf)
+                                    lse[b, row, h] = T.Select(row_sum[r] == T.Cast(acc_dtype, 0), minus_inf,
+                                                              row_max[r] * T.float32(LN2) + T.log(row_sum[r]))
 
     return main
 

@@ -189,7 +189,8 @@ def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin
         for lane in range(lanes):
             reciprocal[r] = reciprocal[r] + partial[lane]
         log_sum[r] = row_max[0] + T.log(reciprocal[r])  # one scalar log per row; log(0) = -inf
-        reciprocal[r] = T.Select(reciprocal[r] > T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / reciprocal[r], T.Cast(acc_dtype, 0))
+        # 1 / sum, 0 for a row with no key; a NaN sum (a NaN score) stays NaN.
+        reciprocal[r] = T.Select(reciprocal[r] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / reciprocal[r])
 
 
 @T.macro

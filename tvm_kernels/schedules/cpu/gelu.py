@@ -19,7 +19,7 @@ import math
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _erf, _exp
+from tvm_kernels.schedules.cpu.microkernels import _BITS, _exp, _one_plus_erf
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -28,14 +28,14 @@ _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 
 def _gelu(x, acc_dtype):
     """The expression gelu(x)."""
-    return T.Cast(acc_dtype, 0.5) * x * (T.Cast(acc_dtype, 1) + _erf(x * T.Cast(acc_dtype, _SQRT_HALF), acc_dtype))
+    return T.Cast(acc_dtype, 0.5) * x * _one_plus_erf(x * T.Cast(acc_dtype, _SQRT_HALF), acc_dtype)
 
 
 def _gelu_derivative(x, acc_dtype):
     """The expression gelu'(x) = Phi(x) + x phi(x)."""
     half = T.Cast(acc_dtype, 0.5)
     phi = T.Cast(acc_dtype, _INV_SQRT_2PI) * _exp(-(half * x * x), acc_dtype)
-    return half * (T.Cast(acc_dtype, 1) + _erf(x * T.Cast(acc_dtype, _SQRT_HALF), acc_dtype)) + x * phi
+    return half * _one_plus_erf(x * T.Cast(acc_dtype, _SQRT_HALF), acc_dtype) + x * phi
 
 
 

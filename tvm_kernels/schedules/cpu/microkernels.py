@@ -223,6 +223,7 @@ def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, r
 # (ln 2 split in two constants so that t keeps float32 precision), exp(t) by a polynomial, 2^m
 # built in the exponent bits. Inputs are clamped at -127 ln 2, where m = -127 makes those bits 0:
 # exp(-inf) = 0 exactly, and results below float32's smallest normal number (x < -87.7) flush to 0.
+# The clamp keeps a NaN (see _at_least): a NaN score gives a NaN row, not a probability of 0.
 _LOG2E = 1.4426950408889634
 _LN2_HIGH = 0.693145751953125  # few mantissa bits: m * _LN2_HIGH is exact in float32
 _LN2_LOW = 1.4286068203094172e-06
@@ -235,13 +236,25 @@ _EXP_FLOAT32 = tuple(1.0 / k for k in (5040, 720, 120, 24, 6, 2, 1, 1))
 _EXP_HALF = (0.0414586067199707, 0.16790907084941864, 0.5000435709953308, 0.9999634027481079, 0.9999992847442627)
 
 
+def _at_least(x, low):
+    """The expression max(x, low) that keeps a NaN x: ``T.max`` lowers to ``x > low ? x : low``,
+    which turns NaN into low (hiding a diverged input behind a finite result); ``x < low ? low : x``
+    is the same one vmaxps."""
+    return T.Select(x < low, low, x)
+
+
+def _at_most(x, high):
+    """The expression min(x, high) that keeps a NaN x (as :func:`_at_least`)."""
+    return T.Select(x > high, high, x)
+
+
 def _exp(x, acc_dtype, half_results: bool = False):
     """The expression exp(x) for x <= 0 (a plain Python helper building the expression);
     ``half_results``: the caller rounds what it computes from it to a half type (the cheaper
     polynomial above)."""
     if acc_dtype == "float64":  # no speed goal for float64: the library's exp, exactly rounded
         return T.exp(x)
-    x = T.max(x, T.float32(-127 * 0.6931471805599453))
+    x = _at_least(x, T.float32(-127 * 0.6931471805599453))
     m = T.floor(x * T.float32(_LOG2E) + T.float32(0.5))
     t = x - m * T.float32(_LN2_HIGH) - m * T.float32(_LN2_LOW)
     coefficients = _EXP_HALF if half_results else _EXP_FLOAT32
@@ -255,19 +268,24 @@ def _exp(x, acc_dtype, half_results: bool = False):
 # lane): erf(z) = z P(s) / Q(s), s = z^2 / 16, z clamped to [-4, 4] (1 - erf(4) = 1.5e-8, below
 # float32's half ulp of 1). A rational fit (tools/fit_erf.py: P of degree 7, Q of degree 4): 1.0e-8
 # in exact arithmetic, 3.8e-7 evaluated in float32, where torch's own float32 GELU is off by up to
-# 1.2e-6 (at x = 3.5; its erf is a fixed-form approximation).
+# 1.2e-6 (at x = 3.5; its erf is a fixed-form approximation). What GELU needs is 1 + erf(z), and
+# that is clamped at 0: at z = -4 the float32 evaluation lands an ulp below -1, and 1 + erf(z) was
+# -1.2e-7 where it must be 0 (GELU(-20) was +1.2e-6 and GELU(-1e6) +0.06, growing with |x|). The
+# clamp after the fused 1 + z P / Q costs one vmaxps (clamping erf itself at -1 took three
+# operations, the fused multiply-add split: bfloat16 bias-GELU ~10% slower).
 _ERF_Z_MAX = 4.0
 _ERF_P = (1.128379075110033, 2.3689332468719773, 11.529766079130393, 7.550756739158106, 9.005213846679423,
           -3.678338374302783, 1.251627841146014, -0.20006841108392498)
 _ERF_Q = (1.0, 7.432727638433365, 24.26036545712762, 43.2919858710228, 39.84000414470118)
 
 
-def _erf(z, acc_dtype):
-    """The expression erf(z) (a plain Python helper building the expression); float64: the
-    library's erf (no speed goal there, and gradcheck's finite differences need its accuracy)."""
+def _one_plus_erf(z, acc_dtype):
+    """The expression 1 + erf(z), never below 0 (a plain Python helper building the expression);
+    float64: the library's erf (no speed goal there, and gradcheck's finite differences need its
+    accuracy)."""
     if acc_dtype == "float64":
-        return T.erf(z)
-    z = T.min(T.max(z, T.float32(-_ERF_Z_MAX)), T.float32(_ERF_Z_MAX))
+        return T.float64(1) + T.erf(z)
+    z = _at_most(_at_least(z, T.float32(-_ERF_Z_MAX)), T.float32(_ERF_Z_MAX))
     s = z * z * T.float32(1 / _ERF_Z_MAX**2)
     numerator = T.float32(_ERF_P[-1])
     for c in reversed(_ERF_P[:-1]):
@@ -275,4 +293,4 @@ def _erf(z, acc_dtype):
     denominator = T.float32(_ERF_Q[-1])
     for c in reversed(_ERF_Q[:-1]):
         denominator = denominator * s + T.float32(c)
-    return z * (numerator / denominator)
+    return _at_least(T.float32(1) + z * (numerator / denominator), T.float32(0))

@@ -107,7 +107,8 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
                     else:
                         total[0] = total[0] + _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype)
                 lse[b, i, h] = row_max[0] + T.log(total[0])  # log(0) = -inf: a row with no key
-                total[0] = T.Select(total[0] > T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / total[0], T.Cast(acc_dtype, 0))
+                # 1 / sum, 0 for a row with no key; a NaN sum (a NaN score) stays NaN, so the whole row is NaN.
+                total[0] = T.Select(total[0] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / total[0])
                 if store_exp:
                     for vector in range(vectors):
                         for lane in T.vectorized(lanes):

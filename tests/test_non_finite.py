@@ -1,0 +1,145 @@
+"""Non-finite inputs: a NaN or an infinity reaches every output a plain dense computation carries it
+to, in every dtype, so that a diverged input is never hidden behind a finite result (a NaN score
+once gave its row probabilities of 0 in float32 and the half types: the fast exp's clamp turned
+NaN into its lower bound). Also the GELU's far tails, where the fast erf once gave GELU(x) > 0 for
+large negative x.
+
+Masks are compared with the float64 references of :mod:`longformer_ops.reference` on the same
+rounded inputs. Known, documented excess: a non-finite value of ``v`` also reaches the rows of the
+same tile of queries whose band does not hold its key (the kernels multiply its row by their
+probability 0, and 0 * NaN is NaN), so ``v``'s masks are checked to hold the reference's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import CPU_DTYPES, stable_seed, unit_roundoff
+from longformer_ops import band_softmax_, sliding_window_attention
+from longformer_ops.reference import (diagonaled_mm_reference, sliding_window_attention_reference,
+                                      sliding_window_lse_reference)
+
+ops = torch.ops.longformer_ops
+
+BATCH, N, HEADS, HEAD_DIM, W = 1, 37, 2, 16, 5
+BAD_ROW = 17  # the sequence position of the non-finite element (head 0, feature 3)
+
+
+def _inputs(dtype, which, bad, *parts):
+    generator = torch.Generator().manual_seed(stable_seed(str(dtype), which, bad, *parts))
+    q, k, v = (torch.randn(BATCH, N, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64).to(dtype)
+               for _ in range(3))
+    dict(q=q, k=k, v=v)[which][0, BAD_ROW, 0, 3] = bad
+    return q, k, v
+
+
+def _rows_not_finite(x: torch.Tensor) -> torch.Tensor:
+    """[b, n, h]: where a row of the last dimension holds a NaN or an infinity."""
+    return ~torch.isfinite(x.double()).all(-1)
+
+
+def _diverged(lse: torch.Tensor) -> torch.Tensor:
+    """Where a log-sum-exp is NaN or +inf (-inf is a row with no key)."""
+    return lse.isnan() | (lse == float("inf"))
+
+
+def _described(mask: torch.Tensor) -> str:
+    return str(mask.nonzero().tolist())
+
+
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["two-sided", "autoregressive"])
+@pytest.mark.parametrize("d", [1, [1, 3]], ids=["undilated", "dilations-1-3"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_attention_carries_non_finite_inputs(cpu_library, dtype, which, bad, d, autoregressive):
+    """The result's and the log-sum-exp's non-finite rows: those of the float64 reference for q and
+    k (with the key padding mask's flagged keys too, added as -inf as torch's attention adds its
+    masks); for v at least those."""
+    q, k, v = _inputs(dtype, which, bad, str(d), autoregressive)
+    flagged = torch.zeros(BATCH, N, dtype=torch.bool)
+    flagged[0, BAD_ROW::4] = True  # the non-finite key among them
+    for mask in (None, flagged):
+        ref = sliding_window_attention_reference(q.double(), k.double(), v.double(), W, d, autoregressive,
+                                                 key_padding_mask=mask)
+        ref_lse = sliding_window_lse_reference(q.double(), k.double(), W, d, autoregressive, key_padding_mask=mask)
+        out, lse = sliding_window_attention(q, k, v, W, d, autoregressive, key_padding_mask=mask, return_lse=True)
+        expected, got = _rows_not_finite(ref), _rows_not_finite(out)
+        what = f"{which}[{BAD_ROW}] = {bad}, {dtype}, d = {d}, mask {mask is not None}"
+        if which == "v":
+            assert (got | ~expected).all(), f"{what}: rows {_described(expected & ~got)} came out finite"
+            assert torch.equal(_diverged(lse), _diverged(ref_lse)), what
+        else:
+            if bad != bad:  # (an infinity's scores may all be -inf or finite: no premise then)
+                assert expected.any(), f"{what}: the reference has no non-finite row (the test's premise)"
+            assert torch.equal(got, expected), f"{what}: non-finite rows {_described(got)}, expected {_described(expected)}"
+            assert torch.equal(_diverged(lse), _diverged(ref_lse)), \
+                f"{what}: NaN or +inf lse at {_described(_diverged(lse))}, expected {_described(_diverged(ref_lse))}"
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_attention_gradients_carry_a_nan(cpu_library, dtype, which):
+    """Backward: every gradient row the float64 reference's autograd makes NaN is NaN (never a finite
+    gradient hiding the input). The kernels may make more rows NaN: a NaN row's log-sum-exp gives
+    NaN probabilities at every column of its tile, and those reach the tile's dK and dV rows, as V's
+    NaN reaches its tile in the forward; a NaN forward makes the loss NaN anyway."""
+    q, k, v = _inputs(dtype, which, float("nan"), "backward")
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(stable_seed("grad", str(dtype), which)),
+                       dtype=torch.float64)
+    ours = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    sliding_window_attention(*ours, W, [1, 2]).backward(grad.to(dtype))
+    exact = [x.double().requires_grad_(True) for x in (q, k, v)]
+    sliding_window_attention_reference(*exact, W, [1, 2]).backward(grad)
+    assert any((~torch.isfinite(x.grad)).any() for x in exact), "the reference's gradients are finite (the test's premise)"
+    for name, mine, theirs in zip("qkv", ours, exact):
+        expected, got = _rows_not_finite(theirs.grad), _rows_not_finite(mine.grad)
+        assert (got | ~expected).all(), \
+            f"d{name} with a NaN in {which}, {dtype}: rows {_described(expected & ~got)} came out finite"
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_band_softmax_carries_a_nan_score(cpu_library, dtype):
+    """A NaN score makes its whole row NaN (every probability, and the log-sum-exp), as torch's
+    softmax does; the other rows stay finite."""
+    generator = torch.Generator().manual_seed(stable_seed("band softmax", str(dtype)))
+    q, k = (torch.randn(BATCH, N, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64) for _ in range(2))
+    scores = diagonaled_mm_reference(q, k, W, 1, False, 0, False).to(dtype)
+    scores[0, BAD_ROW, 1, W] = float("nan")
+    probs, lse = band_softmax_(scores, W, 1, return_lse=True)
+    expected = torch.zeros(BATCH, N, HEADS, dtype=torch.bool)
+    expected[0, BAD_ROW, 1] = True
+    assert torch.equal(_rows_not_finite(probs), expected), _described(_rows_not_finite(probs))
+    assert probs[0, BAD_ROW, 1].isnan().all(), f"a NaN row holds numbers: {probs[0, BAD_ROW, 1].tolist()}"
+    assert torch.equal(lse.isnan(), expected), _described(lse.isnan())
+
+
+# Far tails of x, each representable in every CPU dtype (float16's largest is 65504).
+TAILS = [-6e4, -1e3, -40.0, -20.0, -9.0, -6.0, -5.7, 5.7, 9.0, 40.0, 6e4]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_gelu_far_tails(cpu_library, dtype):
+    """GELU(x) = x Phi(x) and its derivative in the far tails, within one rounding plus Phi's
+    truncation where the fast erf stops (|x| = 4 sqrt 2: |x| Phi(x) <= 4.3e-8, Phi(x) <= 7.6e-9);
+    not positive for negative x (the clamped erf once landed an ulp below -1: GELU(-1e3) = +6e-5)."""
+    x = torch.tensor(TAILS, dtype=torch.float64).to(dtype)
+    bias, grad = torch.zeros(len(TAILS), dtype=dtype), torch.ones(len(TAILS), dtype=dtype)
+    exact = torch.nn.functional.gelu(x.double())
+    exact_derivative = torch.special.ndtr(x.double()) + x.double() * torch.exp(-0.5 * x.double() ** 2) / (2 * torch.pi) ** 0.5
+    got = ops.bias_gelu(x[None], bias)[0]
+    got_derivative = ops.bias_gelu_backward(grad[None], x[None], bias)[0][0]
+    u = unit_roundoff(dtype)
+    for what, mine, theirs, truncation in (("gelu", got, exact, 4.3e-8), ("gelu'", got_derivative, exact_derivative, 7.6e-9)):
+        error = (mine.double() - theirs).abs()
+        bound = 2 * u * theirs.abs() + truncation + torch.finfo(dtype).tiny
+        assert (error <= bound).all(), f"{what} {dtype}: at x = {x[error > bound].tolist()} got {mine[error > bound].tolist()}"
+    assert (got[x < 0] <= 0).all(), f"{dtype}: GELU positive at negative x: {got.tolist()}"
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_gelu_carries_nan(cpu_library, dtype):
+    x = torch.tensor([1.0, float("nan"), -3.0], dtype=dtype)
+    bias = torch.zeros(3, dtype=dtype)
+    assert torch.equal(ops.bias_gelu(x[None], bias)[0].isnan(), x.isnan())
+    assert torch.equal(ops.bias_gelu_backward(torch.ones_like(x)[None], x[None], bias)[0][0].isnan(), x.isnan())
