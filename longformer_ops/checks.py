@@ -173,6 +173,18 @@ def _check_per_feature(name: str, vector, of: str, x, same_dtype: bool = True) -
         raise ValueError(f"{name} must be on {of}'s device {x.device}, got {vector.device}")
 
 
+def check_hidden_states(hidden_states, hidden_size: int, weight: torch.Tensor) -> None:
+    """A layer's input: a floating ``[batch, seq_len, hidden_size]`` tensor on its weights' device."""
+    if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
+        raise TypeError(f"hidden_states must be a floating-point torch.Tensor, got "
+                        f"{hidden_states.dtype if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__}")
+    if hidden_states.dim() != 3 or hidden_states.shape[-1] != hidden_size:
+        raise ValueError(f"hidden_states must be [batch, seq_len, hidden_size = {hidden_size}], "
+                         f"got shape {tuple(hidden_states.shape)}")
+    if hidden_states.device != weight.device:
+        raise ValueError(f"hidden_states must be on the layer's device {weight.device}, got {hidden_states.device}")
+
+
 def check_bias_gelu(h, bias) -> None:
     """``h`` a floating tensor of at least one dimension, ``bias`` of size ``h.shape[-1]`` on its
     device and of its dtype."""

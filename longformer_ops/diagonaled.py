@@ -178,6 +178,9 @@ FLAG_BLOCK_ROWS = 512
 def _fill_at_keys_in_blocks(band, flags, w, dilation, autoregressive, value):
     b, n = flags.shape
     c = band_width(w, autoregressive)
+    # A dilation of n or more reaches no key but the row's own, as n does: the flags' padding below
+    # (w * d each side) stays within w * n, not gigabytes for a dilation near 2^31.
+    dilation = tuple(min(d, max(n, 1)) for d in dilation)
     groups = [(0, dilation[0])] if len(set(dilation)) == 1 else list(enumerate(dilation))
     padded = {d: torch.nn.functional.pad(flags, (w * d, w * d)).contiguous() for d in set(dilation)}  # [i + w*d] = flags[i]
     starts = list(range(0, n, FLAG_BLOCK_ROWS))

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from longformer_ops import kernels
+from longformer_ops import checks, kernels
 from longformer_ops.attention import sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
 from longformer_ops.diagonaled import diagonaled_mm, fill_band_at_keys_
@@ -122,6 +122,7 @@ class LongformerSelfAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 output_attentions: bool = False):
+        checks.check_hidden_states(hidden_states, self.query.in_features, self.query.weight)
         b, n, hidden = hidden_states.shape
         no_mask = attention_mask is None
         if no_mask:

@@ -292,6 +292,9 @@ class LongformerModel(_PreTrained):
             if tuple(given.shape) != tuple(shape):  # (torch would broadcast a [n] or [b, 1] mask silently)
                 raise ValueError(f"{name} must be [batch, seq_len] = {tuple(shape)}, like the input, "
                                  f"got shape {tuple(given.shape)}")
+        if self.pooler is not None and len(shape) == 2 and shape[1] == 0:
+            raise ValueError(f"the input has no token (shape {tuple(shape)}) and the pooler reads the first: give at "
+                             "least one token, or build the model with add_pooling_layer=False")
         mask = layer_attention_mask(attention_mask, global_attention_mask)  # [b, n]: -1 / 0 / 1
 
         x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [b, n, hidden]

@@ -213,6 +213,8 @@ def sliding_chunks_qk(q: torch.Tensor, k: torch.Tensor, w: int, padding: float =
     if w < 1:
         raise ValueError(f"sliding chunks needs w >= 1, got w={w}")
     b, n, h, _ = q.shape
+    if n == 0:  # (no chunk to view)
+        return q.new_empty(b, 0, h, 2 * w + 1)
     qc = _chunk(_to_bh(_pad_to_multiple(q, 2 * w)), w)
     kc = _chunk(_to_bh(_pad_to_multiple(k, 2 * w)), w)
     chunk_scores = torch.einsum("bcxf,bcyf->bcxy", qc, kc)  # [bh, chunks, 2w, 2w]
@@ -241,6 +243,8 @@ def sliding_chunks_pv(probs: torch.Tensor, v: torch.Tensor, w: int) -> torch.Ten
     if w < 1:
         raise ValueError(f"sliding chunks needs w >= 1, got w={w}")
     b, n, h, f = v.shape
+    if n == 0:
+        return v.new_empty(b, 0, h, f)
     invalid = invalid_locations(n, w, torch.ones(h, dtype=torch.int64, device=v.device), False)
     p = _to_bh(_pad_to_multiple(probs.masked_fill(invalid, 0), w))  # [bh, np, 2w+1]
     bh, np_, _ = p.shape

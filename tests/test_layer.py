@@ -213,6 +213,40 @@ def test_layer_rejects_a_mask_of_the_wrong_shape():
         layer(torch.zeros(2, 9, 32, dtype=torch.float64), torch.zeros(2, 1, 1, 9))
 
 
+@pytest.mark.parametrize("hidden_states, error, match", [
+    (torch.zeros(9, 32, dtype=torch.float64), ValueError, r"hidden_states must be \[batch, seq_len, hidden_size = 32\], got shape \(9, 32\)"),
+    (torch.zeros(2, 9, 31, dtype=torch.float64), ValueError, r"hidden_size = 32\], got shape \(2, 9, 31\)"),
+    (torch.zeros(2, 9, 32, dtype=torch.long), TypeError, "hidden_states must be a floating-point torch.Tensor, got torch.int64"),
+    ([[0.0] * 32], TypeError, "hidden_states must be a floating-point torch.Tensor, got list"),
+    (torch.zeros(2, 9, 32, dtype=torch.float64, device="meta"), ValueError, "hidden_states must be on the layer's device cpu, got meta"),
+], ids=["2-D", "hidden-size", "integer", "list", "device"])
+def test_layer_rejects_bad_hidden_states(hidden_states, error, match):
+    layer = layer_for(tiny_config(attention_window=2))
+    with pytest.raises(error, match=match):
+        layer(hidden_states)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_empty_sequence(mode):
+    """seq_len 0: an empty output (sliding chunks once failed viewing its chunks)."""
+    cfg = tiny_config(attention_window=4, attention_mode=mode)
+    out, att, gatt = layer_for(cfg)(torch.zeros(2, 0, 32, dtype=torch.float64), output_attentions=True)
+    assert out.shape == (2, 0, 32) and att.shape == (2, 4, 0, 9) and gatt is None
+
+
+def test_a_dilation_past_the_sequence_is_that_of_the_sequence():
+    """A dilation of 2^31 - 1 reaches the same keys as one of n (each row's own only): the same
+    outputs and attentions, with padding and a global token (the padded keys' flags were once padded
+    by w * d each side: 17 GB here)."""
+    x, mask = layer_inputs(5, 2, 20, 32, pad_from=[20, 15], globals_=[(0, 3)])
+    results = []
+    for dilation in (20, 2**31 - 1):
+        cfg = tiny_config(attention_window=4, attention_dilation=dilation)
+        results.append(layer_for(cfg)(x, mask, output_attentions=True))
+    for got, expected in zip(*results):
+        assert torch.equal(got, expected)
+
+
 def test_no_global_tokens_and_no_mask():
     cfg = tiny_config(attention_window=2)
     x, _ = layer_inputs(4, 2, 9, 32)

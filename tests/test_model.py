@@ -292,6 +292,10 @@ def test_model_input_errors():
             with pytest.raises(ValueError, match=rf"{name} must be \[batch, seq_len\] = \(1, 5\), like the input, "
                                                  rf"got shape {re.escape(str(shape))}"):
                 model(ids, **{name: torch.ones(shape, dtype=torch.long)})
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"the input has no token \(shape \(2, 0\)\) and the pooler reads the first"):
+        model(empty)
+    assert LongformerModel(cfg, add_pooling_layer=False)(empty).last_hidden_state.shape == (2, 0, 8)
 
 
 def test_import_is_cheap():
