@@ -1,8 +1,8 @@
 """Non-finite inputs: a NaN or an infinity reaches every output a plain dense computation carries it
 to, in every dtype, so that a diverged input is never hidden behind a finite result (a NaN score
 once gave its row probabilities of 0 in float32 and the half types: the fast exp's clamp turned
-NaN into its lower bound). Also the GELU's far tails, where the fast erf once gave GELU(x) > 0 for
-large negative x.
+NaN into its lower bound; and bfloat16 rounding turned some NaNs into 0). Also the GELU's far tails,
+where the fast erf once gave GELU(x) > 0 for large negative x.
 
 Masks are compared with the float64 references of :mod:`longformer_ops.reference` on the same
 rounded inputs. Known, documented excess: a non-finite value of ``v`` also reaches the rows of the
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import CPU_DTYPES, stable_seed, unit_roundoff
+from test_layer import explicit_attention, layer_for, layer_inputs, tiny_config
 from longformer_ops import band_softmax_, sliding_window_attention
 from longformer_ops.reference import (diagonaled_mm_reference, sliding_window_attention_reference,
                                       sliding_window_lse_reference)
@@ -143,3 +144,31 @@ def test_gelu_carries_nan(cpu_library, dtype):
     bias = torch.zeros(3, dtype=dtype)
     assert torch.equal(ops.bias_gelu(x[None], bias)[0].isnan(), x.isnan())
     assert torch.equal(ops.bias_gelu_backward(torch.ones_like(x)[None], x[None], bias)[0][0].isnan(), x.isnan())
+
+
+@pytest.mark.parametrize("globals_", [[], [(0, 3)]], ids=["local", "a-global-token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layer_carries_a_nan_hidden_state(dtype, globals_):
+    """A NaN in one token's hidden state: every output row the float64 definition makes NaN is NaN.
+    In bfloat16 torch's GEMMs give the NaN 0xffff and its exp then 0xffffffff, which TVM's rounding
+    to bfloat16 (integer arithmetic) once carried into the sign bit: the global-key merge returned
+    finite rows there."""
+    cfg = tiny_config(attention_window=4)
+    x, mask = layer_inputs(1, 1, 40, 32, globals_=globals_)
+    x[0, 17, 5] = float("nan")
+    expected = explicit_attention(layer_for(cfg), x, mask, 4, (1,) * 4, False).isnan().any(-1)
+    with torch.no_grad():
+        got = layer_for(cfg, dtype=dtype)(x.to(dtype), mask)[0].isnan().any(-1)
+    assert expected.any()
+    assert (got | ~expected).all(), f"{dtype}: rows {(expected & ~got).nonzero()[:, 1].tolist()} came out finite"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+def test_bfloat16_outputs_keep_any_nan(cpu_library, dtype):
+    """A float32 NaN of any bit pattern reaches a bfloat16 output as NaN (the global-key merge's
+    float32 weights into a bfloat16 result): 0x7fffffff and 0xffffffff came out -0 and 0."""
+    patterns = [0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF8000FF]
+    a = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32).view(1, len(patterns), 1)
+    context = torch.ones(1, len(patterns), 1, 16, dtype=dtype)
+    out = ops.global_merge(context, a, torch.zeros(1, len(patterns), 1, 1), torch.ones(1, 1, 1, 16, dtype=dtype))
+    assert out.isnan().all(), f"finite outputs for the NaNs {[hex(p) for p, row in zip(patterns, out[0]) if not row.isnan().all()]}"

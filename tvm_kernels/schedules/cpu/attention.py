@@ -14,6 +14,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _accumulate,
     _exp,
     _fill_residue_major,
+    _rounded,
     _fill_run,
     _ROWS_AHEAD,
     _pack_operands,
@@ -157,7 +158,7 @@ def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin
             for r in T.unroll(group):
                 if p0 + T.int64(g * group + r) < n:
                     for lane in T.vectorized(features):
-                        out[b, query[g * group + r], h, column + lane] = T.Cast(dtype, out_acc[r, lane] * row_scale[g * group + r])
+                        out[b, query[g * group + r], h, column + lane] = _rounded(dtype, out_acc[r, lane] * row_scale[g * group + r])
 
 
 @T.macro

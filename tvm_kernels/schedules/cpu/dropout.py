@@ -19,7 +19,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype, column_step, dropout_factor, dropout_factor_of, dropout_row_key
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK
+from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _rounded
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
 
@@ -55,10 +55,10 @@ def dropout(dtype: str, isa: str):
             for vector in range(cols // T.int64(lanes)):
                 hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                 for lane in T.vectorized(lanes):
-                    out[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
+                    out[r, vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
                                                                     * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype))
             for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                out[r, c] = T.Cast(dtype, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype))
+                out[r, c] = _rounded(dtype, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype))
 
     return main
 
@@ -93,12 +93,12 @@ def bias_dropout_add(dtype: str, isa: str):
             for vector in range(cols // T.int64(lanes)):
                 hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                 for lane in T.vectorized(lanes):
-                    out[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, (
+                    out[r, vector * T.int64(lanes) + lane] = _rounded(dtype, (
                         T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]))
                         * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype)
                         + T.Cast(acc_dtype, residual[r, vector * T.int64(lanes) + lane]))
             for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                out[r, c] = T.Cast(dtype, (T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c])) * dropout_factor(key, c, p, acc_dtype)
+                out[r, c] = _rounded(dtype, (T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c])) * dropout_factor(key, c, p, acc_dtype)
                                    + T.Cast(acc_dtype, residual[r, c]))
 
     return main
@@ -135,12 +135,12 @@ def dropout_column_sums(dtype: str, isa: str):
                 for vector in range(cols // T.int64(lanes)):
                     hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                     for lane in T.vectorized(lanes):
-                        out[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
+                        out[r, vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
                                                                         * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype))
                         sums[chunk, vector * T.int64(lanes) + lane] = (sums[chunk, vector * T.int64(lanes) + lane]
                                                                        + T.Cast(acc_dtype, out[r, vector * T.int64(lanes) + lane]))
                 for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                    out[r, c] = T.Cast(dtype, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype))
+                    out[r, c] = _rounded(dtype, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype))
                     sums[chunk, c] = sums[chunk, c] + T.Cast(acc_dtype, out[r, c])
 
     return main

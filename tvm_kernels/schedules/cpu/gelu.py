@@ -19,7 +19,7 @@ import math
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _exp, _one_plus_erf
+from tvm_kernels.schedules.cpu.microkernels import _BITS, _exp, _one_plus_erf, _rounded
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -61,11 +61,11 @@ def bias_gelu(dtype: str, isa: str):
         for r in T.parallel(rows):
             for vector in range(cols // T.int64(lanes)):
                 for lane in T.vectorized(lanes):
-                    out[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, _gelu(
+                    out[r, vector * T.int64(lanes) + lane] = _rounded(dtype, _gelu(
                         T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
                         acc_dtype))
             for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                out[r, c] = T.Cast(dtype, _gelu(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype))
+                out[r, c] = _rounded(dtype, _gelu(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype))
 
     return main
 
@@ -99,13 +99,13 @@ def bias_gelu_backward(dtype: str, isa: str):
             for r in range(chunk * size, T.min(rows, chunk * size + size)):
                 for vector in range(cols // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
-                        grad_h[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * _gelu_derivative(
+                        grad_h[r, vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * _gelu_derivative(
                             T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
                             acc_dtype))
                         sums[chunk, vector * T.int64(lanes) + lane] = (sums[chunk, vector * T.int64(lanes) + lane]
                                                                        + T.Cast(acc_dtype, grad_h[r, vector * T.int64(lanes) + lane]))
                 for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                    grad_h[r, c] = T.Cast(dtype, T.Cast(acc_dtype, grad[r, c])
+                    grad_h[r, c] = _rounded(dtype, T.Cast(acc_dtype, grad[r, c])
                                           * _gelu_derivative(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype))
                     sums[chunk, c] = sums[chunk, c] + T.Cast(acc_dtype, grad_h[r, c])
 

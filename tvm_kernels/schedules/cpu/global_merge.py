@@ -15,7 +15,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK
+from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _rounded
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
 
@@ -57,12 +57,12 @@ def global_merge(dtype: str, isa: str):
                             merged[lane] = merged[lane] + omega[b, r, h, g] * T.Cast(
                                 acc_dtype, values[b, g, h, vector * T.int64(lanes) + lane])
                     for lane in T.vectorized(lanes):
-                        out[b, r, h, vector * T.int64(lanes) + lane] = T.Cast(dtype, merged[lane])
+                        out[b, r, h, vector * T.int64(lanes) + lane] = _rounded(dtype, merged[lane])
                 for c in range(d // T.int64(lanes) * T.int64(lanes), d):
                     merged[0] = a[b, r, h] * T.Cast(acc_dtype, context[b, r, h, c])
                     for g in range(slots):
                         merged[0] = merged[0] + omega[b, r, h, g] * T.Cast(acc_dtype, values[b, g, h, c])
-                    out[b, r, h, c] = T.Cast(dtype, merged[0])
+                    out[b, r, h, c] = _rounded(dtype, merged[0])
 
     return main
 
@@ -122,7 +122,7 @@ def global_merge_backward(dtype: str, isa: str):
                         grad_context[b, r, h, vector * T.int64(lanes) + lane] = T.Cast(
                             dtype, a[b, r, h] * T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane]))
                 for c in range(d // T.int64(lanes) * T.int64(lanes), d):
-                    grad_context[b, r, h, c] = T.Cast(dtype, a[b, r, h] * T.Cast(acc_dtype, grad[b, r, h, c]))
+                    grad_context[b, r, h, c] = _rounded(dtype, a[b, r, h] * T.Cast(acc_dtype, grad[b, r, h, c]))
                 _dot_over_features(u, (b, r, h), grad, context, b, r, h, r, d, partial, total, lanes, acc_dtype)
                 for g in range(slots):
                     _dot_over_features(t, (b, r, h, g), grad, values, b, r, h, g, d, partial, total, lanes, acc_dtype)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK
+from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _rounded
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
 
@@ -84,11 +84,11 @@ def layer_norm(dtype: str, isa: str):
             rstd[r] = row_rstd
             for vector in range(vectors):
                 for lane in T.vectorized(lanes):
-                    out[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, (
+                    out[r, vector * T.int64(lanes) + lane] = _rounded(dtype, (
                         T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd
                         * T.Cast(acc_dtype, weight[vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]))
             for c in range(vectors * T.int64(lanes), cols):
-                out[r, c] = T.Cast(dtype, (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd * T.Cast(acc_dtype, weight[c])
+                out[r, c] = _rounded(dtype, (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd * T.Cast(acc_dtype, weight[c])
                                    + T.Cast(acc_dtype, bias[c]))
 
     return main
@@ -159,7 +159,7 @@ def layer_norm_backward(dtype: str, isa: str):
                             (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd)
                         sums_bias[chunk, vector * T.int64(lanes) + lane] = sums_bias[chunk, vector * T.int64(lanes) + lane] + T.Cast(
                             acc_dtype, grad[r, vector * T.int64(lanes) + lane])
-                        grad_x[r, vector * T.int64(lanes) + lane] = T.Cast(dtype, row_rstd * (
+                        grad_x[r, vector * T.int64(lanes) + lane] = _rounded(dtype, row_rstd * (
                             T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * T.Cast(acc_dtype, weight[vector * T.int64(lanes) + lane])
                             - mean_gw
                             - (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd * mean_gwx))
@@ -167,7 +167,7 @@ def layer_norm_backward(dtype: str, isa: str):
                     sums_weight[chunk, c] = sums_weight[chunk, c] + T.Cast(acc_dtype, grad[r, c]) * (
                         (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd)
                     sums_bias[chunk, c] = sums_bias[chunk, c] + T.Cast(acc_dtype, grad[r, c])
-                    grad_x[r, c] = T.Cast(dtype, row_rstd * (T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c]) - mean_gw
+                    grad_x[r, c] = _rounded(dtype, row_rstd * (T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c]) - mean_gw
                                                              - (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd * mean_gwx))
 
     return main

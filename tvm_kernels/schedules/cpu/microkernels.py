@@ -14,6 +14,22 @@ _ON_STACK = {"disable_lower_builtin": True}
 _BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
 
 
+def _rounded(dtype: str, x):
+    """The expression x rounded to the output dtype: ``T.Cast(dtype, x)``, with a NaN kept NaN in
+    bfloat16. TVM rounds float32 to bfloat16 in integer arithmetic (bits + 0x7fff + the kept
+    half's lowest bit, then the high half), which carries a NaN whose low bits are set through the
+    exponent into the sign bit: 0xffffffff, what torch's exp makes of the NaN 0xffff0000 that its
+    bfloat16 GEMMs give, came out 0. Such a NaN is replaced by the quiet NaN 0x7fc00000 first,
+    tested on the bits (an and, a compare, a masked move: a float test, ``T.isnan``, let LLVM fold
+    it into the clamps before it and tangle the loop in mask operations). float16's conversion is
+    the hardware's, NaN-correct."""
+    if dtype != "bfloat16":
+        return T.Cast(dtype, x)
+    bits = T.reinterpret("int32", x)
+    is_nan = T.bitwise_and(bits, T.int32(0x7FFFFFFF)) > T.int32(0x7F800000)
+    return T.Cast(dtype, T.reinterpret("float32", T.Select(is_nan, T.int32(0x7FC00000), bits)))
+
+
 # Packing reads one head's slice of every row: a few lines, then a jump of heads * head_dim
 # elements, which crosses a 4 KiB page almost every row, where hardware prefetchers stop.
 _ROWS_AHEAD = 8
@@ -76,7 +92,7 @@ def _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype):
     for r in T.unroll(rows):
         if p0 + T.int64(r) < n:
             for lane in T.vectorized(cols):
-                out[b, query[r], h, column + lane] = T.Cast(dtype, acc[r, lane])
+                out[b, query[r], h, column + lane] = _rounded(dtype, acc[r, lane])
 
 
 @T.macro
@@ -97,7 +113,7 @@ def _copy_run(out, b, i, h, buffer, r, offset, begin, end, lanes, dtype):
             out[b, i, h, begin + vector * T.int64(lanes) + lane] = T.Cast(
                 dtype, buffer[r, offset + begin + vector * T.int64(lanes) + lane])
     for j in range(begin + (end - begin) // T.int64(lanes) * T.int64(lanes), end):
-        out[b, i, h, j] = T.Cast(dtype, buffer[r, offset + j])
+        out[b, i, h, j] = _rounded(dtype, buffer[r, offset + j])
 
 
 @T.macro

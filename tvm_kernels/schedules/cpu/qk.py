@@ -11,6 +11,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _ON_STACK,
     _copy_run,
     _fill_residue_major,
+    _rounded,
     _fill_run,
     _pack_operands,
     _valid_span,
@@ -125,7 +126,7 @@ def qk(dtype: str, autoregressive: bool, isa: str):
                         # Row r's band column j is packed column first + r + j.
                         if block >= direct_begin[r] and block < direct_end[r]:
                             for lane in T.vectorized(cols):
-                                out[b, query[r], h, block * T.int64(cols) - first - T.int64(r) + lane] = T.Cast(dtype, acc[r, lane])
+                                out[b, query[r], h, block * T.int64(cols) - first - T.int64(r) + lane] = _rounded(dtype, acc[r, lane])
                         else:
                             for lane in T.vectorized(cols):
                                 row_buffer[r, block * T.int64(cols) - first - T.int64(r) + T.int64(slack) + lane] = acc[r, lane]

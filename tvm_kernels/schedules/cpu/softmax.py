@@ -6,7 +6,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _ON_STACK, _exp
+from tvm_kernels.schedules.cpu.microkernels import _ON_STACK, _exp, _rounded
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
@@ -70,7 +70,7 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
                 _row_span(first, stop, i, d, w, n, width)
                 if with_bias != T.int64(0):
                     for j in range(first[0], stop[0]):
-                        scores[b, i, h, j] = T.Cast(dtype, T.Cast(acc_dtype, scores[b, i, h, j]) + key_bias[b, i + d * (j - w)])
+                        scores[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, scores[b, i, h, j]) + key_bias[b, i + d * (j - w)])
                 vectors, tail = _row_vectors(first[0], stop[0], lanes)
                 for lane in T.vectorized(lanes):
                     partial[lane] = minus_inf
@@ -119,11 +119,11 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
                 else:
                     for vector in range(vectors):
                         for lane in T.vectorized(lanes):
-                            scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = T.Cast(dtype, _exp(
+                            scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _rounded(dtype, _exp(
                                 T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0],
                                 acc_dtype) * total[0])
                     for j in range(tail, stop[0]):
-                        scores[b, i, h, j] = T.Cast(dtype, _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype) * total[0])
+                        scores[b, i, h, j] = _rounded(dtype, _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype) * total[0])
                 for j in range(first[0]):
                     scores[b, i, h, j] = T.Cast(dtype, 0)
                 for j in range(stop[0], width):
@@ -179,11 +179,11 @@ def softmax_backward(dtype: str, autoregressive: bool, isa: str):
                     shift[0] = shift[0] + T.Cast(acc_dtype, probs[b, i, h, j]) * T.Cast(acc_dtype, grad[b, i, h, j])
                 for vector in range(vectors):
                     for lane in T.vectorized(lanes):
-                        out[b, i, h, first[0] + vector * T.int64(lanes) + lane] = T.Cast(dtype, T.Cast(
+                        out[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(
                             acc_dtype, probs[b, i, h, first[0] + vector * T.int64(lanes) + lane]) * (T.Cast(
                                 acc_dtype, grad[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - shift[0]))
                 for j in range(tail, stop[0]):
-                    out[b, i, h, j] = T.Cast(dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
+                    out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
                 for j in range(first[0]):
                     out[b, i, h, j] = T.Cast(dtype, 0)
                 for j in range(stop[0], width):
