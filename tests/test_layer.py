@@ -237,7 +237,7 @@ def test_an_empty_sequence(mode):
 def test_a_dilation_past_the_sequence_is_that_of_the_sequence():
     """A dilation of 2^31 - 1 reaches the same keys as one of n (each row's own only): the same
     outputs and attentions, with padding and a global token (the padded keys' flags were once padded
-    by w * d each side: 17 GB here)."""
+    by w * d each side: 34 GB here)."""
     x, mask = layer_inputs(5, 2, 20, 32, pad_from=[20, 15], globals_=[(0, 3)])
     results = []
     for dilation in (20, 2**31 - 1):
