@@ -99,6 +99,40 @@ def test_attention_gradients_carry_a_nan(cpu_library, dtype, which):
             f"d{name} with a NaN in {which}, {dtype}: rows {_described(expected & ~got)} came out finite"
 
 
+# float32 NaNs by bit pattern: the quiet NaNs x86 makes (0xffc00000) and one of each sign with
+# every low bit set, which torch's exp makes of its bfloat16 GEMMs' NaN (see the layer test below).
+NAN_PATTERNS = [0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF8000FF]
+
+
+def _float32_nans(patterns) -> torch.Tensor:
+    return torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("pattern", NAN_PATTERNS, ids=hex)
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_attention_gradients_carry_a_nan_lse_gradient(cpu_library, dtype, pattern):
+    """A NaN in the log-sum-exp's gradient (float32 in every dtype; a caller's merge with global
+    attention gives it, from torch's ops) makes dQ of its row and dK of every key in its band NaN, as
+    the float64 reference's autograd does, whatever its bits: the half types' dK and dV are summed in
+    float32 and rounded at the end, where bfloat16's rounding once carried 0xffffffff into 0."""
+    generator = torch.Generator().manual_seed(stable_seed("lse gradient", str(dtype), pattern))
+    q, k, v = (torch.randn(BATCH, N, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64).to(dtype)
+               for _ in range(3))
+    grad_lse = torch.zeros(BATCH, N, HEADS, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    grad_lse[0, BAD_ROW, 0] = _float32_nans([pattern])[0]
+    ours = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out, lse = sliding_window_attention(*ours, W, [1, 2], return_lse=True)
+    torch.autograd.backward([out, lse], [torch.zeros_like(out), grad_lse])
+    exact = [x.double().requires_grad_(True) for x in (q, k, v)]
+    sliding_window_lse_reference(*exact[:2], W, [1, 2]).backward(grad_lse.double())
+    expected_k = _rows_not_finite(exact[1].grad)
+    assert expected_k.sum() > 1, "the reference's dK is NaN in one row or none (the test's premise)"
+    for name, mine, theirs in zip("qk", ours, exact):
+        expected, got = _rows_not_finite(theirs.grad), _rows_not_finite(mine.grad)
+        assert (got | ~expected).all(), \
+            f"d{name} with the lse gradient NaN {pattern:#x}, {dtype}: rows {_described(expected & ~got)} came out finite"
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 def test_band_softmax_carries_a_nan_score(cpu_library, dtype):
     """A NaN score makes its whole row NaN (every probability, and the log-sum-exp), as torch's
@@ -167,8 +201,7 @@ def test_layer_carries_a_nan_hidden_state(dtype, globals_):
 def test_bfloat16_outputs_keep_any_nan(cpu_library, dtype):
     """A float32 NaN of any bit pattern reaches a bfloat16 output as NaN (the global-key merge's
     float32 weights into a bfloat16 result): 0x7fffffff and 0xffffffff came out -0 and 0."""
-    patterns = [0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF8000FF]
-    a = torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32).view(1, len(patterns), 1)
-    context = torch.ones(1, len(patterns), 1, 16, dtype=dtype)
-    out = ops.global_merge(context, a, torch.zeros(1, len(patterns), 1, 1), torch.ones(1, 1, 1, 16, dtype=dtype))
-    assert out.isnan().all(), f"finite outputs for the NaNs {[hex(p) for p, row in zip(patterns, out[0]) if not row.isnan().all()]}"
+    a = _float32_nans(NAN_PATTERNS).view(1, len(NAN_PATTERNS), 1)
+    context = torch.ones(1, len(NAN_PATTERNS), 1, 16, dtype=dtype)
+    out = ops.global_merge(context, a, torch.zeros(1, len(NAN_PATTERNS), 1, 1), torch.ones(1, 1, 1, 16, dtype=dtype))
+    assert out.isnan().all(), f"finite outputs for the NaNs {[hex(p) for p, row in zip(NAN_PATTERNS, out[0]) if not row.isnan().all()]}"

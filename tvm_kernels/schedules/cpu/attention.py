@@ -14,12 +14,12 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _accumulate,
     _exp,
     _fill_residue_major,
-    _rounded,
     _fill_run,
     _ROWS_AHEAD,
     _pack_operands,
     _prefetch_next_tile,
     _prefetch_row,
+    _rounded,
     _zero_tile,
 )
 from tvm_kernels.schedules.cpu import bf16_dot
@@ -604,10 +604,10 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                 for vector in range(head_dim // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
                         # (The dot product's dK sums unscaled queries: scaled here.)
-                        grad_k[b, row_of[p], h, vector * T.int64(lanes) + lane] = T.Cast(
+                        grad_k[b, row_of[p], h, vector * T.int64(lanes) + lane] = _rounded(
                             dtype, total_k[margin + p, vector * T.int64(lanes) + lane] * T.Cast(acc_dtype, scale) if dot
                             else total_k[margin + p, vector * T.int64(lanes) + lane])
-                        grad_v[b, row_of[p], h, vector * T.int64(lanes) + lane] = T.Cast(
+                        grad_v[b, row_of[p], h, vector * T.int64(lanes) + lane] = _rounded(
                             dtype, total_v[margin + p, vector * T.int64(lanes) + lane])
 
     return bf16_dot.with_dot_product(main) if dot else main

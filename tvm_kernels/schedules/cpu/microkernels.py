@@ -110,7 +110,7 @@ def _copy_run(out, b, i, h, buffer, r, offset, begin, end, lanes, dtype):
     """out[b, i, h, begin:end] = buffer[r, offset + begin : offset + end], cast (whole vectors, then the rest)."""
     for vector in range((end - begin) // T.int64(lanes)):
         for lane in T.vectorized(lanes):
-            out[b, i, h, begin + vector * T.int64(lanes) + lane] = T.Cast(
+            out[b, i, h, begin + vector * T.int64(lanes) + lane] = _rounded(
                 dtype, buffer[r, offset + begin + vector * T.int64(lanes) + lane])
     for j in range(begin + (end - begin) // T.int64(lanes) * T.int64(lanes), end):
         out[b, i, h, j] = _rounded(dtype, buffer[r, offset + j])

@@ -55,15 +55,17 @@ AVX512 = Tiles(vector_bits=512, qk_rows=16, qk_vectors=1, band_rows=8, wide_half
 # (transposed reads a new band row every step), and half types convert a chunk's weights once:
 # no room for a wider tile. The fused backward runs tiles of 12 queries (two Q.K^T register tiles):
 # its dK/dV update then loads and stores its 4 x 2 accumulators once per 96 FMAs instead of 48
-# (backward 3-6% faster at n = 4096; AVX-512 keeps 16, unmeasured).
+# (backward 3-6% faster at n = 4096; AVX-512's float32 keeps 16: 32 was 1-4% slower).
 AVX2 = Tiles(vector_bits=256, qk_rows=6, qk_vectors=2, band_rows=6, wide_half_tile=False, chunk_steps=32,
              stage_half_weights=True, key_update_rows=4, backward_tile_rows=12)
 
 
 # AVX-512 with AVX512-BF16 (AMD Zen 4 and later, Intel since Cooper Lake): AVX-512's tiles, and the
 # bfloat16 band products and fused attention with vdpbf16ps (two products per lane and instruction;
-# bench/NOTES.md).
-AVX512_BF16 = replace(AVX512, bf16_dot=True)
+# bench/NOTES.md). The fused backward's tiles hold 32 queries, where its dK/dV update (which takes
+# them in pairs) loads and stores each accumulator once per 16 dot products, as float32's does per 16
+# FMAs with 16 rows: forward+backward ~2% faster at n = 4096 on the Zen 4 (bench/NOTES.md).
+AVX512_BF16 = replace(AVX512, bf16_dot=True, backward_tile_rows=32)
 
 ISAS = {"avx2": AVX2, "avx512": AVX512, "avx512-bf16": AVX512_BF16}
 
