@@ -200,6 +200,38 @@ def test_cuda_attention_backward_code_matches_reference(kernels, case, dropout, 
         raise AssertionError(f"seed {seed}: {error}") from None
 
 
+@pytest.mark.parametrize("which", ["q", "k", "grad_lse"])
+@pytest.mark.parametrize("kernel", ["attention_backward", "attention_backward_mma"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=case_id)
+def test_cuda_attention_backward_code_carries_a_nan(kernels, case, kernel, which):
+    """A NaN in q, k or the log-sum-exp's gradient: every row of dQ, dK and dV that autograd of the
+    float64 references makes NaN is NaN (never a finite gradient), given the forward's NaN result
+    and lse as the layer passes them. More rows may be NaN (a NaN row's probabilities reach its
+    tile's keys, as on the CPU kernels: tests/test_non_finite.py)."""
+    batch, n, heads, head_dim, w, dilation, autoregressive = case
+    g = torch.Generator().manual_seed(stable_seed("cuda_on_cpu backward nan", str(case), which))
+    q, k, v, grad = (torch.randn(batch, n, heads, head_dim, generator=g) for _ in range(4))
+    grad_lse = torch.randn(batch, n, heads, generator=g)
+    if which == "grad_lse":
+        grad_lse[0, n // 2, 0] = float("nan")
+    else:
+        dict(q=q, k=k)[which][0, n // 2, 0, 1] = float("nan")
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out = sliding_window_attention_reference(*exact, w, dilation, autoregressive, 0.3)
+    ref_lse = sliding_window_lse_reference(*exact[:2], w, dilation, autoregressive, 0.3)
+    want = torch.autograd.grad((ref_out * grad.double()).sum() + (ref_lse * grad_lse.double()).sum(), exact)
+    got = [torch.full_like(q, 7.0) for _ in range(3)]
+    _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, grad=grad, q=q, k=k, v=v,
+          key_bias=torch.zeros(batch, n), out=ref_out.detach().float(), lse=ref_lse.detach().float(),
+          grad_lse=grad_lse, dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=0.3, dropout=0.0,
+          seed=0, grad_q=got[0], grad_k=got[1], grad_v=got[2])
+    assert any(y.isnan().any() for y in want), "the reference's gradients are finite (the test's premise)"
+    for name, x, y in zip("qkv", got, want, strict=True):
+        expected, nan_rows = y.isnan().any(-1), x.isnan().any(-1)
+        assert (nan_rows | ~expected).all(), \
+            f"d{name} with a NaN in {which}: rows {(expected & ~nan_rows).nonzero().tolist()} came out finite"
+
+
 @pytest.mark.skipif(os.environ.get(cuda_on_cpu.ASYNC_ENV) is not None, reason="the run with deferred copies itself")
 def test_tensor_core_kernels_wait_for_their_copies(tmp_path):
     """The tensor-core forward loads each step's keys and values with cp.async while the step
