@@ -111,7 +111,7 @@ def _float32_nans(patterns) -> torch.Tensor:
 @pytest.mark.parametrize("pattern", NAN_PATTERNS, ids=hex)
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 def test_attention_gradients_carry_a_nan_lse_gradient(cpu_library, dtype, pattern):
-    """A NaN in the log-sum-exp's gradient (float32 in every dtype; a caller's merge with global
+    """A NaN in the log-sum-exp's gradient (float32 but in float64; a caller's merge with global
     attention gives it, from torch's ops) makes dQ of its row and dK of every key in its band NaN, as
     the float64 reference's autograd does, whatever its bits: the half types' dK and dV are summed in
     float32 and rounded at the end, where bfloat16's rounding once carried 0xffffffff into 0."""
