@@ -200,8 +200,13 @@ def test_layer_carries_a_nan_hidden_state(dtype, globals_):
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
 def test_bfloat16_outputs_keep_any_nan(cpu_library, dtype):
     """A float32 NaN of any bit pattern reaches a bfloat16 output as NaN (the global-key merge's
-    float32 weights into a bfloat16 result): 0x7fffffff and 0xffffffff came out -0 and 0."""
+    float32 weights into a bfloat16 result, forward and the context's gradient): 0x7fffffff and
+    0xffffffff came out -0 and 0."""
     a = _float32_nans(NAN_PATTERNS).view(1, len(NAN_PATTERNS), 1)
     context = torch.ones(1, len(NAN_PATTERNS), 1, 16, dtype=dtype)
-    out = ops.global_merge(context, a, torch.zeros(1, len(NAN_PATTERNS), 1, 1), torch.ones(1, 1, 1, 16, dtype=dtype))
-    assert out.isnan().all(), f"finite outputs for the NaNs {[hex(p) for p, row in zip(NAN_PATTERNS, out[0]) if not row.isnan().all()]}"
+    values = torch.ones(1, 1, 1, 16, dtype=dtype)
+    out = ops.global_merge(context, a, torch.zeros(1, len(NAN_PATTERNS), 1, 1), values)
+    grad_context = ops.global_merge_backward(torch.ones_like(context), context, values, a)[0]
+    for name, x in (("output", out), ("context gradient", grad_context)):
+        assert x.isnan().all(), \
+            f"finite {name} for the NaNs {[hex(p) for p, row in zip(NAN_PATTERNS, x[0]) if not row.isnan().all()]}"

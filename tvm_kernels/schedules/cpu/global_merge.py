@@ -119,7 +119,7 @@ def global_merge_backward(dtype: str, isa: str):
             for h in range(heads):
                 for vector in range(d // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
-                        grad_context[b, r, h, vector * T.int64(lanes) + lane] = T.Cast(
+                        grad_context[b, r, h, vector * T.int64(lanes) + lane] = _rounded(
                             dtype, a[b, r, h] * T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane]))
                 for c in range(d // T.int64(lanes) * T.int64(lanes), d):
                     grad_context[b, r, h, c] = _rounded(dtype, a[b, r, h] * T.Cast(acc_dtype, grad[b, r, h, c]))
