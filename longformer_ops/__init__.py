@@ -6,8 +6,12 @@ Importing this package loads nothing compiled; kernels are loaded on first use
 from ``prebuilt/`` (see :mod:`longformer_ops._loader`) and called through the
 ``torch.library`` custom ops ``torch.ops.longformer_ops.*`` (:mod:`longformer_ops.kernels`),
 which ``torch.compile`` and ``torch.export`` trace. Plain-PyTorch references live in
-:mod:`longformer_ops.reference`.
+:mod:`longformer_ops.reference`. ``longformer_ops.hf`` (transformers' own models on the kernels) and
+``longformer_ops.info`` are imported on first access, so that importing this package never imports
+transformers.
 """
+
+import importlib
 
 from longformer_ops._loader import KernelNotAvailableError, StaleKernelError
 from longformer_ops._output_cache import empty_cache
@@ -25,3 +29,13 @@ __all__ = ["diagonaled_mm", "mask_invalid_locations", "band_softmax_", "sliding_
            "PoolingformerSelfAttention", "LongformerModel", "LongformerForMaskedLM",
            "LongformerForSequenceClassification", "LongformerForTokenClassification", "LongformerForQuestionAnswering",
            "LongformerForMultipleChoice", "from_hf_pretrained"]
+
+_LAZY_SUBMODULES = ("hf", "info")
+
+
+def __getattr__(name: str):
+    """``longformer_ops.hf.patch(model)`` after a plain ``import longformer_ops``: the submodule is
+    imported here, on first access (PEP 562), not with the package."""
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
