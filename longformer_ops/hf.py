@@ -162,10 +162,38 @@ def _patched_module_class(original: type) -> type:
     """The subclass of ``original`` (one of :data:`_MODULE_FORWARDS`) that :func:`patch` switches its
     modules to, made once."""
     if original not in _patched_classes:
-        _patched_classes[original] = type(original.__name__, (original,),
-                                          {"forward": _MODULE_FORWARDS[original.__name__], "_original_class": original,
-                                           "__module__": __name__})
+        _patched_classes[original] = _subclass(original, {"forward": _MODULE_FORWARDS[original.__name__]})
     return _patched_classes[original]
+
+
+def _subclass(original: type, namespace: dict) -> type:
+    """A patched subclass of ``original`` with ``namespace``'s attributes, named so that pickle finds
+    it again (:data:`_patched_by_name`)."""
+    return type(original.__name__, (original,), {**namespace, "_original_class": original, "__module__": __name__,
+                                                 "__qualname__": f"_patched_by_name.{original.__name__}"})
+
+
+class _PatchedClassesByName:
+    """Where pickle finds a patched class (``torch.save(model)``, ``multiprocessing``, anything that
+    pickles a patched model): ``longformer_ops.hf._patched_by_name.<transformers class name>``. The
+    classes are made at run time, so in a fresh process the name makes it on first access (a model
+    loaded there is a patched model, unpadded as :func:`patch` leaves it)."""
+
+    def __getattr__(self, name: str) -> type:
+        from transformers.models.longformer import modeling_longformer
+
+        if name in _MODULE_FORWARDS:
+            original = getattr(modeling_longformer, name)
+            return _patched_module_class(getattr(original, "_original_class", original))
+        for namespace, target in _target_classes():
+            if target == name:
+                original = getattr(namespace, name)
+                _unpad_models()
+                return _patched_class(getattr(original, "_original_class", original))
+        raise AttributeError(f"longformer_ops.hf patches no transformers class named {name!r}")
+
+
+_patched_by_name = _PatchedClassesByName()
 
 
 def _swap_modules(model, ours: bool) -> None:
@@ -301,9 +329,7 @@ def _patched_class(original: type) -> type:
         clashes = sorted(name for name in helpers if hasattr(original, name))
         if clashes:
             raise RuntimeError(f"longformer_ops.hf cannot patch {original.__qualname__}: it defines {clashes} too")
-        _patched_classes[original] = type(original.__name__, (original,),
-                                          {**helpers, "__init__": __init__, "forward": forward,
-                                           "_original_class": original, "__module__": __name__})
+        _patched_classes[original] = _subclass(original, {**helpers, "__init__": __init__, "forward": forward})
     return _patched_classes[original]
 
 

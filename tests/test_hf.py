@@ -3,6 +3,7 @@ self-attention on our kernels give the unpatched model's outputs and gradients; 
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import warnings
@@ -560,6 +561,48 @@ def test_save_pretrained_and_from_pretrained_with_the_classes_patched(tmp_path, 
     assert "attention" in kernel_calls
     real = inputs["attention_mask"].bool()
     assert_close(got[real], expected[real], ATOL, "from_pretrained with the classes patched")
+
+
+def test_pickled_patched_model_is_patched_where_it_is_loaded(tmp_path, kernel_calls):
+    """``copy.deepcopy`` and ``torch.save(model)`` (pickle, as multiprocessing uses) of a patched model
+    (Longformer, LED; patched in place or built while the classes are patched): the copy runs our
+    kernels with the same outputs, also loaded in a fresh process, where the patched classes do not
+    exist until the pickle names them."""
+    cases = [("LongformerForSequenceClassification", False), ("LED", False), ("LongformerForMaskedLM", True)]
+    for i, (name, class_wide) in enumerate(cases):
+        if class_wide:
+            hf.patch()
+        model = _led() if name == "LED" else _model(name)
+        inputs = _led_inputs() if name == "LED" else _inputs(name)
+        if not class_wide:
+            hf.patch(model)
+        expected = _outputs(model, inputs)[0]
+        kernel_calls.clear()
+        assert_close(_outputs(copy.deepcopy(model), inputs)[0], expected, 0.0, f"{name}: deepcopy")
+        assert "attention" in kernel_calls, f"{name}: the deep copy did not run our kernels"
+        path = tmp_path / f"model{i}.pt"
+        torch.save({"model": model, "inputs": inputs, "expected": expected}, path)
+        kernel_calls.clear()
+        loaded = torch.load(path, weights_only=False)
+        assert_close(_outputs(loaded["model"], inputs)[0], expected, 0.0, f"{name}: torch.save and torch.load")
+        assert "attention" in kernel_calls, f"{name}: the loaded copy did not run our kernels"
+        hf.unpatch()
+        code = ("import sys, torch, warnings\n"
+                "from longformer_ops import kernels\n"
+                "calls = []\n"
+                "fused = kernels._attention_kernel\n"
+                "kernels._attention_kernel = lambda *args: calls.append(1) or fused(*args)\n"
+                f"saved = torch.load({str(path)!r}, weights_only=False)\n"
+                "patched = [type(m) for m in saved['model'].modules() if type(m).__module__ == 'longformer_ops.hf']\n"
+                "assert any(hasattr(c, '_original_class') for c in patched), 'not patched'\n"
+                "with warnings.catch_warnings(), torch.no_grad():\n"
+                "    warnings.simplefilter('ignore')\n"
+                "    got = saved['model'](**saved['inputs'])[0]\n"
+                "assert calls, 'our kernels did not run'\n"
+                "error = (got - saved['expected']).abs().max().item()\n"
+                f"assert error <= {ATOL}, error\n")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert done.returncode == 0, f"{name}: loaded in a fresh process: {done.stderr[-2000:]}"
 
 
 def test_peft_lora_model(kernel_calls):
