@@ -188,6 +188,31 @@ def layer_norm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _optional_kernels_available(device, dtype, (LAYER_NORM, LAYER_NORM_BACKWARD))
 
 
+# Each run of queries the CPU kernels split a (batch, head) into re-packs the keys within a window of
+# its ends; runs shorter than this would spend a noticeable share of their time on that.
+MIN_QUERIES_PER_RUN = 256
+
+
+def query_runs(batch_heads: int, n: int, w: int, threads: int) -> int:
+    """How many runs of consecutive queries the CPU kernels split each (batch, head) into, so that
+    batch x heads x runs tasks spread evenly over ``threads`` (their parallel loop gives each thread
+    one contiguous share: 12 heads on 8 threads left 2 of them idle): the fewest runs with the least
+    work on the busiest thread, each run at least ``MIN_QUERIES_PER_RUN`` and 2w + 1 queries long
+    (the kernels' own minimum)."""
+    most = max(1, n // max(MIN_QUERIES_PER_RUN, 2 * w + 1))
+    if batch_heads <= 0 or threads <= 1:
+        return 1
+    # A thread's work in heads' worth: ceil(tasks / threads) tasks of 1/runs of a head each.
+    return min(range(1, most + 1), key=lambda runs: -(-batch_heads * runs // threads) / runs)
+
+
+def _cpu_runs(x: Tensor, w: int) -> tuple:
+    """The CPU kernels' last argument (:func:`query_runs` for torch's thread count); none on CUDA."""
+    if x.device.type != "cpu":
+        return ()
+    return (query_runs(x.shape[0] * x.shape[2], x.shape[1], w, torch.get_num_threads()),)
+
+
 def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: tuple[int, ...], autoregressive: bool,
                  padding: float, out: Tensor) -> Tensor:
     """One banded product into ``out``: 'qk' (t1, t2 rows), 'pv' or 'transposed' (t1 the band)."""
@@ -200,14 +225,15 @@ def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: tuple[int, .
     kernel = library.function(function_name(op, autoregressive))
     dilation_tensor = _dilation_tensor(dilation, t2.device)
     t1, t2 = t1.contiguous(), _pad_features(t2.contiguous(), library.feature_multiple)
+    runs = _cpu_runs(t2, w)
     with _on_device(t2):
         if op == "qk":
-            kernel(_pad_features(t1, library.feature_multiple), t2, dilation_tensor, float(padding), out)
+            kernel(_pad_features(t1, library.feature_multiple), t2, dilation_tensor, float(padding), out, *runs)
         elif t2.shape[-1] == f:
-            kernel(t1, t2, dilation_tensor, out)
+            kernel(t1, t2, dilation_tensor, out, *runs)
         else:  # head_dim padded for the kernel: its output has the padded width
             padded_out = new_output(t2, t2.shape)
-            kernel(t1, t2, dilation_tensor, padded_out)
+            kernel(t1, t2, dilation_tensor, padded_out, *runs)
             out.copy_(padded_out[..., :f])
     return out
 
@@ -333,7 +359,7 @@ def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressi
     kernel_out = out if q.shape[-1] == f else new_output(q, q.shape)
     library.function(function_name(FUSED, autoregressive))(
         q, k, v, _key_bias(key_padding_mask, q), _dilation_tensor(tuple(dilation), q.device), w, scale,
-        dropout_p, int(seed), kernel_out, lse)
+        dropout_p, int(seed), kernel_out, lse, *_cpu_runs(q, w))
     if kernel_out is not out:
         out.copy_(kernel_out[..., :f])
     return lse
@@ -377,7 +403,7 @@ def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     grad, q, k, v, out = padded
     library.function(function_name(FUSED_BACKWARD, autoregressive))(
         grad, q, k, v, _key_bias(key_padding_mask, q), out, lse, grad_lse.contiguous(),
-        _dilation_tensor(tuple(dilation), q.device), w, scale, dropout_p, int(seed), *grads)
+        _dilation_tensor(tuple(dilation), q.device), w, scale, dropout_p, int(seed), *grads, *_cpu_runs(q, w))
     return tuple(g[..., :f].contiguous() for g in grads) if grads[0].shape[-1] != f else grads
 
 

@@ -23,6 +23,9 @@ HEADS, HEAD_DIM, W = 12, 64, 256
 DILATION = [1, 1, 2, 2, 4, 4, 8, 8, 1, 2, 4, 8]
 # The kernels' scratch per (batch, head), in head slices (n x head_dim in the accumulation dtype):
 # the packed operands each thread holds while it works on one head (tvm_kernels/schedules/cpu/).
+# (With more threads than heads a thread works on a run of a head's queries, with less; the fused
+# backward then also keeps the dK, dV parts of the keys at the runs' edges: at most 4 head slices
+# per head, kernels.query_runs; on 2 threads these 12 heads run whole.)
 SCRATCH_HEAD_SLICES = {"qk": 1, "pv": 1, "transposed": 1, "mask": 0, "softmax": 0, "attention": 2,
                        "attention_backward": 8}
 

@@ -107,6 +107,69 @@ def test_cuda_matches_reference(size, dtype, autoregressive, with_grad):
     _check("cuda", dtype, size, autoregressive, "per-head", with_grad)
 
 
+# (b, n, h, f, w): runs of 2w + 1 queries and more, a last run shorter than the others, w = 0.
+RUN_SIZES = [(1, 300, 2, 16, 20), (2, 1000, 3, 32, 64), (1, 777, 1, 64, 50), (1, 1200, 2, 16, 33), (1, 500, 2, 16, 0)]
+
+
+@pytest.mark.parametrize("runs", [2, 3, 64])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("size", RUN_SIZES, ids=str)
+def test_cpu_runs_of_queries(cpu_library, size, dtype, autoregressive, runs, monkeypatch):
+    """The fused CPU kernels split each (batch, head) into runs of queries when there are more
+    threads than batch x heads (kernels.query_runs): the output and dQ are those of one run, bit
+    for bit, and all three gradients match the float64 reference (each run packs the keys it
+    reads; dK and dV near an edge between runs are the two runs' parts, summed), per-head dilations."""
+    b, n, h, f, w = size
+    seed = stable_seed(size, autoregressive, str(dtype), runs, "runs")
+    g = torch.Generator().manual_seed(seed)
+    d = torch.randint(1, 9, (h,), generator=g, dtype=torch.int32)
+    q, k, v = (_random((b, n, h, f), dtype, "cpu", g) for _ in range(3))
+    grad = _random((b, n, h, f), dtype, "cpu", g)
+    results = {}
+    for count in (1, runs):
+        monkeypatch.setattr(kernels, "query_runs", lambda *args, count=count: count)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = sliding_window_attention(*leaves, w, d, autoregressive)
+        results[count] = (out.detach(), *torch.autograd.grad(out, leaves, grad))
+    assert torch.equal(results[runs][0], results[1][0]), f"output with {runs} runs (seed {seed})"
+    assert torch.equal(results[runs][1], results[1][1]), f"dq with {runs} runs (seed {seed})"
+    _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype, seed=seed)
+
+
+def test_query_runs_spread_the_heads_over_the_threads():
+    """The fewest runs per (batch, head) that give every thread the same share (or the least work
+    on the busiest), each run at least MIN_QUERIES_PER_RUN and 2w + 1 queries."""
+    runs = kernels.query_runs
+    assert runs(12, 4096, 256, 2) == 1        # 6 heads a thread already
+    assert runs(12, 4096, 256, 8) == 2        # 24 runs: 3 a thread (12 heads: 2, 2, 2, 2, 2, 2, 0, 0)
+    assert runs(12, 4096, 256, 16) == 4       # 48 runs: 3 a thread
+    assert runs(3, 16384, 256, 2) == 2
+    assert runs(1, 4096, 256, 2) == 2
+    assert runs(12, 1024, 256, 16) == 1       # runs would be shorter than 2w + 1
+    assert runs(1, 300, 0, 8) == 1            # or than MIN_QUERIES_PER_RUN
+    assert runs(1, 4096, 0, 64) == 4096 // kernels.MIN_QUERIES_PER_RUN
+    assert runs(12, 4096, 256, 1) == 1 and runs(0, 4096, 256, 8) == 1
+
+
+def test_cpu_runs_follow_the_thread_count(monkeypatch):
+    """Without a forced count the kernels get query_runs of torch's thread count: one head on four
+    threads runs in several runs, with the reference's result."""
+    seen = []
+    choose = kernels.query_runs
+    monkeypatch.setattr(kernels, "query_runs", lambda *args: seen.append(args) or choose(*args))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        g = torch.Generator().manual_seed(5)
+        q, k, v = (_random((1, 1100, 1, 32), torch.float64, "cpu", g) for _ in range(3))
+        out = sliding_window_attention(q, k, v, 40)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [(1, 1100, 40, 4)] and choose(*seen[0]) > 1
+    _assert_close(out, q, k, v, 40, 1, False, 1 / math.sqrt(32), torch.float64)
+
+
 def test_cpu_runs_the_fused_kernels_only(cpu_library, monkeypatch):
     """On CPU no band product runs, with or without gradients, and training saves no band for the
     backward (q, k, v, the dropout seed, the output and the rows' log-sum-exp only)."""

@@ -41,7 +41,7 @@ def test_cmake_build_from_scratch_produces_working_kernels(tmp_path, monkeypatch
     q, k = torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
     scores = torch.empty(1, 40, 2, 7)
     dilation = torch.tensor([1, 3], dtype=torch.int32)
-    library.function("qk_symmetric")(q, k, dilation, 0.0, scores)
+    library.function("qk_symmetric")(q, k, dilation, 0.0, scores, 1)  # (1: one run of queries per head)
     torch.testing.assert_close(scores, diagonaled_mm_reference(q, k, 3, dilation), rtol=1e-5, atol=1e-5)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, assert_close_to_reference, stable_seed
-from longformer_ops import diagonaled_mm, mask_invalid_locations
+from longformer_ops import diagonaled_mm, kernels, mask_invalid_locations
 from longformer_ops.diagonaled import transposed_product
 from longformer_ops.reference import diagonaled_mm_reference, invalid_locations
 
@@ -83,6 +83,37 @@ def _check_forward(device, dtype, size, autoregressive, dilation_kind, mode):
 @pytest.mark.parametrize("size", SIZES, ids=str)
 def test_cpu_matches_reference(cpu_library, size, dtype, autoregressive, dilation_kind, mode):
     _check_forward("cpu", dtype, size, autoregressive, dilation_kind, mode)
+
+
+# (b, n, h, f, w): several runs of 2w + 1 queries and more, a short last run, w = 0; head_dim 64
+# takes the AVX-512 library's wide half-type tiles.
+RUN_SIZES = [(1, 300, 2, 16, 20), (2, 1000, 3, 64, 64), (1, 1200, 2, 32, 33), (1, 500, 1, 16, 0)]
+
+
+@pytest.mark.parametrize("runs", [2, 3, 64])
+@pytest.mark.parametrize("mode", ["qk", "pv", "transposed"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("size", RUN_SIZES, ids=str)
+def test_cpu_runs_of_queries(cpu_library, size, dtype, autoregressive, mode, runs, monkeypatch):
+    """Each (batch, head) split into runs of queries (kernels.query_runs, from the thread count):
+    the band products' results are those of one run, bit for bit (each run packs the rows it
+    reads), and the reference's, per-head dilations."""
+    b, n, h, f, w = size
+    generator = torch.Generator().manual_seed(stable_seed(size, autoregressive, str(dtype), mode, "runs"))
+    d = _dilation("per-head", h, generator)
+    c = w + (0 if autoregressive else w) + 1
+    t1 = _random((b, n, h, f if mode == "qk" else c), dtype, "cpu", generator)
+    t2 = _random((b, n, h, f), dtype, "cpu", generator)
+    results = []
+    for count in (1, runs):
+        monkeypatch.setattr(kernels, "query_runs", lambda *args, count=count: count)
+        if mode == "transposed":
+            results.append(transposed_product(t1, t2, w, d, autoregressive))
+        else:
+            results.append(diagonaled_mm(t1, t2, w, d, mode == "pv", -3.5, autoregressive))
+    assert torch.equal(results[1], results[0]), f"{mode} with {runs} runs differs from one run"
+    _check_forward("cpu", dtype, size, autoregressive, "per-head", mode)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

@@ -20,6 +20,8 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _prefetch_next_tile,
     _prefetch_row,
     _rounded,
+    _run_origin,
+    _run_tiles,
     _zero_tile,
 )
 from tvm_kernels.schedules.cpu import bf16_dot
@@ -310,7 +312,9 @@ def attention(dtype: str, autoregressive: bool, isa: str):
     factor 1/(1-p) or zeroed, by the stateless generator above, after lse), out
     ``[b, n, h, f]``, lse ``[b, n, h]`` (accumulation dtype: each row's log-sum-exp of its scaled,
     biased scores, -inf for a row with no key: what the backward recomputes the probabilities
-    from, and what merges this result with attention to other keys, such as global tokens).
+    from, and what merges this result with attention to other keys, such as global tokens), and
+    ``runs``: runs of query tiles per (batch, head), each a task of the parallel loop with its
+    own packed operands (:func:`_run_tiles`; the results do not depend on it).
     A row with no key left gets 0. bfloat16 where the ISA has the bfloat16 dot product: both
     products on it (bf16_dot.py), the probabilities rounded to bfloat16 pairs before P.V.
     """
@@ -322,7 +326,7 @@ def attention(dtype: str, autoregressive: bool, isa: str):
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
              dilation_handle: T.handle, window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64,
-             out_handle: T.handle, lse_handle: T.handle):
+             out_handle: T.handle, lse_handle: T.handle, runs: T.int64):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -342,16 +346,23 @@ def attention(dtype: str, autoregressive: bool, isa: str):
         w: T.let = window
         band: T.let = T.int64(2 - causal) * window + T.int64(1)
         margin: T.let = w + T.int64(cols)  # packed columns before the first key
-        for bh in T.parallel(batch * heads):
+        tiles: T.let = (n + T.int64(rows - 1)) // T.int64(rows)
+        run_tiles: T.let = _run_tiles(tiles, w, rows, runs)
+        for item in T.parallel(batch * heads * runs):
+            bh: T.let = item // runs
             b: T.let = bh // heads
             h: T.let = bh % heads
             d: T.let = T.Cast("int64", dilation[h])
+            tile_begin: T.let = T.min(item % runs * run_tiles, tiles)
+            tile_end: T.let = T.min(tile_begin + run_tiles, tiles)
+            # The run's operands are packed from its first column on (run_margin columns before the first key).
+            run_margin: T.let = margin - _run_origin(tile_begin * T.int64(rows) - w + margin, cols)
+            length: T.let = _packed_length(run_tiles * T.int64(rows), window, causal, rows, cols)
             row_of = T.decl_buffer((n,), "int64")
-            keys = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols),
-                                  head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
+            keys = T.decl_buffer((length // T.int64(cols), head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
             # Value rows (the dot product: pairs of consecutive rows).
-            values = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), packed_dtype)
-            biases = T.decl_buffer((_packed_length(n, window, causal, rows, cols),), acc_dtype)
+            values = T.decl_buffer((length, head_dim), packed_dtype)
+            biases = T.decl_buffer((length,), acc_dtype)
             scores = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
             # The dot product's probabilities: bfloat16 pairs of scores columns (the float kernels
             # read the scores themselves).
@@ -373,14 +384,13 @@ def attention(dtype: str, autoregressive: bool, isa: str):
             _fill_residue_major(row_of, n, d)
             if dot:
                 _pack_dot_operands(keys, values, biases, key_tile, k, key_words, v, value_bits, key_bias, row_of, block_keys,
-                                   b, h, n, head_dim, margin, _packed_length(n, window, causal, rows, cols), cols, per_line)
+                                   b, h, n, head_dim, run_margin, length, cols, per_line)
             else:
                 _pack_operands(keys, values, biases, key_tile, k, v, key_bias, row_of, block_keys, b, h, n, head_dim,
-                               margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
-                               cols, lanes, per_line, acc_dtype, True, True)
-            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+                               run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, True, True)
+            for tile in range(tile_begin, tile_end):
                 p0: T.let = tile * T.int64(rows)
-                first: T.let = p0 - w + margin  # packed column of row 0's band column 0
+                first: T.let = p0 - w + run_margin  # packed column of row 0's band column 0
                 block0: T.let = first // T.int64(cols)
                 base: T.let = first - block0 * T.int64(cols)  # scores column of row 0's band column 0
                 _attention_tile_bounds(query, begin, end, row_of, n, p0, w, d, band, base, rows)
@@ -415,9 +425,11 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
     lse from its forward call), grad_lse ``[b, n, h]`` (the gradient of lse, accumulation dtype;
     it joins the softmax's shift delta = rowsum(dO * O) - grad_lse, computed per tile), dilation, ``w``,
     the score scale, the forward's dropout p and seed (its mask Z is regenerated: dP = (dO . V^T) * Z,
-    dV from P * Z), dQ, dK, dV ``[b, n, h, f]``. Per (batch, head) K and V are packed as in the
-    forward, and dK, dV accumulate over the tiles in packed rows (scratch of the packed operands'
-    size), cast into place at the end. Per tile of ``rows`` packed queries, in cache: the
+    dV from P * Z), dQ, dK, dV ``[b, n, h, f]``, and ``runs`` as in the forward. Per run of
+    query tiles K and V are packed as in the forward, and dK, dV accumulate over the run's tiles
+    in packed rows (scratch of the packed operands' size), cast into place at the end; the keys
+    near an edge between two runs, which both runs' queries reach, are summed after all runs (dQ
+    does not depend on ``runs``, dK and dV only by the order of that sum). Per tile of ``rows`` packed queries, in cache: the
     scores again (the Q.K^T micro-kernel) and P = exp(score - lse); dP = dO . V^T (the same
     micro-kernel); dS = P * (dP - delta); dQ = scale * dS . K (the probs.V micro-kernel);
     dV += P^T dO and dK += dS^T (scale Q) over the keys the tile touches. bfloat16 where the ISA
@@ -448,7 +460,7 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
              key_bias_handle: T.handle, out_handle: T.handle, lse_handle: T.handle, grad_lse_handle: T.handle,
              dilation_handle: T.handle,
              window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64, grad_q_handle: T.handle, grad_k_handle: T.handle,
-             grad_v_handle: T.handle):
+             grad_v_handle: T.handle, runs: T.int64):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -477,19 +489,35 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
         w: T.let = window
         band: T.let = T.int64(2 - causal) * window + T.int64(1)
         margin: T.let = w + T.int64(cols)
-        for bh in T.parallel(batch * heads):
+        tiles: T.let = (n + T.int64(rows - 1)) // T.int64(rows)
+        run_tiles: T.let = _run_tiles(tiles, w, rows, runs)
+        # Keys within the window of a run's edge at packed position e, [e - w, e + reach), are
+        # summed by the runs on both sides: each writes its part here (side 0: the run before the
+        # edge), added and stored after all runs (edge c: the start of run c + 1). At most 4x the
+        # size of dK in float32 (runs of 2w + 1 queries); a few rows with one run.
+        reach: T.let = T.int64(1 - causal) * w
+        # (Never 0: a division by it inside ``if runs > 1`` still trapped with one run.)
+        edges: T.let = T.max(runs - T.int64(1), T.int64(1))
+        edge_keys: T.let = T.Select(runs > T.int64(1), w + reach, T.int64(0)) + T.int64(1)
+        edge_parts_k = T.decl_buffer((batch * heads, edges, T.int64(2), edge_keys, head_dim), acc_dtype)
+        edge_parts_v = T.decl_buffer((batch * heads, edges, T.int64(2), edge_keys, head_dim), acc_dtype)
+        for item in T.parallel(batch * heads * runs):
+            bh: T.let = item // runs
             b: T.let = bh // heads
             h: T.let = bh % heads
             d: T.let = T.Cast("int64", dilation[h])
+            run: T.let = item % runs
+            tile_begin: T.let = T.min(run * run_tiles, tiles)
+            tile_end: T.let = T.min(tile_begin + run_tiles, tiles)
+            run_margin: T.let = margin - _run_origin(tile_begin * T.int64(rows) - w + margin, cols)
+            length: T.let = _packed_length(run_tiles * T.int64(rows), window, causal, rows, cols)
             row_of = T.decl_buffer((n,), "int64")
-            keys_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols),
-                                    head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
-            keys_v = T.decl_buffer((_packed_length(n, window, causal, rows, cols) // T.int64(cols),
-                                    head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
-            rows_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), packed_dtype)  # dot: row pairs
-            biases = T.decl_buffer((_packed_length(n, window, causal, rows, cols),), acc_dtype)
-            total_k = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
-            total_v = T.decl_buffer((_packed_length(n, window, causal, rows, cols), head_dim), acc_dtype)
+            keys_k = T.decl_buffer((length // T.int64(cols), head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
+            keys_v = T.decl_buffer((length // T.int64(cols), head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
+            rows_k = T.decl_buffer((length, head_dim), packed_dtype)  # dot: row pairs
+            biases = T.decl_buffer((length,), acc_dtype)
+            total_k = T.decl_buffer((length, head_dim), acc_dtype)
+            total_v = T.decl_buffer((length, head_dim), acc_dtype)
             probs = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
             grads = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
             kept = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)  # P with dropout
@@ -518,26 +546,24 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
             _fill_residue_major(row_of, n, d)
             if dot:
                 _pack_dot_operands(keys_k, rows_k, biases, key_tile, k, key_words, k, key_bits, key_bias, row_of, block_keys,
-                                   b, h, n, head_dim, margin, _packed_length(n, window, causal, rows, cols), cols, per_line)
-                bf16_dot.pack_key_pairs(keys_v, value_words, key_tile, row_of, block_keys, v, b, h, n, head_dim, margin,
-                                        _packed_length(n, window, causal, rows, cols) // T.int64(cols), cols, per_line)
+                                   b, h, n, head_dim, run_margin, length, cols, per_line)
+                bf16_dot.pack_key_pairs(keys_v, value_words, key_tile, row_of, block_keys, v, b, h, n, head_dim, run_margin,
+                                        length // T.int64(cols), cols, per_line)
             else:
                 _pack_operands(keys_k, rows_k, biases, key_tile, k, k, key_bias, row_of, block_keys, b, h, n, head_dim,
-                               margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
-                               cols, lanes, per_line, acc_dtype, True, True)
+                               run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, True, True)
                 _pack_operands(keys_v, rows_k, biases, key_tile, v, v, key_bias, row_of, block_keys, b, h, n, head_dim,
-                               margin, _packed_length(n, window, causal, rows, cols) // T.int64(cols),
-                               cols, lanes, per_line, acc_dtype, False, False)
-            for t in range(_packed_length(n, window, causal, rows, cols)):
+                               run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, False, False)
+            for t in range(length):
                 for vector in range(head_dim // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
                         total_k[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
                         total_v[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
             for r in range(rows):
                 row_scale[r] = T.Cast(acc_dtype, scale)
-            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+            for tile in range(tile_begin, tile_end):
                 p0: T.let = tile * T.int64(rows)
-                first: T.let = p0 - w + margin
+                first: T.let = p0 - w + run_margin
                 block0: T.let = first // T.int64(cols)
                 base: T.let = first - block0 * T.int64(cols)
                 _attention_tile_bounds(query, begin, end, row_of, n, p0, w, d, band, base, rows)
@@ -597,17 +623,65 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                                          keys_per_update, features, key_acc, acc_dtype, False)
                     _accumulate_keys(total_k, grads, queries, block0 * T.int64(cols), start, width, head_dim, rows,
                                      keys_per_update, features, key_acc, acc_dtype, False)
-            for p in range(n):
+            # The keys only this run's queries reach, stored; those within reach of an edge, to edge_parts.
+            left_edge: T.let = tile_begin * T.int64(rows)
+            right_edge: T.let = tile_end * T.int64(rows)
+            own_begin: T.let = T.Select(tile_begin > T.int64(0), T.min(left_edge + reach, n), T.int64(0))
+            own_end: T.let = T.Select(tile_end < tiles, right_edge - w, n)
+            for p in range(own_begin, own_end):
                 # The rows written _ROWS_AHEAD steps later (a new page every row or two).
                 _prefetch_row(grad_k, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line, 1)
                 _prefetch_row(grad_v, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line, 1)
                 for vector in range(head_dim // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
-                        # (The dot product's dK sums unscaled queries: scaled here.)
-                        grad_k[b, row_of[p], h, vector * T.int64(lanes) + lane] = _rounded(
-                            dtype, total_k[margin + p, vector * T.int64(lanes) + lane] * T.Cast(acc_dtype, scale) if dot
-                            else total_k[margin + p, vector * T.int64(lanes) + lane])
+                        grad_k[b, row_of[p], h, vector * T.int64(lanes) + lane] = _key_gradient(
+                            dtype, acc_dtype, total_k[run_margin + p, vector * T.int64(lanes) + lane], scale, dot)
                         grad_v[b, row_of[p], h, vector * T.int64(lanes) + lane] = _rounded(
-                            dtype, total_v[margin + p, vector * T.int64(lanes) + lane])
+                            dtype, total_v[run_margin + p, vector * T.int64(lanes) + lane])
+            if tile_begin < tile_end:
+                if tile_begin > T.int64(0):  # side 1 of the edge before this run
+                    _store_edge_part(edge_parts_k, edge_parts_v, total_k, total_v, bh, run - T.int64(1), T.int64(1),
+                                     left_edge, run_margin, w, reach, n, head_dim, lanes)
+                if tile_end < tiles:  # side 0 of the edge after it
+                    _store_edge_part(edge_parts_k, edge_parts_v, total_k, total_v, bh, run, T.int64(0), right_edge,
+                                     run_margin, w, reach, n, head_dim, lanes)
+        if runs > T.int64(1):
+            for item in T.parallel(batch * heads * edges):
+                bh: T.let = item // edges
+                b: T.let = bh // heads
+                h: T.let = bh % heads
+                edge_index: T.let = item % edges
+                edge: T.let = (edge_index + T.int64(1)) * run_tiles * T.int64(rows)
+                if edge < n:  # (runs past the last tile are empty: no edge)
+                    row_of = T.decl_buffer((n,), "int64")
+                    _fill_residue_major(row_of, n, T.Cast("int64", dilation[h]))
+                    for p in range(T.max(edge - w, T.int64(0)), T.min(edge + reach, n)):
+                        for vector in range(head_dim // T.int64(lanes)):
+                            for lane in T.vectorized(lanes):
+                                f: T.let = vector * T.int64(lanes) + lane
+                                grad_k[b, row_of[p], h, f] = _key_gradient(
+                                    dtype, acc_dtype, edge_parts_k[bh, edge_index, 0, p - edge + w, f]
+                                    + edge_parts_k[bh, edge_index, 1, p - edge + w, f], scale, dot)
+                                grad_v[b, row_of[p], h, f] = _rounded(
+                                    dtype, edge_parts_v[bh, edge_index, 0, p - edge + w, f]
+                                    + edge_parts_v[bh, edge_index, 1, p - edge + w, f])
 
     return bf16_dot.with_dot_product(main) if dot else main
+
+
+def _key_gradient(dtype, acc_dtype, total, scale, dot):
+    """A dK sum rounded to the output dtype (the dot product's sums are of unscaled queries: scaled here)."""
+    return _rounded(dtype, total * T.Cast(acc_dtype, scale) if dot else total)
+
+
+@T.macro
+def _store_edge_part(edge_parts_k, edge_parts_v, total_k, total_v, bh, edge_index, side, edge, run_margin, w, reach, n,
+                     head_dim, lanes):
+    """A run's dK and dV sums of the keys within reach of ``edge``, [edge - w, edge + reach), into
+    ``edge_parts[bh, edge_index, side]``."""
+    for p in range(T.max(edge - w, T.int64(0)), T.min(edge + reach, n)):
+        for vector in range(head_dim // T.int64(lanes)):
+            for lane in T.vectorized(lanes):
+                f: T.let = vector * T.int64(lanes) + lane
+                edge_parts_k[bh, edge_index, side, p - edge + w, f] = total_k[run_margin + p, f]
+                edge_parts_v[bh, edge_index, side, p - edge + w, f] = total_v[run_margin + p, f]

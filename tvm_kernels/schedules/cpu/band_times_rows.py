@@ -15,6 +15,8 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _load_tile,
     _prefetch_line,
     _prefetch_row,
+    _run_origin,
+    _run_tiles,
     _save_tile,
     _store_tile,
     _tile_bounds,
@@ -102,7 +104,9 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
     half = is_half(dtype)
     rows = tiles.band_rows
     cols = 2 * lanes  # output features of one register tile
-    wide_cols = 4 * lanes if tiles.wide_half_tile and half else 0  # 0: no wide tile
+    wide_cols = 4 * lanes if tiles.wide_half_tile and half else 0  # 0: no wide tile (of 4 rows)
+    if wide_cols and rows % 4:
+        raise ValueError(f"tiles.py: band_rows {rows} must be a multiple of the wide tile's 4 rows")
     # The direct path's steps per chunk (0: one chunk), and whether half types convert a chunk's
     # weights once into a small buffer instead of at each use (one per feature tile).
     chunk_steps = tiles.chunk_steps
@@ -113,9 +117,9 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
     offset_is_w = 0 if transposed and autoregressive else 1
 
     @T.macro
-    def tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin, rows, cols):
-        """Every tile of ``rows`` packed rows x ``cols`` output features (the packed rows have a
-        margin of at least ``rows`` before the first)."""
+    def tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin, tile_begin, tile_end, rows, cols):
+        """The tiles [tile_begin, tile_end) of ``rows`` packed rows x ``cols`` output features (the
+        packed rows start at the first tile's first step: ``margin`` rows before the first row)."""
         weights = T.decl_buffer((band + T.int64(rows), T.int64(rows)) if transposed
                                 else (T.int64(rows), band + T.int64(rows)), acc_dtype)
         query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
@@ -126,7 +130,7 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
         sums = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)  # the direct path's tile between phases
         staged = T.decl_buffer((T.int64(max(chunk_steps, 1)), T.int64(rows)) if transposed  # a chunk's weights
                                else (T.int64(rows), T.int64(max(chunk_steps, 1))), acc_dtype)
-        for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+        for tile in range(tile_begin, tile_end):
             p0: T.let = tile * T.int64(rows)
             _tile_bounds(query, low, high, row_of, p0, n, d, offset, band, rows)
             first: T.let = p0 - offset + margin  # packed row of k = 0
@@ -249,7 +253,7 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                     _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype)
 
     @T.prim_func
-    def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, out_handle: T.handle):
+    def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, out_handle: T.handle, runs: T.int64):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -262,15 +266,22 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
         w: T.let = T.int64(causal) * (band - T.int64(1)) + T.int64(1 - causal) * ((band - T.int64(1)) // T.int64(2))
         offset: T.let = T.int64(offset_is_w) * w
-        margin: T.let = w + T.int64(rows)  # packed rows before the first row
-        for bh in T.parallel(batch * heads):
+        tiles_total: T.let = (n + T.int64(rows - 1)) // T.int64(rows)
+        run_tiles: T.let = _run_tiles(tiles_total, w, rows, runs)  # (microkernels.py)
+        for item in T.parallel(batch * heads * runs):
+            bh: T.let = item // runs
             b: T.let = bh // heads
             h: T.let = bh % heads
             d: T.let = T.Cast("int64", dilation[h])
+            tile_begin: T.let = T.min(item % runs * run_tiles, tiles_total)
+            tile_end: T.let = T.min(tile_begin + run_tiles, tiles_total)
+            # Packed rows from ``rows`` before the run's first step on (the first row is margin rows in).
+            margin: T.let = offset + T.int64(rows) - tile_begin * T.int64(rows)
+            length: T.let = run_tiles * T.int64(rows) + T.int64(2) * band + T.int64(2 * rows)
             row_of = T.decl_buffer((n,), "int64")
-            packed = T.decl_buffer((n + T.int64(2) * band + T.int64(2 * rows), head_dim), acc_dtype)
+            packed = T.decl_buffer((length, head_dim), acc_dtype)
             _fill_residue_major(row_of, n, d)
-            for t in range(n + T.int64(2) * band + T.int64(2 * rows)):
+            for t in range(length):
                 p: T.let = t - margin  # packed position
                 if p >= T.int64(0) and p < n:
                     source: T.let = row_of[p]
@@ -284,8 +295,10 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                         for lane in T.vectorized(lanes):
                             packed[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
             if wide_cols > 0 and head_dim % T.int64(wide_cols) == 0:
-                tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin, 4, wide_cols)
+                tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin,
+                      tile_begin * T.int64(rows // 4), T.min(tile_end * T.int64(rows // 4), (n + T.int64(3)) // T.int64(4)), 4,
+                      wide_cols)
             else:
-                tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin, rows, cols)
+                tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin, tile_begin, tile_end, rows, cols)
 
     return main

@@ -35,6 +35,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _fill_residue_major,
     _prefetch_line,
     _prefetch_row,
+    _run_tiles,
     _store_tile,
     _tile_bounds,
     _zero_tile,
@@ -234,7 +235,7 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
     offset_is_w = 0 if transposed and autoregressive else 1
 
     @T.prim_func
-    def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, out_handle: T.handle):
+    def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, out_handle: T.handle, runs: T.int64):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -250,13 +251,20 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
         value_bits = T.decl_buffer((batch, n, heads, head_dim), "uint16", data=t2.data)
         w: T.let = T.int64(causal) * (band - T.int64(1)) + T.int64(1 - causal) * ((band - T.int64(1)) // T.int64(2))
         offset: T.let = T.int64(offset_is_w) * w
-        margin: T.let = w + T.int64(rows)  # packed rows before the first row
-        for bh in T.parallel(batch * heads):
+        tiles: T.let = (n + T.int64(rows - 1)) // T.int64(rows)
+        run_tiles: T.let = _run_tiles(tiles, w, rows, runs)  # (microkernels.py)
+        for item in T.parallel(batch * heads * runs):
+            bh: T.let = item // runs
             b: T.let = bh // heads
             h: T.let = bh % heads
             d: T.let = T.Cast("int64", dilation[h])
+            tile_begin: T.let = T.min(item % runs * run_tiles, tiles)
+            tile_end: T.let = T.min(tile_begin + run_tiles, tiles)
+            # Packed rows from ``rows`` before the run's first step on (the first row is margin rows in).
+            margin: T.let = offset + T.int64(rows) - tile_begin * T.int64(rows)
+            length: T.let = run_tiles * T.int64(rows) + T.int64(2) * band + T.int64(2 * rows + 2)
             row_of = T.decl_buffer((n,), "int64")
-            pairs = T.decl_buffer((n + T.int64(2) * band + T.int64(2 * rows + 2), head_dim), "int32")
+            pairs = T.decl_buffer((length, head_dim), "int32")
             # transposed: a tile's weights, a pair per row and step pair
             staged = T.decl_buffer((band // T.int64(2) + T.int64(1), T.int64(rows)), "int32") if transposed else ()
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
@@ -264,9 +272,8 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
             high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             acc = T.alloc_local((rows, cols), "float32", annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            pack_row_pairs(pairs, value_bits, t2, row_of, b, h, n, head_dim, margin,
-                           n + T.int64(2) * band + T.int64(2 * rows + 2), per_line)
-            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+            pack_row_pairs(pairs, value_bits, t2, row_of, b, h, n, head_dim, margin, length, per_line)
+            for tile in range(tile_begin, tile_end):
                 p0: T.let = tile * T.int64(rows)
                 _tile_bounds(query, low, high, row_of, p0, n, d, offset, band, rows)
                 first: T.let = p0 - offset + margin  # packed row of step k = 0

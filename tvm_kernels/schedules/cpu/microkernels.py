@@ -30,6 +30,23 @@ def _rounded(dtype: str, x):
     return T.Cast(dtype, T.reinterpret("float32", T.Select(is_nan, T.int32(0x7FC00000), bits)))
 
 
+# The kernels' parallel loops take (batch, head, run) tasks: a (batch, head) split into ``runs`` runs
+# of consecutive query tiles, each with its own packed operands, so that more threads than batch x
+# heads have work (a static split of 12 heads over 8 threads keeps 6 busy); the caller picks
+# ``runs`` from its thread count (kernels.py). A run has at least 2w + 1 queries, so that a key is
+# reached by the queries of two runs at most (the fused backward sums its dK and dV across an edge).
+def _run_tiles(tiles, window, rows, runs):
+    """Query tiles per run."""
+    return T.max((tiles + runs - T.int64(1)) // runs, (T.int64(2) * window + T.int64(rows)) // T.int64(rows))
+
+
+def _run_origin(first_packed, align):
+    """Where a run's packed operands start: its first tile's first packed column or row
+    ``first_packed``, rounded down to a multiple of ``align`` (the packed key blocks' width, or 1).
+    The kernels then index them with their margin less this origin."""
+    return first_packed // T.int64(align) * T.int64(align)
+
+
 # Packing reads one head's slice of every row: a few lines, then a jump of heads * head_dim
 # elements, which crosses a 4 KiB page almost every row, where hardware prefetchers stop.
 _ROWS_AHEAD = 8

@@ -14,6 +14,8 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _rounded,
     _fill_run,
     _pack_operands,
+    _run_origin,
+    _run_tiles,
     _valid_span,
     _zero_tile,
 )
@@ -41,7 +43,7 @@ def qk(dtype: str, autoregressive: bool, isa: str):
 
     @T.prim_func
     def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, padding: T.float64,
-             out_handle: T.handle):
+             out_handle: T.handle, runs: T.int64):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -55,15 +57,19 @@ def qk(dtype: str, autoregressive: bool, isa: str):
         # One-sided window: band = 2w + 1 (symmetric) or w + 1 (autoregressive).
         w: T.let = T.int64(causal) * (band - T.int64(1)) + T.int64(1 - causal) * ((band - T.int64(1)) // T.int64(2))
         margin: T.let = w + T.int64(cols)  # packed columns before the first key
-        for bh in T.parallel(batch * heads):
+        tiles: T.let = (n + T.int64(rows - 1)) // T.int64(rows)
+        run_tiles: T.let = _run_tiles(tiles, w, rows, runs)  # (microkernels.py)
+        for item in T.parallel(batch * heads * runs):
+            bh: T.let = item // runs
             b: T.let = bh // heads
             h: T.let = bh % heads
             d: T.let = T.Cast("int64", dilation[h])
-            # Buffer shapes cannot name let-bound values (TVM 0.27), hence the repeated expressions.
+            tile_begin: T.let = T.min(item % runs * run_tiles, tiles)
+            tile_end: T.let = T.min(tile_begin + run_tiles, tiles)
+            run_margin: T.let = margin - _run_origin(tile_begin * T.int64(rows) - w + margin, cols)
+            blocks: T.let = (run_tiles * T.int64(rows) + band + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)
             row_of = T.decl_buffer((n,), "int64")
-            packed = T.decl_buffer(
-                ((n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
-                 head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
+            packed = T.decl_buffer((blocks, head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
             row_buffer = T.decl_buffer((T.int64(rows), band + T.int64(2 * slack)), acc_dtype)
             # The tile's query rows, converted once (the dot product: as words, copied)
             queries = T.decl_buffer((T.int64(rows), head_dim // T.int64(features_per_step)), packed_dtype)
@@ -80,17 +86,15 @@ def qk(dtype: str, autoregressive: bool, isa: str):
             if dot:
                 # bfloat16 rows as 32-bit words, each a pair of features (the dot product's operands).
                 key_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=t2.data)
-                bf16_dot.pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n, head_dim, margin,
-                                        (n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
-                                        cols, per_line)
+                bf16_dot.pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n, head_dim, run_margin,
+                                        blocks, cols, per_line)
             else:
                 # Keys only (the values and biases arguments are not used).
-                _pack_operands(packed, packed, packed, key_tile, t2, t2, t2, row_of, block_keys, b, h, n, head_dim, margin,
-                                         (n + T.int64(2 * cols) + band + T.int64(rows + 2 * cols)) // T.int64(cols) + T.int64(1),
-                                         cols, lanes, per_line, acc_dtype, False, False)
-            for tile in range((n + T.int64(rows - 1)) // T.int64(rows)):
+                _pack_operands(packed, packed, packed, key_tile, t2, t2, t2, row_of, block_keys, b, h, n, head_dim,
+                               run_margin, blocks, cols, lanes, per_line, acc_dtype, False, False)
+            for tile in range(tile_begin, tile_end):
                 p0: T.let = tile * T.int64(rows)
-                first: T.let = p0 - w + margin  # packed column of row 0's band column 0
+                first: T.let = p0 - w + run_margin  # packed column of row 0's band column 0
                 for r in T.unroll(rows):
                     query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
                     # Valid band columns: 0 <= i + d*(j - w) < n  <=>  low <= j < high.
