@@ -8,7 +8,9 @@ TE output that way (bench/NOTES.md has the schedules tried first), so these kern
 are written directly in TIR (TVMScript). Each computes exactly its definition in
 :mod:`tvm_kernels.compute` and is tested against the same plain references.
 
-Common structure, per (batch, head) in parallel: the second operand is packed
+Common structure: the parallel loop's tasks are (batch, head, run), a run being a range of
+consecutive query tiles (one per (batch, head) unless there are more threads than pairs:
+``microkernels._run_tiles``). Each task packs the part of the second operand it reads
 residue-major (dilation d: rows r, r+d, r+2d, ... for r = 0..d-1, with zero
 margins). In packed order every query's band is a run of consecutive rows, for
 any dilation: dilation d is d interleaved undilated problems laid end to end.
@@ -52,9 +54,10 @@ micro-kernel (bench/NOTES.md has every variant measured):
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
 (feature loops run over whole vectors or register tiles; the runtime zero-pads,
-which is exact). Scratch per (batch, head): the packed rows (about one
-head's slice of the input; the attention backward also its dK and dV sums), a row
-table and a per-tile buffer; accumulators live in registers.
+which is exact). Scratch per task: the packed rows (about one run's share
+of a head's slice of the input; the attention backward also its dK and dV sums, and
+with several runs the parts of them at the runs' edges), a row table and a per-tile buffer;
+accumulators live in registers.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ from tvm_kernels.schedules.cpu.tiles import Tiles, tiles_for
 
 
 def pv(dtype: str, autoregressive: bool, isa: str):
-    """The probs.V PrimFunc; same arguments as :func:`tvm_kernels.compute.pv`.
+    """The probs.V PrimFunc; the arguments of :func:`tvm_kernels.compute.pv`, then ``runs``
+    (int64: runs of query tiles per (batch, head), :func:`microkernels._run_tiles`; the results
+    do not depend on it).
 
     The transpose of the Q.K^T tiling: per tile of ``rows`` consecutive packed queries, the
     output features accumulate in registers (``rows x 2`` vectors) while the packed value
@@ -39,7 +41,8 @@ def pv(dtype: str, autoregressive: bool, isa: str):
 
 
 def transposed(dtype: str, autoregressive: bool, isa: str):
-    """The transposed (backward) PrimFunc; same arguments as :func:`tvm_kernels.compute.transposed`.
+    """The transposed (backward) PrimFunc; the arguments of :func:`tvm_kernels.compute.transposed`,
+    then ``runs`` (as :func:`pv`).
 
     The probs.V loop nest with other weights: query i's weight for row
     ``p = i + d*(j - w_upper)`` is ``t1[p, band - 1 - j]``, a column of *another* band row.

@@ -213,8 +213,8 @@ def _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, tran
 
 
 def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
-    """probs.V (``transposed`` False) or the transposed product in bfloat16; same arguments as
-    :func:`tvm_kernels.compute.pv` / ``transposed``.
+    """probs.V (``transposed`` False) or the transposed product in bfloat16; the arguments of
+    :func:`tvm_kernels.compute.pv` / ``transposed``, then ``runs`` (as :func:`band_times_rows.pv`).
 
     The float32 kernel's tiles (``rows`` consecutive packed queries x 2 vectors of output features),
     two keys per step: the values are packed as pairs of consecutive packed rows

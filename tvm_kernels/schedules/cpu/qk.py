@@ -11,8 +11,8 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _ON_STACK,
     _copy_run,
     _fill_residue_major,
-    _rounded,
     _fill_run,
+    _rounded,
     _pack_operands,
     _run_origin,
     _run_tiles,
@@ -24,7 +24,9 @@ from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
 def qk(dtype: str, autoregressive: bool, isa: str):
-    """The Q.K^T PrimFunc; same arguments as :func:`tvm_kernels.compute.qk`.
+    """The Q.K^T PrimFunc; the arguments of :func:`tvm_kernels.compute.qk`, then ``runs``
+    (int64: runs of query tiles per (batch, head), :func:`microkernels._run_tiles`; the results
+    do not depend on it).
 
     bfloat16 where the ISA has the bfloat16 dot product: keys packed as pairs of features
     (:func:`bf16_dot.pack_key_pairs`), each micro-kernel step takes two features.
