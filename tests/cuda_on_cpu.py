@@ -2,10 +2,11 @@
 logic (tiles, packed rows, staging, synchronisation) against the references.
 
 TVM lowers ``tvm_kernels/schedules/cuda.py`` to CUDA C++; :func:`build` compiles that source with
-the host C++ compiler and a small shim: each CUDA thread of a block is a ``std::thread``, the
-block's ``__shared__`` arrays (dynamic shared memory too) are statics (blocks run one after
-another), ``__syncthreads`` is a barrier of the block's threads, each block launched with its
-kernel's ``__launch_bounds__``.
+the host C++ compiler and a small shim: each CUDA thread of a block is a fiber (``ucontext``) on
+the calling thread, run until it reaches a barrier, then the next; ``__syncthreads`` switches back
+to the shim's scheduler, which starts the next turn when every thread has reached it. The block's
+``__shared__`` arrays (dynamic shared memory too) are statics (blocks run one after another), each
+block launched with its kernel's ``__launch_bounds__``.
 float32 only (the kernels' logic does not depend on the dtype; the half types' conversions are
 TVM's): the half types' tensor-core kernels are built with float operands, and the shim emulates
 their warp instructions (``mma.sync``, ``ldmatrix``, the quad shuffles) and 16-byte copies from the
@@ -30,21 +31,64 @@ REPO = Path(__file__).resolve().parent.parent
 
 SHIM = r"""
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
-#include <thread>
+#include <memory>
 #include <utility>
 #include <vector>
+#include <ucontext.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#endif
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
-thread_local Dim3 threadIdx, blockIdx;
-static std::barrier<>* block_barrier;
+static Dim3 threadIdx, blockIdx;
+// A block's threads are fibers on the calling thread (ucontext), each run until it reaches a barrier
+// (or the kernel's end), then the next: a barrier is a switch back to the scheduler, where a
+// std::thread per CUDA thread paid a futex sleep and wake of every thread at every barrier.
+// Blocks run one after another.
+struct Fiber {
+  ucontext_t context;
+  std::unique_ptr<char[]> stack;
+  bool done = false;
+  void* fake_stack = nullptr;  // AddressSanitizer's, across the fiber's switches
+};
+constexpr size_t FIBER_STACK = 1 << 18;
+static ucontext_t scheduler;
+static std::vector<Fiber> fibers;
+static const std::function<void()>* block_kernel;
+#if defined(__SANITIZE_ADDRESS__)
+// AddressSanitizer is told of every switch between stacks (it would otherwise take a fiber's frames
+// for overflows of the scheduler's stack).
+static const void* scheduler_stack;
+static size_t scheduler_stack_size;
+#define SWITCH_TO(save, bottom, size) __sanitizer_start_switch_fiber(save, bottom, size)
+#define SWITCHED(save) __sanitizer_finish_switch_fiber(save, nullptr, nullptr)
+#else
+#define SWITCH_TO(save, bottom, size)
+#define SWITCHED(save)
+#endif
+static void block_barrier_wait() {
+  Fiber& me = fibers[threadIdx.x];
+  SWITCH_TO(&me.fake_stack, scheduler_stack, scheduler_stack_size);
+  swapcontext(&me.context, &scheduler);
+  SWITCHED(me.fake_stack);
+}
+static void fiber_main() {
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_finish_switch_fiber(nullptr, &scheduler_stack, &scheduler_stack_size);
+#endif
+  (*block_kernel)();
+  fibers[threadIdx.x].done = true;
+  SWITCH_TO(nullptr, scheduler_stack, scheduler_stack_size);  // (returns to the scheduler: uc_link)
+}
 #define __global__
 #define __launch_bounds__(x)
 #define __restrict__
 #define __shared__ static
-#define __syncthreads() block_barrier->arrive_and_wait()
+#define __syncthreads() block_barrier_wait()
 #define CUDART_INF_F INFINITY
 template <class A, class B> auto max(A a, B b) { return a > b ? a : (decltype(a + b))b; }
 template <class A, class B> auto min(A a, B b) { return a < b ? a : (decltype(a + b))b; }
@@ -58,7 +102,7 @@ static void longformer_mma_m16n8k16(float* c, const float* a, const float* b) {
   unsigned me = threadIdx.x, warp = me - me % 32, g = me % 32 / 4, t = me % 4;
   std::copy(a, a + 8, mma_a[me]);
   std::copy(b, b + 4, mma_b[me]);
-  block_barrier->arrive_and_wait();
+  block_barrier_wait();
   for (unsigned i = 0; i < 4; ++i) {
     unsigned row = g + 8 * (i / 2), col = 2 * t + i % 2;
     float sum = 0;
@@ -67,18 +111,18 @@ static void longformer_mma_m16n8k16(float* c, const float* a, const float* b) {
            * mma_b[warp + 4 * col + k % 8 / 2][k % 2 + 2 * (k / 8)];
     c[i] += sum;
   }
-  block_barrier->arrive_and_wait();
+  block_barrier_wait();
 }
 // A value's maximum and sum over the 4 lanes of a quad (__shfl_xor_sync by 1 and 2), likewise.
 static float quad_values[1024];
 static float quad_reduce(float x, bool sum) {
   unsigned me = threadIdx.x, quad = me - me % 4;
   quad_values[me] = x;
-  block_barrier->arrive_and_wait();
+  block_barrier_wait();
   float result = quad_values[quad];
   for (unsigned lane = 1; lane < 4; ++lane)
     result = sum ? result + quad_values[quad + lane] : std::max(result, quad_values[quad + lane]);
-  block_barrier->arrive_and_wait();
+  block_barrier_wait();
   return result;
 }
 static float longformer_quad_max(float x) { return quad_reduce(x, false); }
@@ -90,11 +134,11 @@ static const float* ldmatrix_rows[1024];
 static void ldmatrix(float* dst, const float* src, bool transposed) {
   unsigned me = threadIdx.x, warp = me - me % 32, g = me % 32 / 4, t = me % 4;
   ldmatrix_rows[me] = src;
-  block_barrier->arrive_and_wait();
+  block_barrier_wait();
   for (unsigned m = 0; m < 4; ++m)
     for (unsigned e = 0; e < 2; ++e)
       dst[2 * m + e] = transposed ? ldmatrix_rows[warp + 8 * m + 2 * t + e][g] : ldmatrix_rows[warp + 8 * m + g][2 * t + e];
-  block_barrier->arrive_and_wait();
+  block_barrier_wait();
 }
 static void longformer_ldmatrix_x4(float* dst, const float* src) { ldmatrix(dst, src, false); }
 static void longformer_ldmatrix_x4_trans(float* dst, const float* src) { ldmatrix(dst, src, true); }
@@ -114,13 +158,13 @@ static void longformer_zero16(float* dst) { std::fill(dst, dst + 8, 0.0f); }
 // destination before waiting for it, or lets a later copy land on data still being read, then
 // computes with the wrong operands in one of the two builds.
 #ifdef LONGFORMER_ASYNC_DEFERRED
-thread_local std::vector<std::pair<float*, const float*>> async_pending;
+static std::vector<std::pair<float*, const float*>> async_pending[1024];  // per thread
 static void longformer_copy16_async(float* dst, const float* row0, int row, int row_bytes) {
-  async_pending.emplace_back(dst, row_at(row0, row, row_bytes));
+  async_pending[threadIdx.x].emplace_back(dst, row_at(row0, row, row_bytes));
 }
 static void longformer_async_wait() {
-  for (auto& [dst, src] : async_pending) std::copy(src, src + 8, dst);
-  async_pending.clear();
+  for (auto& [dst, src] : async_pending[threadIdx.x]) std::copy(src, src + 8, dst);
+  async_pending[threadIdx.x].clear();
 }
 #else
 static void longformer_copy16_async(float* dst, const float* row0, int row, int row_bytes) {
@@ -138,22 +182,45 @@ static float longformer_dot8(const float* a, const float* b) {
   for (int i = 0; i < 8; ++i) sum += a[i] * b[i];
   return sum;
 }
-// Blocks (x fastest) one after another, each by `threads` threads.
+// Blocks (x fastest) one after another, each by `threads` fibers run in turns: in each turn every
+// thread runs to its next barrier; a turn in which some threads end and others wait is a kernel
+// whose threads would not meet at that barrier on a GPU either, and stops the process.
 static void launch(int64_t grid_x, int64_t grid_y, unsigned threads, const std::function<void()>& kernel) {
-  std::barrier<> barrier(threads);
-  block_barrier = &barrier;
-  std::vector<std::thread> pool;
-  for (unsigned t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] {
-      threadIdx.x = t;
-      for (int64_t y = 0; y < grid_y; ++y)
-        for (int64_t x = 0; x < grid_x; ++x) {
-          blockIdx.x = x; blockIdx.y = y;
-          kernel();
-          barrier.arrive_and_wait();  // the block's statics are free for the next block
+  if (fibers.size() < threads) fibers.resize(threads);
+  block_kernel = &kernel;
+  for (int64_t y = 0; y < grid_y; ++y)
+    for (int64_t x = 0; x < grid_x; ++x) {
+      blockIdx.x = x; blockIdx.y = y;
+      for (unsigned t = 0; t < threads; ++t) {
+        Fiber& fiber = fibers[t];
+        if (!fiber.stack) fiber.stack.reset(new char[FIBER_STACK]);
+        getcontext(&fiber.context);
+        fiber.context.uc_stack.ss_sp = fiber.stack.get();
+        fiber.context.uc_stack.ss_size = FIBER_STACK;
+        fiber.context.uc_link = &scheduler;
+        makecontext(&fiber.context, fiber_main, 0);
+        fiber.done = false;
+      }
+      for (unsigned ended = 0; ended < threads;) {
+        ended = 0;
+        for (unsigned t = 0; t < threads; ++t) {
+          Fiber& fiber = fibers[t];
+          if (!fiber.done) {
+            threadIdx.x = t;
+            void* save = nullptr;
+            SWITCH_TO(&save, fiber.stack.get(), FIBER_STACK);
+            swapcontext(&scheduler, &fiber.context);
+            SWITCHED(save);
+          }
+          ended += fiber.done;
         }
-    });
-  for (auto& thread : pool) thread.join();
+        if (ended != 0 && ended != threads) {
+          std::fprintf(stderr, "cuda_on_cpu: %u of a block's %u threads ended while the others wait at a barrier\n",
+                       ended, threads);
+          std::abort();
+        }
+      }
+    }
 }
 """
 
@@ -193,6 +260,7 @@ json.dump({"bodies": bodies, "tile_rows": cuda.TILE_ROWS, "dynamic_shared_bytes"
 
 SANITIZE_ENV = "CUDA_ON_CPU_SANITIZE"
 ASYNC_ENV = "CUDA_ON_CPU_ASYNC"  # "deferred": cp.async copies done at the wait (the shim's note)
+GENERATED_ENV = "CUDA_ON_CPU_GENERATED"  # a generate() output to reuse
 
 
 def cxx_compiler() -> str | None:
@@ -211,12 +279,22 @@ def asan_preload() -> str | None:
     return " ".join(found) if all(os.path.isabs(path) and os.path.exists(path) for path in found) else None
 
 
-def build(directory: Path) -> tuple[Path, dict]:
-    """Generates the kernels' CUDA source (in a fresh process: the TVM compiler must stay out of the
-    test process) and compiles it for the CPU; returns the library and the launch geometry."""
+def generate(directory: Path) -> Path:
+    """The kernels' CUDA source and launch geometry as ``directory/generated.json``, generated in a
+    fresh process (the TVM compiler must stay out of the test process; about a minute), or the file
+    ``GENERATED_ENV`` names (a test's own process under the sanitizer or with deferred copies reuses
+    its parent's)."""
+    if os.environ.get(GENERATED_ENV):
+        return Path(os.environ[GENERATED_ENV])
     generated = directory / "generated.json"
     environment = {name: value for name, value in os.environ.items() if name != "LD_PRELOAD"}  # (the sanitizer's)
     subprocess.run([sys.executable, "-c", _GENERATE, str(generated)], cwd=REPO, check=True, env=environment)
+    return generated
+
+
+def build(directory: Path, generated: Path) -> tuple[Path, dict]:
+    """Compiles :func:`generate`'s source for the CPU in ``directory``; returns the library and the
+    launch geometry."""
     info = json.loads(generated.read_text())
     body = "\n".join(info["bodies"])
     body = body.replace("__shared__ alignas(64)", "alignas(64) __shared__")  # attribute order C++ accepts

@@ -47,8 +47,13 @@ def case_id(case) -> str:
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    library, _ = cuda_on_cpu.build(tmp_path_factory.mktemp("cuda_on_cpu"))
+def generated(tmp_path_factory):
+    return cuda_on_cpu.generate(tmp_path_factory.mktemp("cuda_source"))
+
+
+@pytest.fixture(scope="module")
+def kernels(generated, tmp_path_factory):
+    library, _ = cuda_on_cpu.build(tmp_path_factory.mktemp("cuda_on_cpu"), generated)
     return ctypes.CDLL(str(library))
 
 
@@ -233,14 +238,14 @@ def test_cuda_attention_backward_code_carries_a_nan(kernels, case, kernel, which
 
 
 @pytest.mark.skipif(os.environ.get(cuda_on_cpu.ASYNC_ENV) is not None, reason="the run with deferred copies itself")
-def test_tensor_core_kernels_wait_for_their_copies(tmp_path):
+def test_tensor_core_kernels_wait_for_their_copies(tmp_path, generated):
     """The tensor-core forward loads each step's keys and values with cp.async while the step
     before computes, the backward's dK/dV kernel each step's queries and dO. With the harness's
     copies deferred to each thread's wait (a process of its own: ``cuda_on_cpu.ASYNC_ENV``), their
     results stay right on three cases (one of three feature blocks), so neither reads an operand
     before waiting for it; without the wait, 16 of the 18 forward cases fail that way, and 16 of
     the 18 backward ones (all pass with the copies done at once, as in the tests above)."""
-    environment = dict(os.environ, **{cuda_on_cpu.ASYNC_ENV: "deferred"})
+    environment = dict(os.environ, **{cuda_on_cpu.ASYNC_ENV: "deferred", cuda_on_cpu.GENERATED_ENV: str(generated)})
     tests = [f"{__file__}::test_cuda_attention{part}_code_matches_reference[{case_id(case)}-{dropout}-{kernel}]"
              for case in (CASES[0], CASES[3], CASES[-1]) for dropout in ("no-dropout", "dropout")
              for part, kernel in (("", "attention_mma"), ("_backward", "attention_backward_mma"))]
@@ -251,7 +256,7 @@ def test_tensor_core_kernels_wait_for_their_copies(tmp_path):
 
 @pytest.mark.skipif(os.environ.get(cuda_on_cpu.SANITIZE_ENV) is not None, reason="the run under the sanitizer itself")
 @pytest.mark.skipif(cuda_on_cpu.asan_preload() is None, reason="the C++ compiler has no AddressSanitizer runtime")
-def test_tensor_core_kernels_stay_inside_their_arrays(tmp_path):
+def test_tensor_core_kernels_stay_inside_their_arrays(tmp_path, generated):
     """The tensor-core kernels hand their device functions (ldmatrix, mma, the 16-byte copies)
     pointers into arrays that TVM sizes from the accesses it sees. Under AddressSanitizer (a
     process of its own, the runtime preloaded), their forward and backward on three cases (one
@@ -259,12 +264,16 @@ def test_tensor_core_kernels_stay_inside_their_arrays(tmp_path):
     pointer's first element only passed every case above on the CPU and failed 206 tests on an H200
     (bench/NOTES.md); this test fails on it."""
     environment = dict(os.environ, **{cuda_on_cpu.SANITIZE_ENV: "address", "LD_PRELOAD": cuda_on_cpu.asan_preload(),
+                                      cuda_on_cpu.GENERATED_ENV: str(generated),
                                       "ASAN_OPTIONS": f"detect_leaks=0:log_path={tmp_path / 'asan'}"})
     tests = [f"{__file__}::test_cuda_attention{part}_code_matches_reference[{case_id(case)}-{dropout}-{kernel}]"
              for case in (CASES[0], CASES[3], CASES[-1]) for dropout in ("no-dropout", "dropout")
              for part, kernel in (("", "attention_mma"), ("_backward", "attention_backward_mma"))]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                             env=environment, capture_output=True, text=True, cwd=cuda_on_cpu.REPO)
-    reports = sorted(tmp_path.glob("asan*"))
-    assert not reports, reports[0].read_text()[:4000]
+    # The sanitizer warns once that it does not fully support swapcontext (the shim's fibers, whose
+    # switches it is told of): that line alone is no finding.
+    reports = [text for text in (report.read_text() for report in sorted(tmp_path.glob("asan*")))
+               if any(line and "fully support makecontext/swapcontext" not in line for line in text.splitlines())]
+    assert not reports, reports[0][:4000]
     assert result.returncode == 0 and f"{len(tests)} passed" in result.stdout, result.stdout[-4000:]
