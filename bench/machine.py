@@ -35,7 +35,11 @@ def cpu_results_name() -> str:
 
 def source_commit() -> str:
     """This checkout's commit, ``-dirty`` when tracked files differ from it: for results' headers
-    ("" outside a git checkout or without git)."""
+    ("" outside a git checkout or without git). A tree made by ``tools/gpu_check.sh baseline`` (a
+    ``git archive``, inside another checkout whose commit git would report) names its own."""
+    archived = Path(__file__).resolve().parent.parent / ".source-commit"
+    if archived.is_file():
+        return archived.read_text().strip()
     try:
         return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
                               capture_output=True, text=True).stdout.strip()

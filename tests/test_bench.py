@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -322,3 +326,17 @@ def test_alternate_bench_times_both_and_restores_ours(tmp_path, monkeypatch, swi
     row = next(line for line in table.splitlines() if line.startswith("| float32 | forward |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert len(cells[2].split()) == len(cells[3].split()) == 2 and float(cells[4]) > 0
+
+
+def test_results_of_an_archived_tree_name_its_own_commit(tmp_path):
+    """A tree that `tools/gpu_check.sh baseline` made with `git archive` inside this checkout: its
+    results' headers must name the tree's commit (from .source-commit), not this checkout's."""
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parents[1] / "bench" / "machine.py", tree / "bench" / "machine.py")
+    (tree / "bench" / "__init__.py").write_text("")
+    (tree / ".source-commit").write_text("abc1234\n")
+    probe = "from bench.machine import source_commit; print(source_commit())"
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tree, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tree)}, check=True)
+    assert run.stdout.strip() == "abc1234"

@@ -42,13 +42,16 @@ if [ "${1:-}" = "wheels" ]; then
         -d .whl "apache-tvm-ffi==0.1.15.post2" "pytest-reportlog==1.0.0"  # tvm-ffi: pyproject.toml's pin
 fi
 
-if [ "${1:-}" = "baseline" ]; then  # trees of other commits, their libraries included (not their results)
+if [ "${1:-}" = "baseline" ]; then  # trees of other commits, their CUDA libraries included (not their results,
+    # tests or CPU libraries: a call carries 64 MiB at most, this checkout included)
     shift
     [ $# -gt 0 ] || { echo "usage: tools/gpu_check.sh baseline COMMIT..."; exit 2; }
     rm -rf .baseline && mkdir .baseline
     for commit in "$@"; do
         tree=".baseline/${commit//\//-}"
-        mkdir "$tree" && git archive "$commit" -- . ":(exclude)bench/results" | tar -x -C "$tree" || exit 1
+        mkdir "$tree" && git archive "$commit" -- . ":(exclude)bench/results" ":(exclude)tests" \
+            ":(exclude)prebuilt/cpu-*" | tar -x -C "$tree" || exit 1
+        git rev-parse --short "$commit" > "$tree/.source-commit"  # for its results' headers (bench/machine.py)
         echo "$tree: $(git rev-parse --short "$commit"), $(du -sh "$tree" | cut -f1)"
     done
     echo "carry .baseline with .whl ($(du -sh .baseline | cut -f1) in all)"
@@ -123,7 +126,10 @@ for tree in .baseline/*/; do
     [ -d "$tree" ] || continue
     name=$(basename "$tree")
     case " $STEPS " in *" baseline "*) STEPS="$STEPS baseline-$name" ;; esac
-    step "baseline-$name" env -C "$tree" PYTHONPATH="/tmp/site:$PWD/$tree" "$PYTHON" -m bench --device cuda \
+    # (git must not find this checkout around the tree: its commit is not the tree's; older trees' bench
+    # then says "commit ?", newer ones read .source-commit)
+    step "baseline-$name" env -C "$tree" PYTHONPATH="/tmp/site:$PWD/$tree" GIT_CEILING_DIRECTORIES="$PWD/.baseline" \
+        "$PYTHON" -m bench --device cuda \
         --out "$(realpath "$out")" --name "$gpu_name-baseline-$name" ${BASELINE_ARGS:---dtype bfloat16 \
         --seq-lens 16384 --ops local_attention --methods tvm --passes forward,forward+backward \
         --dilated-passes forward,forward+backward --repeats 5 --no-memory}
