@@ -111,6 +111,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_vendor() -> str:
+    """This CPU's vendor as /proc/cpuinfo's vendor_id names it (GenuineIntel, AuthenticAMD; "" if unknown)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _check_fresh(name: str, entry: dict) -> None:
     """Stale if the tvm_kernels/ sources next to us differ from those the library was built from."""
     inputs = entry.get("inputs", {})
@@ -151,6 +162,10 @@ def choose_library(manifest: dict, device: str, dtype: str, cuda_capability: tup
             raise KernelNotAvailableError(
                 f"no prebuilt CPU kernel runs on this CPU: missing instruction sets per library {missing} "
                 f"(the minimum is x86-64 with AVX2/FMA/F16C)")
+        if not forced:  # a library meant for other vendors' CPUs (its cpu_vendors) only where nothing else runs
+            vendor = cpu_vendor()
+            for_this_vendor = [(n, e) for n, e in runnable if not e.get("cpu_vendors") or vendor in e["cpu_vendors"]]
+            runnable = for_this_vendor or runnable
         return max(runnable, key=lambda item: item[1]["preference"])
     if device == "cuda":
         name, entry = candidates[0]

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{manifest['platform']})")
     print(f"torch:     {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     simd = sorted(f for f in _loader.cpu_flags() if f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16"))
-    print(f"CPU flags: {' '.join(simd) or 'unknown'}")
+    print(f"CPU:       {_loader.cpu_vendor() or 'vendor unknown'}, flags {' '.join(simd) or 'unknown'}")
     rows = availability()
     widths = {key: max(len(key), *(len(str(r[key])) for r in rows)) for key in ("op", "device", "dtype", "library")}
     print("  ".join(key.ljust(widths[key]) for key in widths) + "  status")

@@ -206,20 +206,36 @@ _AVX2_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
 _AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 
 
-@pytest.mark.parametrize("flags, dtype, expected", [
-    (_AVX2_FLAGS, "float32", "cpu-avx2"),
-    (_AVX2_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx2"),  # BF16 without AVX-512 foundation: not enough
-    (_AVX512_FLAGS, "float32", "cpu-avx512"),
-    (_AVX512_FLAGS, "bfloat16", "cpu-avx512"),  # Intel Skylake-X / Ice Lake: AVX-512 without BF16
-    (_AVX512_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx512-bf16"),  # AMD Zen 4, Intel Sapphire Rapids
-    (_AVX512_FLAGS | {"avx512_bf16"}, "float32", "cpu-avx512"),  # the bf16 library holds bfloat16 only
-    (_AVX512_FLAGS | {"avx512_bf16", "amx_bf16", "amx_tile"}, "float16", "cpu-avx512"),
+@pytest.mark.parametrize("vendor, flags, dtype, expected", [
+    ("AuthenticAMD", _AVX2_FLAGS, "float32", "cpu-avx2"),
+    ("AuthenticAMD", _AVX2_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx2"),  # BF16 without AVX-512 foundation: not enough
+    ("GenuineIntel", _AVX512_FLAGS, "float32", "cpu-avx512"),
+    ("GenuineIntel", _AVX512_FLAGS, "bfloat16", "cpu-avx512"),  # Skylake-X / Ice Lake: AVX-512 without BF16
+    ("AuthenticAMD", _AVX512_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx512-bf16"),  # Zen 4 and 5
+    ("AuthenticAMD", _AVX512_FLAGS | {"avx512_bf16"}, "float32", "cpu-avx512"),  # the bf16 library holds bfloat16 only
+    # Sapphire / Emerald Rapids: vdpbf16ps at half the FMAs' rate, cpu-avx512's FMAs faster
+    ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "avx512_fp16"}, "bfloat16", "cpu-avx512"),
+    ("", _AVX512_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx512"),  # vendor unknown: the library for any
+    ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "amx_bf16", "amx_tile"}, "float16", "cpu-avx512"),
 ])
-def test_loader_picks_the_library_for_the_cpu(monkeypatch, flags, dtype, expected):
+def test_loader_picks_the_library_for_the_cpu(monkeypatch, vendor, flags, dtype, expected):
     monkeypatch.setattr(_loader, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(_loader, "cpu_vendor", lambda: vendor)
     manifest = _loader._manifest_or_raise(_loader.prebuilt_dir())
     name, _ = _loader.choose_library(manifest, "cpu", dtype)
     assert name == f"{expected}/longformer_{dtype}.so"
+
+
+def test_a_library_for_other_vendors_runs_where_it_is_the_only_one_or_forced(monkeypatch):
+    """cpu_vendors is a preference, not a requirement: forced, or the only library that runs, it runs."""
+    monkeypatch.setattr(_loader, "cpu_flags", lambda: frozenset(_AVX512_FLAGS | {"avx512_bf16"}))
+    monkeypatch.setattr(_loader, "cpu_vendor", lambda: "GenuineIntel")
+    manifest = _loader._manifest_or_raise(_loader.prebuilt_dir())
+    monkeypatch.setenv(_loader.CPU_TARGET_ENV, "cpu-avx512-bf16")
+    assert _loader.choose_library(manifest, "cpu", "bfloat16")[0] == "cpu-avx512-bf16/longformer_bfloat16.so"
+    monkeypatch.delenv(_loader.CPU_TARGET_ENV)
+    only = {**manifest, "libraries": {n: e for n, e in manifest["libraries"].items() if e["target"] == "cpu-avx512-bf16"}}
+    assert _loader.choose_library(only, "cpu", "bfloat16")[0] == "cpu-avx512-bf16/longformer_bfloat16.so"
 
 
 def test_forced_cpu_target_is_used(monkeypatch):

@@ -163,6 +163,7 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
             "feature_multiple": _schedule_module(target).FEATURE_MULTIPLE,
             "preference": target.preference,
             "cpu_flags": list(target.cpu_flags),
+            "cpu_vendors": list(target.cpu_vendors),
             "cuda_archs": list(target.cuda_archs),
             "inputs": inputs,
             "sha256": _manifest.file_sha256(path),

@@ -56,6 +56,9 @@ class KernelTarget:
     dtypes: tuple[str, ...]
     preference: int = 0           # higher wins when several targets run on this machine
     cpu_flags: tuple[str, ...] = ()
+    # Chosen by itself only on CPUs of these vendors (/proc/cpuinfo's vendor_id; empty: any): where
+    # it runs elsewhere but a library of lower preference is faster there. Forcing it still works.
+    cpu_vendors: tuple[str, ...] = ()
     cuda_archs: tuple[str, ...] = ()
     isa: str = ""                 # CPU instruction set the hand-written kernels tile for (schedules/cpu/tiles.py)
     ops: tuple[str, ...] = OPS    # the functions built: band ops symmetric and causal (function_names)
@@ -92,7 +95,11 @@ TARGETS: dict[str, KernelTarget] = {
             ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
         ),
         # bfloat16 only: what differs from cpu-avx512 is bfloat16 arithmetic (vdpbf16ps); the other
-        # dtypes' libraries would be cpu-avx512's again.
+        # dtypes' libraries would be cpu-avx512's again. Chosen on AMD only: on the Zen 4 a vdpbf16ps
+        # does twice an FMA's products at the FMAs' rate; on an Intel Emerald Rapids it issues once
+        # every two cycles where FMAs issue twice a cycle (half the FMAs' products per second), and
+        # the fused attention in bfloat16 took 1.2-1.4x cpu-avx512's bfloat16 time there
+        # (bench/NOTES.md; Intel's other AVX512-BF16 cores not measured, assumed alike).
         KernelTarget(
             name="cpu-avx512-bf16",
             device="cpu",
@@ -101,6 +108,7 @@ TARGETS: dict[str, KernelTarget] = {
             dtypes=("bfloat16",),
             preference=3,
             cpu_flags=_V4_FLAGS + ("avx512_bf16",),
+            cpu_vendors=("AuthenticAMD",),
             isa="avx512-bf16",
             ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
         ),
