@@ -1,4 +1,4 @@
-"""What the custom-op layer costs per call: ``python -m bench.overhead [--compare-with REV]``.
+"""What the custom-op layer costs per call: ``python -m bench.overhead [--device cuda] [--compare-with REV]``.
 
 In one process, interleaved rounds (medians), for Q.K^T, probs.V and local attention (forward,
 and forward+backward for the public function) at a tiny size (fixed costs dominate), at n = 512
@@ -11,7 +11,10 @@ and forward+backward for the public function) at a tiny size (fixed costs domina
 
 ``--compare-with REV`` also times the public functions of another commit (a temporary git
 worktree), alternating processes of the two trees, to show the change against it.
-Writes ``bench/results/<cpu>-overhead.md``.
+``--device cuda``: the same on the GPU, where the tiny size's kernels take microseconds, so each
+figure is the host's time per call (calls issued back to back, one synchronisation per batch):
+the per-call floor that a single call timed with a synchronisation (``python -m bench``) adds.
+Writes ``bench/results/<cpu or gpu>-overhead.md``.
 """
 
 from __future__ import annotations
@@ -33,19 +36,19 @@ REPO = Path(__file__).resolve().parent.parent
 SIZES = {"tiny": (1, 16, 2, 32, 4), "n=512": (1, 512, 12, 64, 256), "n=4096": (1, 4096, 12, 64, 256)}  # (b, n, h, f, w)
 
 
-def _inputs(size):
+def _inputs(size, device="cpu"):
     b, n, h, f, w = SIZES[size]
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, n, h, f, generator=g) for _ in range(3))
-    band = torch.randn(b, n, h, 2 * w + 1, generator=g).softmax(-1)
+    q, k, v = (torch.randn(b, n, h, f, generator=g).to(device) for _ in range(3))
+    band = torch.randn(b, n, h, 2 * w + 1, generator=g).softmax(-1).to(device)
     return q, k, v, band, w, [1] * h
 
 
-def public_runners(size):
+def public_runners(size, device="cpu"):
     """The public functions only: these exist, with these signatures, in every version compared."""
     from longformer_ops import diagonaled_mm, sliding_window_attention
 
-    q, k, v, band, w, d = _inputs(size)
+    q, k, v, band, w, d = _inputs(size, device)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
 
     def forward_backward():
@@ -60,16 +63,16 @@ def public_runners(size):
     }
 
 
-def all_runners(size):
+def all_runners(size, device="cpu"):
     from longformer_ops import diagonaled_mm, kernels, sliding_window_attention
     from longformer_ops._output_cache import new_output
 
     ops = torch.ops.longformer_ops
-    q, k, v, band, w, d = _inputs(size)
+    q, k, v, band, w, d = _inputs(size, device)
     c = band.shape[-1]
     seed = torch.zeros((), dtype=torch.int64)
     dt = tuple(d)
-    runners = public_runners(size)
+    runners = public_runners(size, device)
     runners.update({
         ("qk", "kernel"): lambda: kernels._band_kernel("qk", q, k, w, dt, False, float("-inf"),
                                                        new_output(k, (*k.shape[:3], c))),
@@ -95,16 +98,20 @@ def all_runners(size):
     return runners
 
 
-def time_interleaved(runners, rounds: int, seconds_per_call: float = 0.05) -> dict:
+def time_interleaved(runners, rounds: int, seconds_per_call: float = 0.05, device: str = "cpu") -> dict:
     """Median seconds per call of each runner, over ``rounds`` rounds in a shuffled order; each
-    round times a batch of calls long enough to read the clock (``seconds_per_call`` at least)."""
+    round times a batch of calls long enough to read the clock (``seconds_per_call`` at least),
+    on a GPU with one synchronisation after the batch."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for run in runners.values():  # warm-up: library loads, compilation, output cache
         for _ in range(3):
             run()
+    sync()
     calls = {}
     for key, run in runners.items():
         start = time.perf_counter()
         run()
+        sync()
         calls[key] = max(1, int(seconds_per_call / max(time.perf_counter() - start, 1e-7)))
     samples = {key: [] for key in runners}
     keys = list(runners)
@@ -114,6 +121,7 @@ def time_interleaved(runners, rounds: int, seconds_per_call: float = 0.05) -> di
             start = time.perf_counter()
             for _ in range(calls[key]):
                 runners[key]()
+            sync()
             samples[key].append((time.perf_counter() - start) / calls[key])
     return {key: statistics.median(values) for key, values in samples.items()}
 
@@ -155,22 +163,26 @@ def compare_with(rev: str, size: str, alternations: int, rounds: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--compare-with", metavar="REV", help="also time the public functions of this git revision")
     parser.add_argument("--alternations", type=int, default=6, help="processes per tree for --compare-with")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    from bench.machine import cpu_results_name, source_commit
-    name = cpu_results_name()
+    from bench.machine import cpu_results_name, device_name, source_commit
+    if args.device.startswith("cuda") and args.compare_with:
+        parser.error("--compare-with times CPU processes only")
+    name = device_name(args.device) if args.device.startswith("cuda") else cpu_results_name()
     commit = source_commit()
     lines = [f"# Per-call cost of the custom-op layer ({name}, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads, at {commit})", "",
-             f"`python -m bench.overhead{' --compare-with ' + args.compare_with if args.compare_with else ''}`; "
+             f"`python -m bench.overhead{' --device ' + args.device if args.device != 'cpu' else ''}"
+             f"{' --compare-with ' + args.compare_with if args.compare_with else ''}`; "
              f"medians of {args.rounds} interleaved rounds, microseconds per call.", ""]
     methods = ["kernel", "custom op", "public", "compiled"]
     for size in SIZES:
         print(f"timing {size} ...", file=sys.stderr)
-        medians = time_interleaved(all_runners(size), args.rounds)
+        medians = time_interleaved(all_runners(size, args.device), args.rounds, device=args.device)
         b, n, h, f, w = SIZES[size]
         lines += [f"## {size}: batch {b}, n {n}, {h} heads of {f}, w {w}, float32", "",
                   "| op | " + " | ".join(methods) + " | custom op - kernel | public - kernel |",

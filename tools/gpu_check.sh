@@ -74,7 +74,7 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
 fi
 
 failed=0
-STEPS=${STEPS:-gpu info tests memcheck racecheck bench baseline}  # and flex (a second call), ncu
+STEPS=${STEPS:-gpu info tests memcheck racecheck bench overhead baseline}  # and flex (a second call), ncu
 limit() {  # limit NAME: its seconds from $LIMITS (baseline-X: baseline's), 0 (none) if not named
     local kv
     for kv in ${LIMITS:-}; do [ "${kv%%=*}" = "${1%%-*}" ] && { echo "${kv#*=}"; return; }; done
@@ -115,6 +115,9 @@ step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 "$PYTHON" t
 step bench "$PYTHON" -m bench --device cuda --out "$out" ${BENCH_ARGS:---dtype float32,bfloat16 --seq-lens 16384 \
     --ops local_attention,qk_band,pv_band,transposed_band --methods tvm,tvm_steps_torch_softmax,sliding_chunks \
     --passes forward,forward+backward --dilated-passes forward,forward+backward --repeats 5}
+# The per-call floor: each op's host time per call (kernel alone, custom op, public function,
+# compiled) at a size whose kernels take microseconds (bench/overhead.py).
+step overhead "$PYTHON" -m bench.overhead --device cuda --out "$out"
 gpu_name=""
 case " $STEPS " in  # (the results' name: only where the step runs, each import of torch costs device time)
     *" flex "* | *" baseline "*) gpu_name=$("$PYTHON" -c "from bench.machine import device_name; print(device_name('cuda'))") ;;
