@@ -193,15 +193,16 @@ def layer_norm_available(device: torch.device, dtype: torch.dtype) -> bool:
 MIN_QUERIES_PER_RUN = 256
 
 
+@functools.lru_cache(maxsize=256)  # per call otherwise: up to n / 513 candidates tried each time
 def query_runs(batch_heads: int, n: int, w: int, threads: int) -> int:
     """How many runs of consecutive queries the CPU kernels split each (batch, head) into, so that
     batch x heads x runs tasks spread evenly over ``threads`` (their parallel loop gives each thread
     one contiguous share: 12 heads on 8 threads left 2 of them idle): the fewest runs with the least
     work on the busiest thread, each run at least ``MIN_QUERIES_PER_RUN`` and 2w + 1 queries long
     (the kernels' own minimum)."""
-    most = max(1, n // max(MIN_QUERIES_PER_RUN, 2 * w + 1))
     if batch_heads <= 0 or threads <= 1:
         return 1
+    most = max(1, n // max(MIN_QUERIES_PER_RUN, 2 * w + 1))
     # A thread's work in heads' worth: ceil(tasks / threads) tasks of 1/runs of a head each.
     return min(range(1, most + 1), key=lambda runs: -(-batch_heads * runs // threads) / runs)
 
