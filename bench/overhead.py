@@ -102,7 +102,11 @@ def time_interleaved(runners, rounds: int, seconds_per_call: float = 0.05, devic
     """Median seconds per call of each runner, over ``rounds`` rounds in a shuffled order; each
     round times a batch of calls long enough to read the clock (``seconds_per_call`` at least),
     on a GPU with one synchronisation after the batch."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    from bench.measure import synchronize
+
+    def sync():
+        synchronize(device)
+
     for run in runners.values():  # warm-up: library loads, compilation, output cache
         for _ in range(3):
             run()

@@ -100,26 +100,25 @@ def _manifest_or_raise(directory: Path) -> dict:
     return manifest
 
 
-def cpu_flags() -> frozenset[str]:
-    """CPU feature flags of this machine, as /proc/cpuinfo names them (empty if unknown)."""
+def _cpuinfo(field: str) -> str:
+    """The first value of ``field`` in /proc/cpuinfo ("" if unknown)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_vendor() -> str:
-    """This CPU's vendor as /proc/cpuinfo's vendor_id names it (GenuineIntel, AuthenticAMD; "" if unknown)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """CPU feature flags of this machine, as /proc/cpuinfo names them (empty if unknown)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """This CPU's vendor as /proc/cpuinfo's vendor_id names it (GenuineIntel, AuthenticAMD; "" if unknown)."""
+    return _cpuinfo("vendor_id")
 
 
 def _check_fresh(name: str, entry: dict) -> None:
