@@ -28,8 +28,9 @@ kernels: setup
 		-DKERNEL_TARGETS="$(TARGETS)" -DKERNEL_DTYPES="$(DTYPES)" > /dev/null
 	cmake --build build/cmake --target kernels -- --no-print-directory
 
+# A worker per core (pytest-xdist; conftest gives each one intra-op thread).
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto
 
 bench: kernels
 	$(PY) -m bench $(BENCH_ARGS)

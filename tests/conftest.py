@@ -8,6 +8,7 @@ seeded from its id (printed on failure); generators made in tests take stable_se
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -73,6 +74,14 @@ def assert_normwise_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dty
 def stable_seed(*parts) -> int:
     """A seed from stable values (not ``hash()``, which Python randomises per process)."""
     return zlib.crc32(repr(parts).encode())
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs a worker per core), one intra-op thread per worker:
+    the workers already fill the cores, and OpenMP threads spinning against another process's
+    only slow both. Tests about thread counts set their own, or run a fresh interpreter."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

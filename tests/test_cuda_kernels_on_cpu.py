@@ -8,12 +8,14 @@ compute-sanitizer."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
 import subprocess
 import sys
 
+import filelock
 import pytest
 import torch
 
@@ -46,15 +48,32 @@ def case_id(case) -> str:
     return "-".join(map(str, case)).replace(" ", "")
 
 
+@contextlib.contextmanager
+def _run_wide_directory(tmp_path_factory, name):
+    """``name`` in this test run's temporary directory, which every pytest-xdist worker sees (``make
+    test`` runs one per core; each has a subdirectory of the run's), held under a file lock: what
+    the first worker makes there (the harness's generation and build take minutes), the others reuse."""
+    base = tmp_path_factory.getbasetemp()
+    directory = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    directory.mkdir(exist_ok=True)
+    with filelock.FileLock(f"{directory}.lock"):
+        yield directory
+
+
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
-    return cuda_on_cpu.generate(tmp_path_factory.mktemp("cuda_source"))
+    with _run_wide_directory(tmp_path_factory, "cuda_source") as directory:
+        source = directory / "generated.json"
+        return source if source.exists() else cuda_on_cpu.generate(directory)
 
 
 @pytest.fixture(scope="module")
 def kernels(generated, tmp_path_factory):
-    library, _ = cuda_on_cpu.build(tmp_path_factory.mktemp("cuda_on_cpu"), generated)
-    return ctypes.CDLL(str(library))
+    with _run_wide_directory(tmp_path_factory, "cuda_on_cpu") as directory:
+        library = directory / "kernels.so"
+        if not library.exists():
+            library, _ = cuda_on_cpu.build(directory, generated)
+        return ctypes.CDLL(str(library))
 
 
 def _call(kernels, name, shape, **arguments):
