@@ -98,8 +98,8 @@ TARGETS: dict[str, KernelTarget] = {
         # dtypes' libraries would be cpu-avx512's again. Chosen on AMD only: on the Zen 4 a vdpbf16ps
         # does twice an FMA's products at the FMAs' rate; on an Intel Emerald Rapids it issues once
         # every two cycles where FMAs issue twice a cycle (half the FMAs' products per second), and
-        # the fused attention in bfloat16 took 1.2-1.4x cpu-avx512's bfloat16 time there
-        # (bench/NOTES.md; Intel's other AVX512-BF16 cores not measured, assumed alike).
+        # the fused attention in bfloat16 took 1.2-1.4x float32's time there, 1.3-1.5x cpu-avx512's
+        # bfloat16 (bench/NOTES.md; Intel's other AVX512-BF16 cores not measured, assumed alike).
         KernelTarget(
             name="cpu-avx512-bf16",
             device="cpu",

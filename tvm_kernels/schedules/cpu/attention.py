@@ -22,6 +22,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _rounded,
     _run_origin,
     _run_tiles,
+    _transpose_square,
     _zero_tile,
 )
 from tvm_kernels.schedules.cpu import bf16_dot
@@ -77,6 +78,23 @@ def _attention_tile_operand(queries, t_rows, query, b, h, head_dim, scale, rows,
 
 
 @T.macro
+def _attention_tile_operand_transposed(queries, tile, scratch, t_rows, query, b, h, head_dim, scale, lanes, acc_dtype):
+    """queries[f, r] = the tile's row r of ``t_rows`` times ``scale`` (feature-major; the tile has
+    ``lanes`` rows), a square of features at a time transposed in registers. The Q.K^T micro-kernel
+    then finds row r's feature f at a constant offset from feature f's first: with rows head_dim
+    apart (a stride known only at run time) it spent an address addition per broadcast, which on
+    an Intel core competes with the FMAs for issue (bench/NOTES.md)."""
+    for chunk in range(head_dim // T.int64(lanes)):
+        for r in T.unroll(lanes):
+            for f in T.vectorized(lanes):
+                tile[r, f] = T.Cast(acc_dtype, t_rows[b, query[r], h, chunk * T.int64(lanes) + f]) * T.Cast(acc_dtype, scale)
+        _transpose_square(tile, scratch, lanes)
+        for f in T.unroll(lanes):
+            for r in T.vectorized(lanes):
+                queries[chunk * T.int64(lanes) + T.int64(f), r] = tile[f, r]
+
+
+@T.macro
 def _attention_tile_blocks(tile_blocks, begin, end, rows, cols):
     """tile_blocks = the key blocks (relative to block0) holding a valid column of some row of the
     tile: at the sequence's ends and, dilated, at each residue class's ends the band reaches past
@@ -102,11 +120,12 @@ def _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, value):
 
 @T.macro
 def _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, sub_rows, cols, acc_dtype,
-                           with_bias, dot, scale):
+                           with_bias, dot, scale, transposed=False):
     """scores[r, c] = queries[r] . packed key (block0 * cols + c) (+ that key's bias), for the key
     blocks [tile_blocks[0], tile_blocks[1]) (relative to block0), ``sub_rows`` rows (the register
     tile ``acc``) at a time. ``dot``: queries and keys are bfloat16 feature pairs (bf16_dot.py),
-    the products times ``scale`` (the float kernels scale the queries instead)."""
+    the products times ``scale`` (the float kernels scale the queries instead). ``transposed``:
+    queries feature-major, ``queries[f, r]`` (:func:`_attention_tile_operand_transposed`)."""
     for sub in range(rows // sub_rows):
         row0: T.let = sub * T.int64(sub_rows)
         for block in range(tile_blocks[0], tile_blocks[1]):
@@ -120,7 +139,10 @@ def _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_bloc
                 for f in range(head_dim):
                     for r in T.unroll(sub_rows):
                         for lane in T.vectorized(cols):
-                            acc[r, lane] = acc[r, lane] + queries[row0 + T.int64(r), f] * keys[block0 + block, f, lane]
+                            if transposed:
+                                acc[r, lane] = acc[r, lane] + queries[f, row0 + T.int64(r)] * keys[block0 + block, f, lane]
+                            else:
+                                acc[r, lane] = acc[r, lane] + queries[row0 + T.int64(r), f] * keys[block0 + block, f, lane]
             for r in T.unroll(sub_rows):
                 for lane in T.vectorized(cols):
                     if with_bias:
@@ -163,34 +185,56 @@ def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin
                         out[b, query[g * group + r], h, column + lane] = _rounded(dtype, out_acc[r, lane] * row_scale[g * group + r])
 
 
+# Independent running maxima per row in the softmax's first pass: one chain waited on each vmaxps
+# (latency 4 on an Intel core) where the loop issues one every half cycle.
+_MAX_CHAINS = 4
+
+
+def _lanes_reduced(kind, buffer, row, lanes):
+    """The max or sum (``kind``) of buffer[row, 0 .. lanes) as a balanced tree (a plain Python
+    helper building the expression): log2(lanes) dependent steps where a running fold took
+    lanes - 1 (each ~4 cycles)."""
+    terms = [buffer[row, lane] for lane in range(lanes)]
+    while len(terms) > 1:
+        terms = [T.max(x, y) if kind == "max" else x + y for x, y in zip(terms[::2], terms[1::2])]
+    return terms[0]
+
+
 @T.macro
 def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin, end, tile_blocks, rows, cols, lanes,
                             acc_dtype, dtype, minus_inf):
     """Each row, over the tile's computed blocks: -inf at its invalid and out-of-band columns (exp
     gives exactly 0 there), then exp(score - row max) in place, 1 / their sum, and the row's
-    log-sum-exp of the scores (-inf for a row with no key)."""
+    log-sum-exp of the scores (-inf for a row with no key). ``partial``: _MAX_CHAINS x lanes."""
+    first: T.let = tile_blocks[0] * T.int64(cols // lanes)  # the row's computed vectors
+    count: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols // lanes)
     for r in range(rows):
         _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, minus_inf)
-        for lane in T.vectorized(lanes):
-            partial[lane] = minus_inf
-        for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
+        for chain in T.unroll(_MAX_CHAINS):
             for lane in T.vectorized(lanes):
-                partial[lane] = T.max(partial[lane], scores[r, vector * T.int64(lanes) + lane])
-        row_max[0] = partial[0]
-        for lane in range(1, lanes):
-            row_max[0] = T.max(row_max[0], partial[lane])
+                partial[chain, lane] = minus_inf
+        for step in range(count // T.int64(_MAX_CHAINS)):
+            for chain in T.unroll(_MAX_CHAINS):
+                for lane in T.vectorized(lanes):
+                    partial[chain, lane] = T.max(partial[chain, lane],
+                                                 scores[r, (first + step * T.int64(_MAX_CHAINS) + T.int64(chain)) * T.int64(lanes) + lane])
+        for vector in range(first + count // T.int64(_MAX_CHAINS) * T.int64(_MAX_CHAINS), first + count):
+            for lane in T.vectorized(lanes):
+                partial[0, lane] = T.max(partial[0, lane], scores[r, vector * T.int64(lanes) + lane])
+        for chain in T.unroll(1, _MAX_CHAINS):
+            for lane in T.vectorized(lanes):
+                partial[0, lane] = T.max(partial[0, lane], partial[chain, lane])
+        row_max[0] = _lanes_reduced("max", partial, 0, lanes)
         if row_max[0] == minus_inf:  # a row past the end (never stored): no NaN from -inf - -inf
             row_max[0] = T.Cast(acc_dtype, 0)
         for lane in T.vectorized(lanes):
-            partial[lane] = T.Cast(acc_dtype, 0)
-        for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
+            partial[0, lane] = T.Cast(acc_dtype, 0)
+        for vector in range(first, first + count):
             for lane in T.vectorized(lanes):
                 scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype,
                                                                  is_half(dtype))
-                partial[lane] = partial[lane] + scores[r, vector * T.int64(lanes) + lane]
-        reciprocal[r] = T.Cast(acc_dtype, 0)
-        for lane in range(lanes):
-            reciprocal[r] = reciprocal[r] + partial[lane]
+                partial[0, lane] = partial[0, lane] + scores[r, vector * T.int64(lanes) + lane]
+        reciprocal[r] = _lanes_reduced("sum", partial, 0, lanes)
         log_sum[r] = row_max[0] + T.log(reciprocal[r])  # one scalar log per row; log(0) = -inf
         # 1 / sum, 0 for a row with no key; a NaN sum (a NaN score) stays NaN.
         reciprocal[r] = T.Select(reciprocal[r] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / reciprocal[r])
@@ -322,6 +366,8 @@ def attention(dtype: str, autoregressive: bool, isa: str):
     dot = tiles_for(isa).dot_product_for(dtype)
     features_per_step = 2 if dot else 1  # packed keys: features (FMA) or pairs of features (dot)
     packed_dtype = "int32" if dot else acc_dtype
+    # The tile's queries feature-major where the tile is a square of vectors (AVX-512's float kernels).
+    transposed = not dot and rows == lanes and lanes in (8, 16)
 
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
@@ -367,7 +413,10 @@ def attention(dtype: str, autoregressive: bool, isa: str):
             # The dot product's probabilities: bfloat16 pairs of scores columns (the float kernels
             # read the scores themselves).
             probs = T.decl_buffer((T.int64(rows), (band + T.int64(rows + 2 * cols + 1)) // T.int64(2)), "int32") if dot else ()
-            queries = T.decl_buffer((T.int64(rows), head_dim // T.int64(features_per_step)), packed_dtype)
+            queries = T.decl_buffer((head_dim, T.int64(rows)) if transposed else (T.int64(rows), head_dim // T.int64(features_per_step)),
+                                    packed_dtype)
+            query_tile = T.alloc_local((rows, rows), acc_dtype, annotations=_ON_STACK) if transposed else ()
+            query_scratch = T.alloc_local((rows, rows), acc_dtype, annotations=_ON_STACK) if transposed else ()
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
             key_tile = T.alloc_local((cols, lanes), packed_dtype, annotations=_ON_STACK)
@@ -375,7 +424,7 @@ def attention(dtype: str, autoregressive: bool, isa: str):
             end = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             row_scale = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
             log_sum = T.alloc_local((rows,), acc_dtype, annotations=_ON_STACK)
-            partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            partial = T.alloc_local((_MAX_CHAINS, lanes), acc_dtype, annotations=_ON_STACK)
             row_max = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
             span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             tile_blocks = T.alloc_local((2,), "int64", annotations=_ON_STACK)
@@ -397,11 +446,14 @@ def attention(dtype: str, autoregressive: bool, isa: str):
                 _prefetch_next_tile(q, b, row_of, p0, rows, n, h, head_dim, per_line)
                 if dot:
                     bf16_dot.copy_word_rows(queries, query_words, query, b, h, head_dim, rows)
+                elif transposed:
+                    _attention_tile_operand_transposed(queries, query_tile, query_scratch, q, query, b, h, head_dim, scale,
+                                                       lanes, acc_dtype)
                 else:
                     _attention_tile_operand(queries, q, query, b, h, head_dim, scale, rows, lanes, acc_dtype)
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
                 _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, rows, cols,
-                                       acc_dtype, True, dot, scale)
+                                       acc_dtype, True, dot, scale, transposed)
                 _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, tile_blocks, rows, cols,
                                         lanes, acc_dtype, dtype, minus_inf)
                 for r in range(rows):
@@ -454,6 +506,9 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
         raise ValueError(f"tiles.py: backward_tile_rows {rows} must be even for the bfloat16 dot product ({isa})")
     features_per_step = 2 if dot else 1
     packed_dtype = "int32" if dot else acc_dtype
+    # Q and dO feature-major too for the two Q.K^T-shaped products (see attention); dK and dV read
+    # them as rows.
+    transposed = not dot and rows == lanes and lanes in (8, 16)
 
     @T.prim_func
     def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
@@ -523,6 +578,10 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
             kept = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)  # P with dropout
             queries = T.decl_buffer((T.int64(rows), head_dim // T.int64(features_per_step)), packed_dtype)
             grad_rows = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
+            queries_t = T.decl_buffer((head_dim, T.int64(rows)), acc_dtype) if transposed else ()
+            grad_rows_t = T.decl_buffer((head_dim, T.int64(rows)), acc_dtype) if transposed else ()
+            operand_tile = T.alloc_local((rows, rows), acc_dtype, annotations=_ON_STACK) if transposed else ()
+            operand_scratch = T.alloc_local((rows, rows), acc_dtype, annotations=_ON_STACK) if transposed else ()
             # The dot product's tile operands: dO rows as feature pairs (dP), Q and dO rows as pairs
             # of rows (dK, dV), dS as pairs of columns (dQ) and P, dS as pairs of rows (dV, dK).
             grad_row_words = T.decl_buffer((T.int64(rows), head_dim // T.int64(2)), "int32") if dot else ()
@@ -575,21 +634,28 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                     bf16_dot.copy_row_pairs(query_pairs, query_bits, query, b, h, head_dim, rows)
                 else:
                     _attention_tile_operand(queries, q, query, b, h, head_dim, scale, rows, lanes, acc_dtype)
+                    if transposed:
+                        _attention_tile_operand_transposed(queries_t, operand_tile, operand_scratch, q, query, b, h, head_dim,
+                                                           scale, lanes, acc_dtype)
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
                 start: T.let = tile_blocks[0] * T.int64(cols)  # the computed columns: [start, start + width)
                 width: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols)
-                _attention_tile_scores(probs, acc, queries, keys_k, biases, block0, tile_blocks, head_dim, rows, qk_rows, cols,
-                                       acc_dtype, True, dot, scale)
+                _attention_tile_scores(probs, acc, queries_t if transposed else queries, keys_k, biases, block0, tile_blocks,
+                                       head_dim, rows, qk_rows, cols, acc_dtype, True, dot, scale, transposed)
                 _attention_tile_probs(probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, dtype,
                                       minus_inf)
                 _attention_tile_operand(grad_rows, grad, query, b, h, head_dim, T.float64(1), rows, lanes, acc_dtype)
+                if transposed:
+                    _attention_tile_operand_transposed(grad_rows_t, operand_tile, operand_scratch, grad, query, b, h, head_dim,
+                                                       T.float64(1), lanes, acc_dtype)
                 _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows,
                                        lanes, acc_dtype)
                 if dot:
                     bf16_dot.copy_word_rows(grad_row_words, grad_words, query, b, h, head_dim, rows)
                     bf16_dot.copy_row_pairs(grad_pairs, grad_bits, query, b, h, head_dim, rows)
-                _attention_tile_scores(grads, acc, grad_row_words if dot else grad_rows, keys_v, biases, block0, tile_blocks,
-                                       head_dim, rows, qk_rows, cols, acc_dtype, False, dot, T.float64(1))
+                _attention_tile_scores(grads, acc, grad_row_words if dot else (grad_rows_t if transposed else grad_rows), keys_v,
+                                       biases, block0, tile_blocks, head_dim, rows, qk_rows, cols, acc_dtype, False, dot,
+                                       T.float64(1), transposed)
                 if dropout > T.float64(0):  # the forward's mask Z: dP = (dO . V^T) * Z, dV from P * Z
                     for r in range(rows):
                         _fill_run(kept, r, start, start + width, T.Cast(acc_dtype, 0), lanes)
