@@ -22,7 +22,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _rounded,
     _run_origin,
     _run_tiles,
-    _transpose_square,
+    _rows_feature_major,
     _zero_tile,
 )
 from tvm_kernels.schedules.cpu import bf16_dot
@@ -78,23 +78,6 @@ def _attention_tile_operand(queries, t_rows, query, b, h, head_dim, scale, rows,
 
 
 @T.macro
-def _attention_tile_operand_transposed(queries, tile, scratch, t_rows, query, b, h, head_dim, scale, lanes, acc_dtype):
-    """queries[f, r] = the tile's row r of ``t_rows`` times ``scale`` (feature-major; the tile has
-    ``lanes`` rows), a square of features at a time transposed in registers. The Q.K^T micro-kernel
-    then finds row r's feature f at a constant offset from feature f's first: with rows head_dim
-    apart (a stride known only at run time) it spent an address addition per broadcast, which on
-    an Intel core competes with the FMAs for issue (bench/NOTES.md)."""
-    for chunk in range(head_dim // T.int64(lanes)):
-        for r in T.unroll(lanes):
-            for f in T.vectorized(lanes):
-                tile[r, f] = T.Cast(acc_dtype, t_rows[b, query[r], h, chunk * T.int64(lanes) + f]) * T.Cast(acc_dtype, scale)
-        _transpose_square(tile, scratch, lanes)
-        for f in T.unroll(lanes):
-            for r in T.vectorized(lanes):
-                queries[chunk * T.int64(lanes) + T.int64(f), r] = tile[f, r]
-
-
-@T.macro
 def _attention_tile_blocks(tile_blocks, begin, end, rows, cols):
     """tile_blocks = the key blocks (relative to block0) holding a valid column of some row of the
     tile: at the sequence's ends and, dilated, at each residue class's ends the band reaches past
@@ -125,7 +108,7 @@ def _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_bloc
     blocks [tile_blocks[0], tile_blocks[1]) (relative to block0), ``sub_rows`` rows (the register
     tile ``acc``) at a time. ``dot``: queries and keys are bfloat16 feature pairs (bf16_dot.py),
     the products times ``scale`` (the float kernels scale the queries instead). ``transposed``:
-    queries feature-major, ``queries[f, r]`` (:func:`_attention_tile_operand_transposed`)."""
+    queries feature-major, ``queries[f, r]`` (:func:`microkernels._rows_feature_major`)."""
     for sub in range(rows // sub_rows):
         row0: T.let = sub * T.int64(sub_rows)
         for block in range(tile_blocks[0], tile_blocks[1]):
@@ -447,8 +430,8 @@ def attention(dtype: str, autoregressive: bool, isa: str):
                 if dot:
                     bf16_dot.copy_word_rows(queries, query_words, query, b, h, head_dim, rows)
                 elif transposed:
-                    _attention_tile_operand_transposed(queries, query_tile, query_scratch, q, query, b, h, head_dim, scale,
-                                                       lanes, acc_dtype)
+                    _rows_feature_major(queries, query_tile, query_scratch, q, query, b, h, head_dim, scale, lanes,
+                                        acc_dtype)
                 else:
                     _attention_tile_operand(queries, q, query, b, h, head_dim, scale, rows, lanes, acc_dtype)
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
@@ -635,8 +618,8 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                 else:
                     _attention_tile_operand(queries, q, query, b, h, head_dim, scale, rows, lanes, acc_dtype)
                     if transposed:
-                        _attention_tile_operand_transposed(queries_t, operand_tile, operand_scratch, q, query, b, h, head_dim,
-                                                           scale, lanes, acc_dtype)
+                        _rows_feature_major(queries_t, operand_tile, operand_scratch, q, query, b, h, head_dim, scale,
+                                            lanes, acc_dtype)
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
                 start: T.let = tile_blocks[0] * T.int64(cols)  # the computed columns: [start, start + width)
                 width: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols)
@@ -646,8 +629,8 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                                       minus_inf)
                 _attention_tile_operand(grad_rows, grad, query, b, h, head_dim, T.float64(1), rows, lanes, acc_dtype)
                 if transposed:
-                    _attention_tile_operand_transposed(grad_rows_t, operand_tile, operand_scratch, grad, query, b, h, head_dim,
-                                                       T.float64(1), lanes, acc_dtype)
+                    _rows_feature_major(grad_rows_t, operand_tile, operand_scratch, grad, query, b, h, head_dim,
+                                        T.float64(1), lanes, acc_dtype)
                 _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows,
                                        lanes, acc_dtype)
                 if dot:

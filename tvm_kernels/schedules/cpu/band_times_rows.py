@@ -13,6 +13,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _accumulate,
     _fill_residue_major,
     _load_tile,
+    _prefetch_element,
     _prefetch_line,
     _prefetch_row,
     _run_origin,
@@ -120,13 +121,15 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
     offset_is_w = 0 if transposed and autoregressive else 1
 
     @T.macro
-    def tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin, tile_begin, tile_end, rows, cols):
+    def tiles(t1, band_flat, out, row_of, packed, b, h, d, n, heads, band, head_dim, offset, margin, tile_begin, tile_end,
+              rows, cols):
         """The tiles [tile_begin, tile_end) of ``rows`` packed rows x ``cols`` output features (the
-        packed rows start at the first tile's first step: ``margin`` rows before the first row)."""
+        packed rows start at the first tile's first step: ``margin`` rows before the first row).
+        ``band_flat``: t1 as one flat buffer, for the direct loops' addresses (below)."""
         weights = T.decl_buffer((band + T.int64(rows), T.int64(rows)) if transposed
                                 else (T.int64(rows), band + T.int64(rows)), acc_dtype)
         query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
-        next_row = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
+        next_row = T.alloc_local((rows,), "int64", annotations=_ON_STACK)  # flat index of each next row's band
         low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
         high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
         acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
@@ -147,6 +150,9 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                 # The FMA loop reads its weights straight from the band rows; only the two
                 # triangles k < rows - 1 and k >= band, where some row has no column, select.
                 k_low: T.let = T.max(low[0], T.int64(rows - 1))
+                # Transposed: the flat index of step k's first weight is weights_at + k * weights_step.
+                weights_at: T.let = ((b * n + query[0] - offset * d) * heads + h) * band + band - T.int64(1)
+                weights_step: T.let = d * heads * band - T.int64(1)
                 k_high: T.let = T.max(T.min(k_end, band), k_low)
                 for feature_tile in range(head_dim // T.int64(cols)):
                     _zero_tile(acc, rows, cols, acc_dtype)
@@ -157,7 +163,7 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                                 T.Cast(acc_dtype, 0)))
                     _save_tile(sums, acc, feature_tile * T.int64(cols), rows, cols)
                 for r in range(rows):
-                    next_row[r] = row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))]  # the next tile's rows
+                    next_row[r] = ((b * n + row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))]) * heads + h) * band
                 steps: T.let = T.int64(chunk_steps) if chunk_steps > 0 else band + T.int64(rows)
                 # The chunks by an index from 0: the same loop written from k_low // steps to its end
                 # computed wrong sums under TVM 0.27 (cause not isolated; tests caught it).
@@ -170,32 +176,35 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                         # once they fill the miss queue and the FMA loop stalls (perf).
                         for line in range((chunk_steps + per_line - 1) // per_line):
                             for r in range(rows):
-                                _prefetch_line(t1, b, next_row[r], h, T.min(chunk + T.int64(line * per_line), band - T.int64(1)))
+                                _prefetch_element(band_flat, next_row[r] + T.min(chunk + T.int64(line * per_line), band - T.int64(1)))
                     if stage_weights:
                         _stage_chunk(staged, t1, query, b, h, d, offset, band, chunk, k_from, k_to, chunk_steps, rows, acc_dtype, transposed)
                     for feature_tile in range(head_dim // T.int64(cols)):
                         _load_tile(acc, sums, feature_tile * T.int64(cols), rows, cols)
                         for k in range(k_from, k_to):
                             if transposed:
-                                # The band row of packed row p0 - offset + k, in the tile's residue
-                                # class (the loop bounds keep it there): no row table in the loop,
-                                # the weights' address advances by a constant per step.
-                                source: T.let = query[0] + (k - offset) * d
+                                # Step k's weights: columns band - 1 - k + r of the band row of packed
+                                # row p0 - offset + k, in the tile's residue class (the loop bounds
+                                # keep it there), so their flat index advances by a constant per
+                                # step. Written as t1[b, row, h, column], it cost ~20 integer
+                                # operations a step, against 16 FMAs (perf on an Intel Xeon).
+                                at: T.let = weights_at + k * weights_step
                                 if not stage_weights:
                                     # The next tile reads the next `rows` entries of this band row
-                                    # (its last one: column band - 1 - k + 2 * rows - 1): fetch that
-                                    # line now. Without it head_dim 32 (one pass per tile) ran 2.5x
-                                    # slower per FLOP than 64 (bench/NOTES.md).
-                                    _prefetch_line(t1, b, source, h, T.min(band + T.int64(2 * rows - 2) - k, band - T.int64(1)))
+                                    # (its last one `2 * rows - 1` on): fetch that line now (for the
+                                    # first steps it is the next head's row: a hint, harmless).
+                                    # Without it head_dim 32 (one pass per tile) ran 2.5x slower per
+                                    # FLOP than 64 (bench/NOTES.md).
+                                    _prefetch_element(band_flat, at + T.int64(2 * rows - 1))
                                 for r in T.unroll(rows):
                                     _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols,
                                                 staged[k - chunk, r] if stage_weights else
-                                                T.Cast(acc_dtype, t1[b, source, h, band - T.int64(1) - k + T.int64(r)]))
+                                                T.Cast(acc_dtype, band_flat[at + T.int64(r)]))
                             else:
                                 if chunk_steps == 0:
                                     # Fetch the next tile's band rows, a line per step.
-                                    _prefetch_line(t1, b, row_of[T.min(p0 + T.int64(rows) + k % T.int64(rows), n - T.int64(1))], h,
-                                                   T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
+                                    _prefetch_element(band_flat, next_row[k % T.int64(rows)]
+                                                      + T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
                                 for r in T.unroll(rows):
                                     _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols,
                                                 staged[r, k - chunk] if stage_weights else
@@ -267,6 +276,7 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
         t2 = T.match_buffer(t2_handle, (batch, n, heads, head_dim), dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
+        band_flat = T.decl_buffer((batch * n * heads * band,), dtype, data=t1.data)
         w: T.let = T.int64(causal) * (band - T.int64(1)) + T.int64(1 - causal) * ((band - T.int64(1)) // T.int64(2))
         offset: T.let = T.int64(offset_is_w) * w
         tiles_total: T.let = (n + T.int64(rows - 1)) // T.int64(rows)
@@ -298,10 +308,11 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                         for lane in T.vectorized(lanes):
                             packed[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
             if wide_cols > 0 and head_dim % T.int64(wide_cols) == 0:
-                tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin,
+                tiles(t1, band_flat, out, row_of, packed, b, h, d, n, heads, band, head_dim, offset, margin,
                       tile_begin * T.int64(rows // 4), T.min(tile_end * T.int64(rows // 4), (n + T.int64(3)) // T.int64(4)), 4,
                       wide_cols)
             else:
-                tiles(t1, out, row_of, packed, b, h, d, n, band, head_dim, offset, margin, tile_begin, tile_end, rows, cols)
+                tiles(t1, band_flat, out, row_of, packed, b, h, d, n, heads, band, head_dim, offset, margin, tile_begin, tile_end,
+                      rows, cols)
 
     return main

@@ -61,6 +61,13 @@ def _prefetch_line(x, b, row, h, column, write=0):
 
 
 @T.macro
+def _prefetch_element(x, index):
+    """Ask for the cache line of the flat buffer x's element ``index`` (a hint: an index past the
+    buffer's end faults nothing)."""
+    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[index]), T.int32(0), T.int32(3), T.int32(1)))
+
+
+@T.macro
 def _prefetch_row(x, b, row, h, length, per_line, write=0):
     """Ask for the cache lines of x[b, row, h, 0:length]."""
     for line in range((length + T.int64(per_line - 1)) // T.int64(per_line)):
@@ -203,6 +210,24 @@ def _transpose_square(tile, scratch, size):
         _butterfly(tile, scratch, 8, 1)
         for r in T.unroll(8):
             tile[r, T.Ramp(0, 1, 8)] = scratch[r, T.Ramp(0, 1, 8)]
+
+
+@T.macro
+def _rows_feature_major(rows_t, tile, scratch, t_rows, query, b, h, head_dim, scale, lanes, acc_dtype):
+    """rows_t[f, r] = row ``query[r]`` of ``t_rows`` times ``scale``, for ``lanes`` rows (a tile of
+    queries, or of dO rows), feature-major, a square of features at a time transposed in registers
+    (``tile``, ``scratch``: ``lanes x lanes``). The Q.K^T micro-kernel then finds row r's feature f
+    at a constant offset from feature f's first: with the rows head_dim apart (a stride known only
+    at run time) it spent an address addition per broadcast, which on an Intel core competes with
+    the FMAs for issue (bench/NOTES.md)."""
+    for chunk in range(head_dim // T.int64(lanes)):
+        for r in T.unroll(lanes):
+            for f in T.vectorized(lanes):
+                tile[r, f] = T.Cast(acc_dtype, t_rows[b, query[r], h, chunk * T.int64(lanes) + f]) * T.Cast(acc_dtype, scale)
+        _transpose_square(tile, scratch, lanes)
+        for f in T.unroll(lanes):
+            for r in T.vectorized(lanes):
+                rows_t[chunk * T.int64(lanes) + T.int64(f), r] = tile[f, r]
 
 
 @T.macro

@@ -14,6 +14,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _fill_run,
     _rounded,
     _pack_operands,
+    _rows_feature_major,
     _run_origin,
     _run_tiles,
     _valid_span,
@@ -42,6 +43,9 @@ def qk(dtype: str, autoregressive: bool, isa: str):
     dot = tiles.dot_product_for(dtype)
     features_per_step = 2 if dot else 1  # packed keys: features (FMA) or pairs of features (dot)
     packed_dtype = "int32" if dot else acc_dtype
+    # The tile's queries feature-major where the tile is a square of vectors (AVX-512's float
+    # kernels): its micro-kernel then reads them at constant offsets (_rows_feature_major).
+    transposed = not dot and rows == lanes and lanes in (8, 16)
 
     @T.prim_func
     def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, padding: T.float64,
@@ -74,7 +78,10 @@ def qk(dtype: str, autoregressive: bool, isa: str):
             packed = T.decl_buffer((blocks, head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
             row_buffer = T.decl_buffer((T.int64(rows), band + T.int64(2 * slack)), acc_dtype)
             # The tile's query rows, converted once (the dot product: as words, copied)
-            queries = T.decl_buffer((T.int64(rows), head_dim // T.int64(features_per_step)), packed_dtype)
+            queries = T.decl_buffer((head_dim, T.int64(rows)) if transposed
+                                    else (T.int64(rows), head_dim // T.int64(features_per_step)), packed_dtype)
+            query_tile = T.alloc_local((rows, rows), acc_dtype, annotations=_ON_STACK) if transposed else ()
+            query_scratch = T.alloc_local((rows, rows), acc_dtype, annotations=_ON_STACK) if transposed else ()
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
             key_tile = T.alloc_local((cols, lanes), packed_dtype, annotations=_ON_STACK)
@@ -110,6 +117,9 @@ def qk(dtype: str, autoregressive: bool, isa: str):
                 if dot:
                     query_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=t1.data)
                     bf16_dot.copy_word_rows(queries, query_words, query, b, h, head_dim, rows)
+                elif transposed:
+                    _rows_feature_major(queries, query_tile, query_scratch, t1, query, b, h, head_dim, T.float64(1), lanes,
+                                        acc_dtype)
                 else:
                     for r in range(rows):
                         for vector in range(head_dim // T.int64(lanes)):
@@ -127,7 +137,10 @@ def qk(dtype: str, autoregressive: bool, isa: str):
                         for f in range(head_dim):
                             for r in T.unroll(rows):
                                 for lane in T.vectorized(cols):
-                                    acc[r, lane] = acc[r, lane] + queries[r, f] * packed[block, f, lane]
+                                    if transposed:
+                                        acc[r, lane] = acc[r, lane] + queries[f, r] * packed[block, f, lane]
+                                    else:
+                                        acc[r, lane] = acc[r, lane] + queries[r, f] * packed[block, f, lane]
                     for r in T.unroll(rows):
                         # Row r's band column j is packed column first + r + j.
                         if block >= direct_begin[r] and block < direct_end[r]:
