@@ -191,20 +191,23 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                                 at: T.let = weights_at + k * weights_step
                                 if not stage_weights:
                                     # The next tile reads the next `rows` entries of this band row
-                                    # (its last one `2 * rows - 1` on): fetch that line now (for the
-                                    # first steps it is the next head's row: a hint, harmless).
-                                    # Without it head_dim 32 (one pass per tile) ran 2.5x slower per
-                                    # FLOP than 64 (bench/NOTES.md).
-                                    _prefetch_element(band_flat, at + T.int64(2 * rows - 1))
+                                    # (its last one `2 * rows - 1` on): fetch that line now, in the
+                                    # first feature pass (for the first steps it is the next head's
+                                    # row: a hint, harmless). Without it head_dim 32 (one pass per
+                                    # tile) ran 2.5x slower per FLOP than 64 (bench/NOTES.md).
+                                    if feature_tile == T.int64(0):
+                                        _prefetch_element(band_flat, at + T.int64(2 * rows - 1))
                                 for r in T.unroll(rows):
                                     _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols,
                                                 staged[k - chunk, r] if stage_weights else
                                                 T.Cast(acc_dtype, band_flat[at + T.int64(r)]))
                             else:
                                 if chunk_steps == 0:
-                                    # Fetch the next tile's band rows, a line per step.
-                                    _prefetch_element(band_flat, next_row[k % T.int64(rows)]
-                                                      + T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
+                                    # Fetch the next tile's band rows, a line per step, in the first
+                                    # feature pass (the others would ask for the same lines again).
+                                    if feature_tile == T.int64(0):
+                                        _prefetch_element(band_flat, next_row[k % T.int64(rows)]
+                                                          + T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
                                 for r in T.unroll(rows):
                                     _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols,
                                                 staged[r, k - chunk] if stage_weights else
