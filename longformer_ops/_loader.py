@@ -121,6 +121,32 @@ def cpu_vendor() -> str:
     return _cpuinfo("vendor_id")
 
 
+# AMX's tile data is a state the Linux kernel gives a process only on request (since 5.16):
+# arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); an AMX instruction before it is SIGILL.
+_SYS_ARCH_PRCTL = 158  # x86-64
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+AMX_FLAG = "amx_tile"  # a library listing it among its cpu_flags runs AMX instructions
+
+
+@functools.lru_cache(maxsize=None)
+def amx_permitted() -> bool:
+    """Ask the kernel for this process's permission to use AMX tiles (once); whether it was given.
+    Refused on kernels before 5.16 and where a hypervisor or seccomp forbids it."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+
+
+def runs_here(entry: dict, flags: frozenset[str]) -> bool:
+    """Whether a CPU library of the manifest runs on a CPU with ``flags``; for an AMX library
+    this asks for (and needs) the permission to use the tiles (:func:`amx_permitted`)."""
+    if not set(entry["cpu_flags"]) <= flags:
+        return False
+    return AMX_FLAG not in entry["cpu_flags"] or amx_permitted()
+
+
 def _check_fresh(name: str, entry: dict) -> None:
     """Stale if the tvm_kernels/ sources next to us differ from those the library was built from."""
     inputs = entry.get("inputs", {})
@@ -165,7 +191,14 @@ def choose_library(manifest: dict, device: str, dtype: str, cuda_capability: tup
             vendor = cpu_vendor()
             for_this_vendor = [(n, e) for n, e in runnable if not e.get("cpu_vendors") or vendor in e["cpu_vendors"]]
             runnable = for_this_vendor or runnable
-        return max(runnable, key=lambda item: item[1]["preference"])
+        # Best first; an AMX library only once the kernel lets this process use the tiles.
+        for name, entry in sorted(runnable, key=lambda item: -item[1]["preference"]):
+            if runs_here(entry, flags):
+                return name, entry
+        raise KernelNotAvailableError(
+            f"{[e['target'] for _, e in runnable]} need AMX, and Linux refused this process the permission to use "
+            f"its tiles (arch_prctl ARCH_REQ_XCOMP_PERM: kernel 5.16 or newer, not forbidden by a hypervisor or "
+            f"seccomp); unset {CPU_TARGET_ENV} to use another library")
     if device == "cuda":
         name, entry = candidates[0]
         archs = sorted(int(a.removeprefix("sm_")) for a in entry["cuda_archs"])

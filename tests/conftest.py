@@ -109,7 +109,7 @@ def cpu_targets() -> list[str]:
     manifest = _loader._manifest_or_raise(_loader.prebuilt_dir())
     flags = _loader.cpu_flags()
     return sorted({e["target"] for e in manifest["libraries"].values()
-                   if e["device"] == "cpu" and set(e["cpu_flags"]) <= flags})
+                   if e["device"] == "cpu" and _loader.runs_here(e, flags)})
 
 
 def _target_dtypes() -> dict[str, set[str]]:

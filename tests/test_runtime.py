@@ -217,10 +217,14 @@ _AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "a
     ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "avx512_fp16"}, "bfloat16", "cpu-avx512"),
     ("", _AVX512_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx512"),  # vendor unknown: the library for any
     ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "amx_bf16", "amx_tile"}, "float16", "cpu-avx512"),
+    ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "amx_bf16", "amx_tile"}, "float32", "cpu-avx512"),
+    ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"}, "bfloat16", "cpu-amx"),
+    ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "amx_int8", "amx_tile"}, "bfloat16", "cpu-avx512"),  # tiles without bf16
 ])
 def test_loader_picks_the_library_for_the_cpu(monkeypatch, vendor, flags, dtype, expected):
     monkeypatch.setattr(_loader, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(_loader, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(_loader, "amx_permitted", lambda: True)  # as Linux 5.16+ answers on such a CPU
     manifest = _loader._manifest_or_raise(_loader.prebuilt_dir())
     name, _ = _loader.choose_library(manifest, "cpu", dtype)
     assert name == f"{expected}/longformer_{dtype}.so"
@@ -236,6 +240,33 @@ def test_a_library_for_other_vendors_runs_where_it_is_the_only_one_or_forced(mon
     monkeypatch.delenv(_loader.CPU_TARGET_ENV)
     only = {**manifest, "libraries": {n: e for n, e in manifest["libraries"].items() if e["target"] == "cpu-avx512-bf16"}}
     assert _loader.choose_library(only, "cpu", "bfloat16")[0] == "cpu-avx512-bf16/longformer_bfloat16.so"
+
+
+_AMX_FLAGS = _AVX512_FLAGS | {"avx512_bf16", "amx_bf16", "amx_tile"}
+
+
+def test_amx_library_only_with_the_kernels_permission(monkeypatch):
+    """Flags are not enough for AMX: Linux must give the process the tiles' state (else SIGILL).
+    Refused, the next library runs; forced, the error says why."""
+    monkeypatch.setattr(_loader, "cpu_flags", lambda: frozenset(_AMX_FLAGS))
+    monkeypatch.setattr(_loader, "cpu_vendor", lambda: "GenuineIntel")
+    manifest = _loader._manifest_or_raise(_loader.prebuilt_dir())
+    asked = []
+    monkeypatch.setattr(_loader, "amx_permitted", lambda: asked.append(1) or False)
+    assert _loader.choose_library(manifest, "cpu", "bfloat16")[0] == "cpu-avx512/longformer_bfloat16.so"
+    assert asked
+    asked.clear()
+    assert _loader.choose_library(manifest, "cpu", "float32")[0] == "cpu-avx512/longformer_float32.so"
+    assert not asked  # no AMX library for float32: not asked
+    monkeypatch.setenv(_loader.CPU_TARGET_ENV, "cpu-amx")
+    with pytest.raises(_loader.KernelNotAvailableError, match=r"\['cpu-amx'\] need AMX, and Linux refused this process"):
+        _loader.choose_library(manifest, "cpu", "bfloat16")
+
+
+@pytest.mark.skipif("amx_tile" not in _loader.cpu_flags(), reason="this CPU has no AMX")
+def test_amx_permission_is_given_on_an_amx_cpu():
+    assert _loader.amx_permitted()  # the syscall, for real (Linux 5.16+)
+    assert _loader.amx_permitted()  # asked once, remembered
 
 
 def test_forced_cpu_target_is_used(monkeypatch):
@@ -270,6 +301,6 @@ def test_committed_prebuilt_matches_sources():
     assert manifest["openmp_launch_source_sha256"] == _manifest.file_sha256(sources / "openmp_launch.c")
     assert _manifest.OPENMP_LAUNCH_LIBRARY in manifest["runtime"]
     expected = {f"{t}/longformer_{d}.so" for t in ("cpu-avx2", "cpu-avx512") for d in ("float32", "float64", "float16", "bfloat16")}
-    expected.add("cpu-avx512-bf16/longformer_bfloat16.so")
+    expected |= {"cpu-avx512-bf16/longformer_bfloat16.so", "cpu-amx/longformer_bfloat16.so"}
     expected |= {f"cuda/longformer_{d}.so" for d in ("float32", "float16", "bfloat16")}
     assert set(manifest["libraries"]) == expected

@@ -63,6 +63,8 @@ class KernelTarget:
     isa: str = ""                 # CPU instruction set the hand-written kernels tile for (schedules/cpu/tiles.py)
     ops: tuple[str, ...] = OPS    # the functions built: band ops symmetric and causal (function_names)
     extra_sources: tuple[str, ...] = field(default=())
+    # Other schedule modules whose kernels its module builds (their files are its sources too).
+    uses_schedules: tuple[str, ...] = ()
 
 
 # Reassociation is not enabled anywhere: partial sums are ordered explicitly by
@@ -112,6 +114,21 @@ TARGETS: dict[str, KernelTarget] = {
             isa="avx512-bf16",
             ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
         ),
+        # bfloat16 only, on CPUs with AMX (Intel since Sapphire Rapids): cpu-avx512's kernels with the
+        # fused attention forward on AMX tiles (schedules/cpu_amx). Needs the process's permission to
+        # use tile data, which the loader requests before choosing it (longformer_ops/_loader.py).
+        KernelTarget(
+            name="cpu-amx",
+            device="cpu",
+            tvm_target={**_LLVM_COMMON, "mcpu": "x86-64-v4", "mattr": ["+avx512bf16", "+amx-tile", "+amx-bf16"]},
+            schedule_module="cpu_amx",
+            dtypes=("bfloat16",),
+            preference=4,
+            cpu_flags=_V4_FLAGS + ("avx512_bf16", "amx_tile", "amx_bf16"),
+            isa="amx",
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
+            uses_schedules=("cpu",),
+        ),
         KernelTarget(
             name="cuda",
             device="cuda",
@@ -131,15 +148,19 @@ _HERE = Path(__file__).resolve().parent
 COMMON_SOURCES = ("compute.py", "variants.py", "build.py")
 
 
+def _schedule_files(module: str) -> tuple[str, ...]:
+    """A schedule module's files: the module, or every file of its package."""
+    package = _HERE / "schedules" / module
+    if package.is_dir():
+        return tuple(sorted(f"schedules/{module}/{p.name}" for p in package.glob("*.py")))
+    return (f"schedules/{module}.py",)
+
+
 def sources_of(target: KernelTarget) -> tuple[str, ...]:
     """The files (relative to tvm_kernels/) a target's libraries are built from: the common ones,
-    its schedule module (a file, or every file of a package) and its extras."""
-    package = _HERE / "schedules" / target.schedule_module
-    if package.is_dir():
-        schedule = tuple(sorted(f"schedules/{target.schedule_module}/{p.name}" for p in package.glob("*.py")))
-    else:
-        schedule = (f"schedules/{target.schedule_module}.py",)
-    return COMMON_SOURCES + schedule + target.extra_sources
+    its schedule module's, those of the modules it uses, and its extras."""
+    schedules = [f for module in (target.schedule_module, *target.uses_schedules) for f in _schedule_files(module)]
+    return COMMON_SOURCES + tuple(schedules) + target.extra_sources
 
 
 def library_name(target: KernelTarget, dtype: str) -> str:

@@ -3,6 +3,8 @@ of queries, no band in memory (see the package docstring)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -168,6 +170,28 @@ def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin
                         out[b, query[g * group + r], h, column + lane] = _rounded(dtype, out_acc[r, lane] * row_scale[g * group + r])
 
 
+@T.macro
+def _nothing():
+    T.evaluate(0)
+
+
+@dataclass(frozen=True)
+class TileProducts:
+    """The forward's two tile products, as macros with the signatures of
+    :func:`_attention_tile_scores` and :func:`_attention_tile_context`, and what each task of the
+    parallel loop runs before its first tile and after its last (``task_begin``, ``task_end``). The
+    default runs them on vector registers (FMAs, or bf16_dot.py's dot product); a target whose
+    products run on other units (AMX tiles: schedules/cpu_amx) passes its own to :func:`attention`
+    and keeps the rest of the kernel."""
+    scores: object = _attention_tile_scores
+    context: object = _attention_tile_context
+    task_begin: object = _nothing
+    task_end: object = _nothing
+
+
+VECTOR_PRODUCTS = TileProducts()
+
+
 # Independent running maxima per row in the softmax's first pass: one chain waited on each vmaxps
 # (latency 4 on an Intel core) where the loop issues one every half cycle.
 _MAX_CHAINS = 4
@@ -323,7 +347,7 @@ def _packed_length(n, window, causal, rows, cols):
     return ((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols)
 
 
-def attention(dtype: str, autoregressive: bool, isa: str):
+def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts = VECTOR_PRODUCTS):
     """Fused local attention: ``out = softmax(scale * Q.K^T on the band) . V``, and each row's
     log-sum-exp.
 
@@ -344,6 +368,7 @@ def attention(dtype: str, autoregressive: bool, isa: str):
     own packed operands (:func:`_run_tiles`; the results do not depend on it).
     A row with no key left gets 0. bfloat16 where the ISA has the bfloat16 dot product: both
     products on it (bf16_dot.py), the probabilities rounded to bfloat16 pairs before P.V.
+    ``products``: the tile products' implementation (:class:`TileProducts`).
     """
     acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, isa)
     dot = tiles_for(isa).dot_product_for(dtype)
@@ -420,6 +445,7 @@ def attention(dtype: str, autoregressive: bool, isa: str):
             else:
                 _pack_operands(keys, values, biases, key_tile, k, v, key_bias, row_of, block_keys, b, h, n, head_dim,
                                run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, True, True)
+            products.task_begin()
             for tile in range(tile_begin, tile_end):
                 p0: T.let = tile * T.int64(rows)
                 first: T.let = p0 - w + run_margin  # packed column of row 0's band column 0
@@ -435,8 +461,8 @@ def attention(dtype: str, autoregressive: bool, isa: str):
                 else:
                     _attention_tile_operand(queries, q, query, b, h, head_dim, scale, rows, lanes, acc_dtype)
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
-                _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, rows, cols,
-                                       acc_dtype, True, dot, scale, transposed)
+                products.scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, rows, cols,
+                                acc_dtype, True, dot, scale, transposed)
                 _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, tile_blocks, rows, cols,
                                         lanes, acc_dtype, dtype, minus_inf)
                 for r in range(rows):
@@ -447,8 +473,9 @@ def attention(dtype: str, autoregressive: bool, isa: str):
                 if dot:
                     for r in range(rows):
                         bf16_dot.round_to_pairs(probs, r, scores, tile_blocks[0] * T.int64(cols), tile_blocks[1] * T.int64(cols))
-                _attention_tile_context(out, out_acc, probs if dot else scores, values, row_scale, span, begin, end, query, b, h, p0, n,
-                                        block0, tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype, dot)
+                products.context(out, out_acc, probs if dot else scores, values, row_scale, span, begin, end, query, b, h, p0,
+                                 n, block0, tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype, dot)
+            products.task_end()
 
     return bf16_dot.with_dot_product(main) if dot else main
 
