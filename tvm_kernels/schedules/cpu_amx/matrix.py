@@ -29,10 +29,11 @@ PAIRS = 16  # bfloat16 pairs in a full tile row (64 bytes): the reduction per in
 KEYS = 16   # float32 columns of a result tile: one packed key block, or 16 features
 
 # Every tile register is 16 rows x 64 bytes (:func:`_configure`). Q.K^T: 4 key blocks at a time in
-# C = 0..3 (four independent sums: a tdpbf16ps waits for the one before it on the same C, and four
-# keep the unit busy), A = 4 (32 features of the tile's queries), B = 5..7 in turn (a key block's
-# same features). P.V: 64 features at a time in C = 0..3 (32 when head_dim is an odd multiple of
-# 32: C = 0, 1), A = 4 (16 key pairs of probabilities), B = 5..7 in turn (the same pairs' value rows).
+# C = 0..3, A = 4 (32 features of the tile's queries), B = 5..7 in turn (a key block's same
+# features). P.V: 64 features at a time in C = 0..3 (32 when head_dim is an odd multiple of 32:
+# C = 0, 1), A = 4 (16 key pairs of probabilities), B = 5..7 in turn (the same pairs' value rows).
+# Four independent sums rather than one chain: no faster on the Emerald Rapids measured, where the
+# tile products are a third of the forward's time (bench/NOTES.md, "AMX at last"), but not slower.
 _TILES = 8
 
 
