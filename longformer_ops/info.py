@@ -43,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prebuilt:  {directory}  (TVM {manifest['tvm_version']}, tvm-ffi {manifest['tvm_ffi_version']}, "
           f"{manifest['platform']})")
     print(f"torch:     {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
-    simd = sorted(f for f in _loader.cpu_flags() if f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16"))
-    print(f"CPU:       {_loader.cpu_vendor() or 'vendor unknown'}, flags {' '.join(simd) or 'unknown'}")
+    simd = sorted(f for f in _loader.cpu_flags()
+                  if f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"))
+    amx = ""
+    if "amx_tile" in simd:
+        amx = ", AMX permitted" if _loader.amx_permitted() else ", AMX refused by Linux (arch_prctl)"
+    print(f"CPU:       {_loader.cpu_vendor() or 'vendor unknown'}, flags {' '.join(simd) or 'unknown'}{amx}")
     rows = availability()
     widths = {key: max(len(key), *(len(str(r[key])) for r in rows)) for key in ("op", "device", "dtype", "library")}
     print("  ".join(key.ljust(widths[key]) for key in widths) + "  status")

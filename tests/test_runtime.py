@@ -285,6 +285,8 @@ def test_info_lists_kernels():
         assert re.search(rf"^qk_symmetric +cpu +{dtype} ", result.stdout, re.MULTILINE)
         assert re.search(rf"^attention_backward_causal +cpu +{dtype} ", result.stdout, re.MULTILINE)
     assert "transposed_causal" in result.stdout and "cuda" in result.stdout
+    if "amx_tile" in _loader.cpu_flags():  # whether the AMX library can run here, said up front
+        assert re.search(r"^CPU: .*amx_tile.*, AMX (permitted|refused by Linux)", result.stdout, re.MULTILINE)
 
 
 def test_committed_prebuilt_matches_sources():
