@@ -170,28 +170,6 @@ def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin
                         out[b, query[g * group + r], h, column + lane] = _rounded(dtype, out_acc[r, lane] * row_scale[g * group + r])
 
 
-@T.macro
-def _nothing():
-    T.evaluate(0)
-
-
-@dataclass(frozen=True)
-class TileProducts:
-    """The forward's two tile products, as macros with the signatures of
-    :func:`_attention_tile_scores` and :func:`_attention_tile_context`, and what each task of the
-    parallel loop runs before its first tile and after its last (``task_begin``, ``task_end``). The
-    default runs them on vector registers (FMAs, or bf16_dot.py's dot product); a target whose
-    products run on other units (AMX tiles: schedules/cpu_amx) passes its own to :func:`attention`
-    and keeps the rest of the kernel."""
-    scores: object = _attention_tile_scores
-    context: object = _attention_tile_context
-    task_begin: object = _nothing
-    task_end: object = _nothing
-
-
-VECTOR_PRODUCTS = TileProducts()
-
-
 # Independent running maxima per row in the softmax's first pass: one chain waited on each vmaxps
 # (latency 4 on an Intel core) where the loop issues one every half cycle.
 _MAX_CHAINS = 4
@@ -316,6 +294,35 @@ def _accumulate_keys(total, weights, tile_rows, first, start, width, head_dim, r
             for j in T.unroll(keys):
                 for lane in T.vectorized(features):
                     total[first + start + group * T.int64(keys) + T.int64(j), column + lane] = key_acc[j, lane]
+
+
+@T.macro
+def _nothing():
+    T.evaluate(0)
+
+
+@dataclass(frozen=True)
+class TileProducts:
+    """The fused kernels' tile products, as macros with the signatures of the vector ones here, and
+    what each task of the parallel loop runs before its first tile and after its last
+    (``task_begin``, ``task_end``). ``scores``: the Q.K^T-shaped products (the forward's scores, the
+    backward's scores and dP = dO.V^T; :func:`_attention_tile_scores`); ``context``: the P.V-shaped
+    ones (the forward's output, the backward's dQ = dS.K; :func:`_attention_tile_context`);
+    ``key_sums``: the backward's dV += P^T dO and dK += dS^T Q (:func:`_accumulate_keys`), into sums
+    laid out key-major (``total[t, f]``) or, with ``feature_major_sums``, in blocks of ``cols`` keys
+    feature-major (``total[t // cols, f, t % cols]``). The default runs them on vector registers
+    (FMAs, or bf16_dot.py's dot product); a target whose products run on other units (AMX tiles:
+    schedules/cpu_amx) passes its own to :func:`attention` and :func:`attention_backward` and keeps
+    the rest of the kernels."""
+    scores: object = _attention_tile_scores
+    context: object = _attention_tile_context
+    key_sums: object = _accumulate_keys
+    feature_major_sums: bool = False
+    task_begin: object = _nothing
+    task_end: object = _nothing
+
+
+VECTOR_PRODUCTS = TileProducts()
 
 
 @T.macro
@@ -480,7 +487,7 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
     return bf16_dot.with_dot_product(main) if dot else main
 
 
-def attention_backward(dtype: str, autoregressive: bool, isa: str):
+def attention_backward(dtype: str, autoregressive: bool, isa: str, products: TileProducts = VECTOR_PRODUCTS):
     """The fused kernel's backward, FlashAttention-style: dQ, dK and dV with no band in memory.
 
     Arguments: dO ``[b, n, h, f]``, q, k, v, key_bias, out and lse as in :func:`attention` (out and
@@ -496,7 +503,7 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
     micro-kernel); dS = P * (dP - delta); dQ = scale * dS . K (the probs.V micro-kernel);
     dV += P^T dO and dK += dS^T (scale Q) over the keys the tile touches. bfloat16 where the ISA
     has the bfloat16 dot product: the five products on it (bf16_dot.py), P and dS rounded to
-    bfloat16 pairs for them.
+    bfloat16 pairs for them. ``products``: the tile products' implementation (:class:`TileProducts`).
     """
     acc_dtype, lanes, qk_rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, isa)
     keys_per_update = tiles_for(isa).key_update_rows  # rows of the dK/dV register tile (x 2 vectors)
@@ -519,6 +526,7 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
     # Q and dO feature-major too for the two Q.K^T-shaped products (see attention); dK and dV read
     # them as rows.
     transposed = not dot and rows == lanes and lanes in (8, 16)
+    blocked = products.feature_major_sums  # dK, dV sums as total[t // cols, f, t % cols] (TileProducts)
 
     @T.prim_func
     def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
@@ -581,8 +589,9 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
             keys_v = T.decl_buffer((length // T.int64(cols), head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
             rows_k = T.decl_buffer((length, head_dim), packed_dtype)  # dot: row pairs
             biases = T.decl_buffer((length,), acc_dtype)
-            total_k = T.decl_buffer((length, head_dim), acc_dtype)
-            total_v = T.decl_buffer((length, head_dim), acc_dtype)
+            sums_shape = (length // T.int64(cols), head_dim, T.int64(cols)) if blocked else (length, head_dim)
+            total_k = T.decl_buffer(sums_shape, acc_dtype)
+            total_v = T.decl_buffer(sums_shape, acc_dtype)
             probs = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
             grads = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
             kept = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)  # P with dropout
@@ -623,13 +632,15 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                                run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, True, True)
                 _pack_operands(keys_v, rows_k, biases, key_tile, v, v, key_bias, row_of, block_keys, b, h, n, head_dim,
                                run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, False, False)
-            for t in range(length):
-                for vector in range(head_dim // T.int64(lanes)):
-                    for lane in T.vectorized(lanes):
-                        total_k[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
-                        total_v[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
+            all_k = T.decl_buffer((length * head_dim,), acc_dtype, data=total_k.data)  # (either layout)
+            all_v = T.decl_buffer((length * head_dim,), acc_dtype, data=total_v.data)
+            for vector in range(length * head_dim // T.int64(lanes)):
+                for lane in T.vectorized(lanes):
+                    all_k[vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
+                    all_v[vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
             for r in range(rows):
                 row_scale[r] = T.Cast(acc_dtype, scale)
+            products.task_begin()
             for tile in range(tile_begin, tile_end):
                 p0: T.let = tile * T.int64(rows)
                 first: T.let = p0 - w + run_margin
@@ -650,8 +661,8 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
                 start: T.let = tile_blocks[0] * T.int64(cols)  # the computed columns: [start, start + width)
                 width: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols)
-                _attention_tile_scores(probs, acc, queries_t if transposed else queries, keys_k, biases, block0, tile_blocks,
-                                       head_dim, rows, qk_rows, cols, acc_dtype, True, dot, scale, transposed)
+                products.scores(probs, acc, queries_t if transposed else queries, keys_k, biases, block0, tile_blocks,
+                                head_dim, rows, qk_rows, cols, acc_dtype, True, dot, scale, transposed)
                 _attention_tile_probs(probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, dtype,
                                       minus_inf)
                 _attention_tile_operand(grad_rows, grad, query, b, h, head_dim, T.float64(1), rows, lanes, acc_dtype)
@@ -663,9 +674,9 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                 if dot:
                     bf16_dot.copy_word_rows(grad_row_words, grad_words, query, b, h, head_dim, rows)
                     bf16_dot.copy_row_pairs(grad_pairs, grad_bits, query, b, h, head_dim, rows)
-                _attention_tile_scores(grads, acc, grad_row_words if dot else (grad_rows_t if transposed else grad_rows), keys_v,
-                                       biases, block0, tile_blocks, head_dim, rows, qk_rows, cols, acc_dtype, False, dot,
-                                       T.float64(1), transposed)
+                products.scores(grads, acc, grad_row_words if dot else (grad_rows_t if transposed else grad_rows), keys_v,
+                                biases, block0, tile_blocks, head_dim, rows, qk_rows, cols, acc_dtype, False, dot,
+                                T.float64(1), transposed)
                 if dropout > T.float64(0):  # the forward's mask Z: dP = (dO . V^T) * Z, dV from P * Z
                     for r in range(rows):
                         _fill_run(kept, r, start, start + width, T.Cast(acc_dtype, 0), lanes)
@@ -675,30 +686,31 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                 if dot:
                     for r in range(rows):
                         bf16_dot.round_to_pairs(grad_column_pairs, r, grads, start, start + width)
-                _attention_tile_context(grad_q, out_acc, grad_column_pairs if dot else grads, rows_k, row_scale, span, begin,
-                                        end, query, b, h, p0, n, block0, tile_blocks, head_dim, rows, cols, group, features,
-                                        acc_dtype, dtype, dot)
+                products.context(grad_q, out_acc, grad_column_pairs if dot else grads, rows_k, row_scale, span, begin,
+                                 end, query, b, h, p0, n, block0, tile_blocks, head_dim, rows, cols, group, features,
+                                 acc_dtype, dtype, dot)
                 if dot:
                     for pair in range(rows // 2):
                         if dropout > T.float64(0):
                             bf16_dot.round_to_row_pairs(weight_pairs, T.int64(pair), kept, start, start + width)
                         else:
                             bf16_dot.round_to_row_pairs(weight_pairs, T.int64(pair), probs, start, start + width)
-                    _accumulate_keys(total_v, weight_pairs, grad_pairs, block0 * T.int64(cols), start, width, head_dim, rows,
-                                     keys_per_update, features, key_acc, acc_dtype, True)
+                    products.key_sums(total_v, weight_pairs, grad_pairs, block0 * T.int64(cols), start, width, head_dim, rows,
+                                      keys_per_update, features, key_acc, acc_dtype, True)
                     for pair in range(rows // 2):
                         bf16_dot.round_to_row_pairs(weight_pairs, T.int64(pair), grads, start, start + width)
-                    _accumulate_keys(total_k, weight_pairs, query_pairs, block0 * T.int64(cols), start, width, head_dim, rows,
-                                     keys_per_update, features, key_acc, acc_dtype, True)
+                    products.key_sums(total_k, weight_pairs, query_pairs, block0 * T.int64(cols), start, width, head_dim, rows,
+                                      keys_per_update, features, key_acc, acc_dtype, True)
                 else:
                     if dropout > T.float64(0):
-                        _accumulate_keys(total_v, kept, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
-                                         keys_per_update, features, key_acc, acc_dtype, False)
+                        products.key_sums(total_v, kept, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
+                                          keys_per_update, features, key_acc, acc_dtype, False)
                     else:
-                        _accumulate_keys(total_v, probs, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
-                                         keys_per_update, features, key_acc, acc_dtype, False)
-                    _accumulate_keys(total_k, grads, queries, block0 * T.int64(cols), start, width, head_dim, rows,
-                                     keys_per_update, features, key_acc, acc_dtype, False)
+                        products.key_sums(total_v, probs, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
+                                          keys_per_update, features, key_acc, acc_dtype, False)
+                    products.key_sums(total_k, grads, queries, block0 * T.int64(cols), start, width, head_dim, rows,
+                                      keys_per_update, features, key_acc, acc_dtype, False)
+            products.task_end()
             # The keys only this run's queries reach, stored; those within reach of an edge, to edge_parts.
             left_edge: T.let = tile_begin * T.int64(rows)
             right_edge: T.let = tile_end * T.int64(rows)
@@ -711,16 +723,17 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
                 for vector in range(head_dim // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
                         grad_k[b, row_of[p], h, vector * T.int64(lanes) + lane] = _key_gradient(
-                            dtype, acc_dtype, total_k[run_margin + p, vector * T.int64(lanes) + lane], scale, dot)
+                            dtype, acc_dtype, _summed(total_k, run_margin + p, vector * T.int64(lanes) + lane, cols, blocked),
+                            scale, dot)
                         grad_v[b, row_of[p], h, vector * T.int64(lanes) + lane] = _rounded(
-                            dtype, total_v[run_margin + p, vector * T.int64(lanes) + lane])
+                            dtype, _summed(total_v, run_margin + p, vector * T.int64(lanes) + lane, cols, blocked))
             if tile_begin < tile_end:
                 if tile_begin > T.int64(0):  # side 1 of the edge before this run
                     _store_edge_part(edge_parts_k, edge_parts_v, total_k, total_v, bh, run - T.int64(1), T.int64(1),
-                                     left_edge, run_margin, w, reach, n, head_dim, lanes)
+                                     left_edge, run_margin, w, reach, n, head_dim, lanes, cols, blocked)
                 if tile_end < tiles:  # side 0 of the edge after it
                     _store_edge_part(edge_parts_k, edge_parts_v, total_k, total_v, bh, run, T.int64(0), right_edge,
-                                     run_margin, w, reach, n, head_dim, lanes)
+                                     run_margin, w, reach, n, head_dim, lanes, cols, blocked)
         if runs > T.int64(1):
             for item in T.parallel(batch * heads * edges):
                 bh: T.let = item // edges
@@ -745,6 +758,11 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
     return bf16_dot.with_dot_product(main) if dot else main
 
 
+def _summed(total, t, f, cols, blocked):
+    """The dK or dV sum of packed row t, feature f, in either layout (:class:`TileProducts`)."""
+    return total[t // T.int64(cols), f, t % T.int64(cols)] if blocked else total[t, f]
+
+
 def _key_gradient(dtype, acc_dtype, total, scale, dot):
     """A dK sum rounded to the output dtype (the dot product's sums are of unscaled queries: scaled here)."""
     return _rounded(dtype, total * T.Cast(acc_dtype, scale) if dot else total)
@@ -752,12 +770,12 @@ def _key_gradient(dtype, acc_dtype, total, scale, dot):
 
 @T.macro
 def _store_edge_part(edge_parts_k, edge_parts_v, total_k, total_v, bh, edge_index, side, edge, run_margin, w, reach, n,
-                     head_dim, lanes):
+                     head_dim, lanes, cols, blocked):
     """A run's dK and dV sums of the keys within reach of ``edge``, [edge - w, edge + reach), into
     ``edge_parts[bh, edge_index, side]``."""
     for p in range(T.max(edge - w, T.int64(0)), T.min(edge + reach, n)):
         for vector in range(head_dim // T.int64(lanes)):
             for lane in T.vectorized(lanes):
                 f: T.let = vector * T.int64(lanes) + lane
-                edge_parts_k[bh, edge_index, side, p - edge + w, f] = total_k[run_margin + p, f]
-                edge_parts_v[bh, edge_index, side, p - edge + w, f] = total_v[run_margin + p, f]
+                edge_parts_k[bh, edge_index, side, p - edge + w, f] = _summed(total_k, run_margin + p, f, cols, blocked)
+                edge_parts_v[bh, edge_index, side, p - edge + w, f] = _summed(total_v, run_margin + p, f, cols, blocked)

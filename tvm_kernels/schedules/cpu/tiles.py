@@ -1,8 +1,9 @@
 """Register tiles and loop choices per x86 vector ISA: the one place where the AVX2 and AVX-512
 builds of the CPU kernels differ. The kernels ask :func:`tiles_for` with their target's ISA name
-(``isa`` in tvm_kernels/variants.py) and test no ISA themselves; a new ISA (AMX) is a new entry
-here plus the kernels that use it (AVX512-BF16's: bf16_dot.py). The measurements behind each
-choice are in bench/NOTES.md.
+(``isa`` in tvm_kernels/variants.py) and test no ISA themselves; a new vector ISA is a new entry
+here plus the kernels that use it (AVX512-BF16's: bf16_dot.py). AMX has no entry: its fused
+kernels are AVX512-BF16's with their tile products on AMX (schedules/cpu_amx). The measurements
+behind each choice are in bench/NOTES.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,19 @@
 """The bfloat16 library for x86 CPUs with AMX (Intel since Sapphire Rapids): ``cpu-avx512``'s
-kernels, with the fused local attention's forward on AMX tiles (matrix.py).
+kernels, with the fused local attention's forward and backward on AMX tiles (matrix.py).
 
-Everything but that forward is the AVX-512 FMA kernels of schedules/cpu, built for this target as
+Everything but those two is the AVX-512 FMA kernels of schedules/cpu, built for this target as
 they are for ``cpu-avx512`` (on these Intel cores the FMAs beat ``vdpbf16ps``, which issues at
-half their rate: bench/NOTES.md). The forward is schedules/cpu/attention.py's bfloat16 kernel with
-the AVX512-BF16 operand packing (bf16_dot.py) and its Q.K^T and P.V tile products on AMX.
-Not yet on AMX: the standalone band products (Q.K^T, probs.V, transposed) and the fused backward.
+half their rate: bench/NOTES.md). The fused kernels are schedules/cpu/attention.py's bfloat16
+ones with the AVX512-BF16 operand packing (bf16_dot.py) and their tile products on AMX (the
+forward's Q.K^T and P.V; the backward's Q.K^T, dO.V^T, dS.K and the dV, dK sums).
+Not yet on AMX: the standalone band products (Q.K^T, probs.V, transposed).
 """
 
 from __future__ import annotations
 
 from tvm_kernels.schedules import cpu
 from tvm_kernels.schedules.cpu.attention import attention as _attention
+from tvm_kernels.schedules.cpu.attention import attention_backward as _attention_backward
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 from tvm_kernels.schedules.cpu_amx import matrix
 
@@ -19,7 +21,7 @@ FEATURE_MULTIPLE = cpu.FEATURE_MULTIPLE  # head_dim: a multiple of 32, whole AMX
 PASS_CONFIG = cpu.PASS_CONFIG
 
 _VECTOR_ISA = "avx512"        # the kernels not on AMX
-_PACKING_ISA = "avx512-bf16"  # the fused forward's operands: bfloat16 pairs (bf16_dot.py)
+_PACKING_ISA = "avx512-bf16"  # the fused kernels' operands: bfloat16 pairs (bf16_dot.py)
 
 
 def _on_vectors(kernel):
@@ -27,15 +29,29 @@ def _on_vectors(kernel):
     return lambda *args: kernel(*args[:-1], _VECTOR_ISA)
 
 
-def attention(dtype: str, autoregressive: bool, isa: str):
-    """The fused forward (cpu/attention.py) with its tile products on AMX; bfloat16 only."""
+def _check_tiles(dtype: str):
     if dtype != "bfloat16":
         raise ValueError(f"AMX kernels take bfloat16 operands, not {dtype}")
     tiles = tiles_for(_PACKING_ISA)
     if tiles.qk_rows % matrix.ROWS or tiles.qk_vectors * 16 != matrix.KEYS:
         raise ValueError(f"AMX tiles need query tiles of a multiple of {matrix.ROWS} rows and key blocks of "
                          f"{matrix.KEYS} (tiles.py: {tiles})")
+
+
+def attention(dtype: str, autoregressive: bool, isa: str):
+    """The fused forward (cpu/attention.py) with its tile products on AMX; bfloat16 only."""
+    _check_tiles(dtype)
     return _attention(dtype, autoregressive, _PACKING_ISA, matrix.AMX_PRODUCTS)
 
 
-HAND_WRITTEN = {op: _on_vectors(kernel) for op, kernel in cpu.HAND_WRITTEN.items()} | {"attention": attention}
+def attention_backward(dtype: str, autoregressive: bool, isa: str):
+    """The fused backward (cpu/attention.py) with its five tile products on AMX; bfloat16 only."""
+    _check_tiles(dtype)
+    rows = tiles_for(_PACKING_ISA).backward_tile_rows
+    if rows % (2 * matrix.PAIRS):
+        raise ValueError(f"AMX key sums need backward tiles of a multiple of {2 * matrix.PAIRS} rows (tiles.py: {rows})")
+    return _attention_backward(dtype, autoregressive, _PACKING_ISA, matrix.AMX_PRODUCTS)
+
+
+HAND_WRITTEN = {op: _on_vectors(kernel) for op, kernel in cpu.HAND_WRITTEN.items()} | {
+    "attention": attention, "attention_backward": attention_backward}

@@ -1,4 +1,5 @@
-"""AMX tile products for the fused local attention's forward (bfloat16 operands, float32 sums).
+"""AMX tile products for the fused local attention, forward and backward (bfloat16 operands,
+float32 sums).
 
 An AMX core holds 8 tile registers of up to 16 rows x 64 bytes and multiplies them in one
 instruction: ``tdpbf16ps c, a, b`` adds A (16 x 32 bfloat16) times B (32 x 16, stored as 16 rows of
@@ -6,8 +7,10 @@ instruction: ``tdpbf16ps c, a, b`` adds A (16 x 32 bfloat16) times B (32 x 16, s
 operands are exactly the AVX512-BF16 kernels' packed pairs (bf16_dot.py): a query tile's rows as
 feature pairs is A for Q.K^T, a packed key block (feature pair x 16 keys) is B; the probabilities as
 pairs of columns are A for P.V and the value rows as pairs of consecutive rows are B. So the fused
-forward here is cpu/attention.py's bfloat16 kernel with its two tile products (:data:`AMX_PRODUCTS`)
-moved onto the tiles; the packing, softmax, bounds and dropout are that kernel's.
+kernels here are cpu/attention.py's bfloat16 kernels with their tile products (:data:`AMX_PRODUCTS`)
+moved onto the tiles; the packing, softmax, bounds and dropout are those kernels'. The backward's
+products take the same two shapes (dP = dO.V^T as Q.K^T, dQ = dS.K as P.V) and one more, the key
+sums dV += P^T dO and dK += dS^T Q, which run transposed (:func:`tile_key_sums`).
 
 How the instructions are reached: LLVM's AMX intrinsics that name tile registers by number
 (``llvm.x86.tileloadd64``, ``llvm.x86.tdpbf16ps``, ...) through ``T.call_llvm_intrin``; the target
@@ -32,6 +35,8 @@ KEYS = 16   # float32 columns of a result tile: one packed key block, or 16 feat
 # C = 0..3, A = 4 (32 features of the tile's queries), B = 5..7 in turn (a key block's same
 # features). P.V: 64 features at a time in C = 0..3 (32 when head_dim is an odd multiple of 32:
 # C = 0, 1), A = 4 (16 key pairs of probabilities), B = 5..7 in turn (the same pairs' value rows).
+# Key sums: 64 features of 16 keys in C = 0..3 (or 32), B = 4 (16 row pairs of P or dS), A = 5..7 in
+# turn (the same row pairs' features, transposed).
 # Four independent sums rather than one chain: no faster on the Emerald Rapids measured, where the
 # tile products are a third of the forward's time (bench/NOTES.md, "AMX at last"), but not slower.
 _TILES = 8
@@ -94,38 +99,35 @@ def _scale_and_bias(scores, biases, row0, block, block0, acc_dtype, with_bias, s
 
 
 @T.macro
+def _score_blocks(scores, queries, keys, biases, block0, block, row0, head_dim, count, acc_dtype, with_bias, scale):
+    """Rows row0 .. row0 + 15 of :func:`tile_scores` for ``count`` (1 to 4) key blocks from ``block``."""
+    for j in T.unroll(count):
+        _zero(j)
+    for chunk in range(head_dim // T.int64(2 * PAIRS)):
+        _load(4, T.address_of(queries[row0, chunk * T.int64(PAIRS)]), T.int64(4) * queries.shape[1])
+        for j in T.unroll(count):
+            _load(5 + j % 3, T.address_of(keys[block0 + block + T.int64(j), chunk * T.int64(PAIRS), 0]), T.int64(4 * KEYS))
+            _multiply(j, 4, 5 + j % 3)
+    for j in T.unroll(count):
+        _store(j, T.address_of(scores[row0, (block + T.int64(j)) * T.int64(KEYS)]), T.int64(4) * scores.shape[1])
+        _scale_and_bias(scores, biases, row0, block + T.int64(j), block0, acc_dtype, with_bias, scale)
+
+
+@T.macro
 def tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, sub_rows, cols, acc_dtype,
                 with_bias, dot, scale, transposed=False):
     """:func:`cpu.attention._attention_tile_scores` for the dot product's operands on AMX:
     scores[r, block * 16 + c] = scale * queries[r] . packed key (block0 + block) * 16 + c (+ its bias),
     each block's 16 x 16 sums one tile, four blocks at a time, 32 features per instruction
     (head_dim a multiple of 32)."""
-    query_stride: T.let = T.int64(4) * queries.shape[1]
-    scores_stride: T.let = T.int64(4) * scores.shape[1]
     quads: T.let = (tile_blocks[1] - tile_blocks[0]) // T.int64(4)
     for group in range(rows // ROWS):
         row0: T.let = group * ROWS
         for quad in range(quads):
-            block: T.let = tile_blocks[0] + quad * T.int64(4)
-            for j in T.unroll(4):
-                _zero(j)
-            for chunk in range(head_dim // T.int64(2 * PAIRS)):
-                _load(4, T.address_of(queries[row0, chunk * T.int64(PAIRS)]), query_stride)
-                for j in T.unroll(4):
-                    _load(5 + j % 3, T.address_of(keys[block0 + block + T.int64(j), chunk * T.int64(PAIRS), 0]),
-                          T.int64(4 * KEYS))
-                    _multiply(j, 4, 5 + j % 3)
-            for j in T.unroll(4):
-                _store(j, T.address_of(scores[row0, (block + T.int64(j)) * T.int64(KEYS)]), scores_stride)
-                _scale_and_bias(scores, biases, row0, block + T.int64(j), block0, acc_dtype, with_bias, scale)
+            _score_blocks(scores, queries, keys, biases, block0, tile_blocks[0] + quad * T.int64(4), row0, head_dim, 4,
+                          acc_dtype, with_bias, scale)
         for block in range(tile_blocks[0] + quads * T.int64(4), tile_blocks[1]):
-            _zero(0)
-            for chunk in range(head_dim // T.int64(2 * PAIRS)):
-                _load(4, T.address_of(queries[row0, chunk * T.int64(PAIRS)]), query_stride)
-                _load(5, T.address_of(keys[block0 + block, chunk * T.int64(PAIRS), 0]), T.int64(4 * KEYS))
-                _multiply(0, 4, 5)
-            _store(0, T.address_of(scores[row0, block * T.int64(KEYS)]), scores_stride)
-            _scale_and_bias(scores, biases, row0, block, block0, acc_dtype, with_bias, scale)
+            _score_blocks(scores, queries, keys, biases, block0, block, row0, head_dim, 1, acc_dtype, with_bias, scale)
 
 
 @T.macro
@@ -187,7 +189,9 @@ def tile_context(out, out_acc, probs, values, row_scale, span, begin, end, query
         if half_chunk:
             for r in range(ROWS):
                 for i in T.vectorized(PAIRS):
-                    padded_probs[r, i] = T.Select(i < PAIRS // 2, probs[row0 + r, first_pair + chunks * T.int64(PAIRS) + T.Cast("int64", i) % T.int64(PAIRS // 2)], 0)
+                    padded_probs[r, i] = T.Select(
+                        i < PAIRS // 2,
+                        probs[row0 + r, first_pair + chunks * T.int64(PAIRS) + T.Cast("int64", i) % T.int64(PAIRS // 2)], 0)
         for feature_tile in range(head_dim // T.int64(4 * KEYS)):
             _context_pass(out, context, probs, values, padded_probs, padded_values, row_scale, query, b, h, p0, n, row0,
                           first_pair, chunks, half_chunk, pair_row0, feature_tile * T.int64(4 * KEYS), 4, dtype)
@@ -196,4 +200,46 @@ def tile_context(out, out_acc, probs, values, row_scale, span, begin, end, query
                           first_pair, chunks, half_chunk, pair_row0, head_dim - T.int64(2 * KEYS), 2, dtype)
 
 
-AMX_PRODUCTS = TileProducts(scores=tile_scores, context=tile_context, task_begin=_configure, task_end=_release)
+@T.macro
+def _key_sums_pass(total, weights, tile_rows, operand, first, start, width, rows, column, tiles):
+    """Features [column, column + 16 * tiles) of the key sums (:func:`tile_key_sums`): the tile rows'
+    pairs for them copied feature-major (the A tiles), then per block of 16 keys the ``tiles``
+    result tiles loaded, every 16 row pairs' product added, stored."""
+    weights_stride: T.let = T.int64(4) * weights.shape[1]
+    for chunk in range(rows // (2 * PAIRS)):
+        for j in range(tiles):
+            for i in range(PAIRS):
+                for f in T.vectorized(KEYS):
+                    operand[chunk, j, f, i] = tile_rows[chunk * PAIRS + i, column + T.int64(j * KEYS) + f]
+    for block in range(width // T.int64(KEYS)):
+        key_block: T.let = (first + start) // T.int64(KEYS) + block
+        for j in T.unroll(tiles):
+            _load(j, T.address_of(total[key_block, column + T.int64(j * KEYS), 0]), T.int64(4 * KEYS))
+        for chunk in range(rows // (2 * PAIRS)):
+            _load(4, T.address_of(weights[chunk * PAIRS, start + block * T.int64(KEYS)]), weights_stride)
+            for j in T.unroll(tiles):
+                _load(5 + j % 3, T.address_of(operand[chunk, j, 0, 0]), T.int64(4 * PAIRS))
+                _multiply(j, 5 + j % 3, 4)
+        for j in T.unroll(tiles):
+            _store(j, T.address_of(total[key_block, column + T.int64(j * KEYS), 0]), T.int64(4 * KEYS))
+
+
+@T.macro
+def tile_key_sums(total, weights, tile_rows, first, start, width, head_dim, rows, keys, features, key_acc, acc_dtype,
+                  dot):
+    """:func:`cpu.attention._accumulate_keys` for the dot product's operands on AMX, into sums laid
+    out feature-major per block of 16 keys (``total[t // 16, f, t % 16]``): the backward's dV += P^T dO
+    and dK += dS^T Q as dV^T += dO^T P, so that the band-wide operand (P or dS as pairs of tile rows,
+    ``weights[i, c]``) is a B tile as it stands and only the tile's own rows (``tile_rows[i, f]``,
+    pairs of rows) are transposed, 16 x 16 words per A tile. Each result tile (16 features x 16
+    keys, contiguous) is loaded, takes one product per 32 tile rows, and is stored: ``rows`` a
+    multiple of 32."""
+    operand = T.alloc_local((rows // (2 * PAIRS), 4, KEYS, PAIRS), "int32", annotations=_ON_STACK)
+    for feature_tile in range(head_dim // T.int64(4 * KEYS)):
+        _key_sums_pass(total, weights, tile_rows, operand, first, start, width, rows, feature_tile * T.int64(4 * KEYS), 4)
+    if head_dim % T.int64(4 * KEYS) != T.int64(0):
+        _key_sums_pass(total, weights, tile_rows, operand, first, start, width, rows, head_dim - T.int64(2 * KEYS), 2)
+
+
+AMX_PRODUCTS = TileProducts(scores=tile_scores, context=tile_context, key_sums=tile_key_sums, feature_major_sums=True,
+                            task_begin=_configure, task_end=_release)
