@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import os
 import shutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -340,3 +341,32 @@ def test_results_of_an_archived_tree_name_its_own_commit(tmp_path):
     run = subprocess.run([sys.executable, "-c", probe], cwd=tree, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(tree)}, check=True)
     assert run.stdout.strip() == "abc1234"
+
+
+def test_libraries_bench_alternates_the_fused_kernels_of_each_library(capsys):
+    """bench.libraries times each library's fused forward and backward in the same rounds, and a
+    library against itself (once from an explicit directory) comes out as one forward and one
+    backward line each, with ratios to the first."""
+    from bench import libraries
+    from longformer_ops import _loader
+
+    target = _loader.library_for(torch.device("cpu"), "float32").name.split("/")[0]
+    assert libraries.main(["--libraries", f"{target}:float32,{_loader.prebuilt_dir()}:{target}:float32",
+                           "--seq-len", "96", "--window", "8", "--dilated", "--seconds", "0.2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("n = 96, w = 8, 12 heads of 64, dilated")
+    timed = [line.split() for line in lines[1:]]
+    assert [(cells[0].count(":"), cells[1]) for cells in timed] == [(1, "forward"), (1, "backward"), (2, "forward"),
+                                                                    (2, "backward")]
+    assert all(float(cells[2]) > 0 for cells in timed) and [cells[4] for cells in timed[:2]] == ["1.000", "1.000"]
+
+
+@pytest.mark.parametrize("spec, message", [("cpu-avx512", "expected \\[DIR:\\]TARGET:DTYPE"),
+                                           ("cpu-avx512:float8", "'float8' .* is not a torch dtype"),
+                                           ("cpu-none:float32", "no library cpu-none/longformer_float32.so")])
+def test_libraries_bench_names_a_bad_library(spec, message, capsys):
+    from bench import libraries
+
+    with pytest.raises(SystemExit):
+        libraries.main(["--libraries", spec])
+    assert re.search(message, capsys.readouterr().err)
