@@ -1,12 +1,13 @@
 """The bfloat16 library for x86 CPUs with AMX (Intel since Sapphire Rapids): ``cpu-avx512``'s
-kernels, with the fused local attention's forward and backward on AMX tiles (matrix.py).
+kernels, with the fused local attention's forward and backward and the band products on AMX tiles
+(matrix.py, band.py).
 
-Everything but those two is the AVX-512 FMA kernels of schedules/cpu, built for this target as
-they are for ``cpu-avx512`` (on these Intel cores the FMAs beat ``vdpbf16ps``, which issues at
-half their rate: bench/NOTES.md). The fused kernels are schedules/cpu/attention.py's bfloat16
-ones with the AVX512-BF16 operand packing (bf16_dot.py) and their tile products on AMX (the
-forward's Q.K^T and P.V; the backward's Q.K^T, dO.V^T, dS.K and the dV, dK sums).
-Not yet on AMX: the standalone band products (Q.K^T, probs.V, transposed).
+Everything else is the AVX-512 FMA kernels of schedules/cpu, built for this target as they are
+for ``cpu-avx512`` (on these Intel cores the FMAs beat ``vdpbf16ps``, which issues at half their
+rate: bench/NOTES.md). The fused kernels are schedules/cpu/attention.py's bfloat16 ones with the
+AVX512-BF16 operand packing (bf16_dot.py) and their tile products on AMX (the forward's Q.K^T and
+P.V; the backward's Q.K^T, dO.V^T, dS.K and the dV, dK sums); the band products (band.py) are
+built from the same tile products and packing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tvm_kernels.schedules import cpu
 from tvm_kernels.schedules.cpu.attention import attention as _attention
 from tvm_kernels.schedules.cpu.attention import attention_backward as _attention_backward
 from tvm_kernels.schedules.cpu.tiles import tiles_for
-from tvm_kernels.schedules.cpu_amx import matrix
+from tvm_kernels.schedules.cpu_amx import band, matrix
 
 FEATURE_MULTIPLE = cpu.FEATURE_MULTIPLE  # head_dim: a multiple of 32, whole AMX reductions too
 PASS_CONFIG = cpu.PASS_CONFIG
@@ -53,5 +54,14 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
     return _attention_backward(dtype, autoregressive, _PACKING_ISA, matrix.AMX_PRODUCTS)
 
 
+def _band_product(op: str):
+    """band.py's ``op`` (qk, pv or transposed) as a schedule builder; bfloat16 only."""
+    def build(dtype: str, autoregressive: bool, isa: str):
+        _check_tiles(dtype)
+        return getattr(band, op)(autoregressive)
+    return build
+
+
 HAND_WRITTEN = {op: _on_vectors(kernel) for op, kernel in cpu.HAND_WRITTEN.items()} | {
+    op: _band_product(op) for op in ("qk", "pv", "transposed")} | {
     "attention": attention, "attention_backward": attention_backward}

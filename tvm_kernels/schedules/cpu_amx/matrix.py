@@ -110,7 +110,8 @@ def _score_blocks(scores, queries, keys, biases, block0, block, row0, head_dim, 
             _multiply(j, 4, 5 + j % 3)
     for j in T.unroll(count):
         _store(j, T.address_of(scores[row0, (block + T.int64(j)) * T.int64(KEYS)]), T.int64(4) * scores.shape[1])
-        _scale_and_bias(scores, biases, row0, block + T.int64(j), block0, acc_dtype, with_bias, scale)
+        if scale is not None:  # (None: the plain product, band.qk)
+            _scale_and_bias(scores, biases, row0, block + T.int64(j), block0, acc_dtype, with_bias, scale)
 
 
 @T.macro
