@@ -115,8 +115,8 @@ TARGETS: dict[str, KernelTarget] = {
             ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
         ),
         # bfloat16 only, on CPUs with AMX (Intel since Sapphire Rapids): cpu-avx512's kernels with the
-        # fused attention forward on AMX tiles (schedules/cpu_amx). Needs the process's permission to
-        # use tile data, which the loader requests before choosing it (longformer_ops/_loader.py).
+        # fused attention and the band products on AMX tiles (schedules/cpu_amx). Needs the process's
+        # permission to use tile data, which the loader requests before choosing it (longformer_ops/_loader.py).
         KernelTarget(
             name="cpu-amx",
             device="cpu",

@@ -38,6 +38,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _run_tiles,
     _store_tile,
     _tile_bounds,
+    _transpose_square,
     _zero_tile,
 )
 
@@ -105,21 +106,29 @@ def pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n,
     """Q.K^T's keys in packed (residue-major) order for the dot product, zero outside the sequence:
     blocks of ``cols`` keys, ``packed[block, i, key]`` = the key's features 2i and 2i + 1 (one
     32-bit word of its row, ``key_words``). ``key_tile``: scratch of ``cols x 16`` words."""
+    key_scratch = T.alloc_local((cols, LANES), key_tile.dtype, annotations=_ON_STACK)  # (square tiles)
     for block in range(blocks):
         for lane in range(T.int64(cols)):
             p: T.let = block * T.int64(cols) + lane - margin  # packed position
             block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
             _prefetch_row(t2, b, row_of[T.max(T.min(p + T.int64(8), n - T.int64(1)), T.int64(0))], h, head_dim, per_line)
-        # Transposed 16 words at a time through a tile of constant strides (as _pack_operands).
+        # Transposed 16 words at a time through a tile of constant strides (as _pack_operands): a
+        # square tile in registers (the strided gather took 2.5x as long for K alone; NOTES.md).
         for chunk in range(head_dim // T.int64(2 * LANES)):
             for lane in range(T.int64(cols)):
                 for i in T.vectorized(LANES):
                     key_tile[lane, i] = T.Select(
                         block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
                         key_words[b, block_keys[lane], h, chunk * T.int64(LANES) + i], T.int32(0))
-            for i in range(LANES):
-                for lane in T.vectorized(cols):
-                    packed[block, chunk * T.int64(LANES) + T.int64(i), lane] = key_tile[lane, i]
+            if cols == LANES:
+                _transpose_square(key_tile, key_scratch, LANES)
+                for i in T.unroll(LANES):
+                    for lane in T.vectorized(cols):
+                        packed[block, chunk * T.int64(LANES) + T.int64(i), lane] = key_tile[i, lane]
+            else:
+                for i in range(LANES):
+                    for lane in T.vectorized(cols):
+                        packed[block, chunk * T.int64(LANES) + T.int64(i), lane] = key_tile[lane, i]
 
 
 @T.macro

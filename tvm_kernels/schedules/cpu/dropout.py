@@ -19,7 +19,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype, column_step, dropout_factor, dropout_factor_of, dropout_row_key
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _rounded
+from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _staging, _store_rounded
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
 
@@ -51,14 +51,15 @@ def dropout(dtype: str, isa: str):
         for r in T.parallel(rows):
             key: T.let = dropout_row_key(seed, T.int64(0), r)
             lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
+            staged = _staging(dtype, lanes, acc_dtype)
             lane_column_steps(lane_steps, lanes)
             for vector in range(cols // T.int64(lanes)):
                 hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                 for lane in T.vectorized(lanes):
-                    out[r, vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
-                                                                    * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype))
+                    _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
+                                   * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype), staged, lane)
             for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                out[r, c] = _rounded(dtype, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype))
+                _store_rounded(dtype, out, r, c, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype), staged, 0)
 
     return main
 
@@ -89,17 +90,18 @@ def bias_dropout_add(dtype: str, isa: str):
         for r in T.parallel(rows):
             key: T.let = dropout_row_key(seed, T.int64(0), r)
             lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
+            staged = _staging(dtype, lanes, acc_dtype)
             lane_column_steps(lane_steps, lanes)
             for vector in range(cols // T.int64(lanes)):
                 hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                 for lane in T.vectorized(lanes):
-                    out[r, vector * T.int64(lanes) + lane] = _rounded(dtype, (
+                    _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, (
                         T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]))
                         * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype)
-                        + T.Cast(acc_dtype, residual[r, vector * T.int64(lanes) + lane]))
+                        + T.Cast(acc_dtype, residual[r, vector * T.int64(lanes) + lane]), staged, lane)
             for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                out[r, c] = _rounded(dtype, (T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c])) * dropout_factor(key, c, p, acc_dtype)
-                                   + T.Cast(acc_dtype, residual[r, c]))
+                _store_rounded(dtype, out, r, c, (T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c])) * dropout_factor(key, c, p, acc_dtype)
+                               + T.Cast(acc_dtype, residual[r, c]), staged, 0)
 
     return main
 
@@ -129,18 +131,19 @@ def dropout_column_sums(dtype: str, isa: str):
             for c in range(cols):
                 sums[chunk, c] = T.Cast(acc_dtype, 0)
             lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
+            staged = _staging(dtype, lanes, acc_dtype)
             lane_column_steps(lane_steps, lanes)
             for r in range(chunk * size, T.min(rows, chunk * size + size)):
                 key: T.let = dropout_row_key(seed, T.int64(0), r)
                 for vector in range(cols // T.int64(lanes)):
                     hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                     for lane in T.vectorized(lanes):
-                        out[r, vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
-                                                                        * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype))
+                        _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
+                                       * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype), staged, lane)
                         sums[chunk, vector * T.int64(lanes) + lane] = (sums[chunk, vector * T.int64(lanes) + lane]
                                                                        + T.Cast(acc_dtype, out[r, vector * T.int64(lanes) + lane]))
                 for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                    out[r, c] = _rounded(dtype, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype))
+                    _store_rounded(dtype, out, r, c, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype), staged, 0)
                     sums[chunk, c] = sums[chunk, c] + T.Cast(acc_dtype, out[r, c])
 
     return main

@@ -19,7 +19,7 @@ import math
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _exp, _one_plus_erf, _rounded
+from tvm_kernels.schedules.cpu.microkernels import _BITS, _exp, _one_plus_erf, _staging, _store_rounded
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -59,13 +59,14 @@ def bias_gelu(dtype: str, isa: str):
         bias = T.match_buffer(bias_handle, (cols,), dtype, align=element_bytes)
         out = T.match_buffer(out_handle, (rows, cols), dtype, align=element_bytes)
         for r in T.parallel(rows):
+            staged = _staging(dtype, lanes, acc_dtype)
             for vector in range(cols // T.int64(lanes)):
                 for lane in T.vectorized(lanes):
-                    out[r, vector * T.int64(lanes) + lane] = _rounded(dtype, _gelu(
+                    _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, _gelu(
                         T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
-                        acc_dtype))
+                        acc_dtype), staged, lane)
             for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                out[r, c] = _rounded(dtype, _gelu(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype))
+                _store_rounded(dtype, out, r, c, _gelu(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype), staged, 0)
 
     return main
 
@@ -96,17 +97,18 @@ def bias_gelu_backward(dtype: str, isa: str):
             size: T.let = (rows + chunks - T.int64(1)) // chunks
             for c in range(cols):
                 sums[chunk, c] = T.Cast(acc_dtype, 0)
+            staged = _staging(dtype, lanes, acc_dtype)
             for r in range(chunk * size, T.min(rows, chunk * size + size)):
                 for vector in range(cols // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
-                        grad_h[r, vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * _gelu_derivative(
+                        _store_rounded(dtype, grad_h, r, vector * T.int64(lanes) + lane, T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * _gelu_derivative(
                             T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
-                            acc_dtype))
+                            acc_dtype), staged, lane)
                         sums[chunk, vector * T.int64(lanes) + lane] = (sums[chunk, vector * T.int64(lanes) + lane]
                                                                        + T.Cast(acc_dtype, grad_h[r, vector * T.int64(lanes) + lane]))
                 for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                    grad_h[r, c] = _rounded(dtype, T.Cast(acc_dtype, grad[r, c])
-                                          * _gelu_derivative(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype))
+                    _store_rounded(dtype, grad_h, r, c, T.Cast(acc_dtype, grad[r, c])
+                                   * _gelu_derivative(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype), staged, 0)
                     sums[chunk, c] = sums[chunk, c] + T.Cast(acc_dtype, grad_h[r, c])
 
     return main

@@ -25,7 +25,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.schedules.cpu.attention import TileProducts
-from tvm_kernels.schedules.cpu.microkernels import _ON_STACK, _rounded
+from tvm_kernels.schedules.cpu.microkernels import _ON_STACK, _rounded, _transpose_square
 
 ROWS = 16   # rows of every tile (queries of a Q.K^T or P.V product)
 PAIRS = 16  # bfloat16 pairs in a full tile row (64 bytes): the reduction per instruction, 32 values
@@ -202,16 +202,21 @@ def tile_context(out, out_acc, probs, values, row_scale, span, begin, end, query
 
 
 @T.macro
-def _key_sums_pass(total, weights, tile_rows, operand, first, start, width, rows, column, tiles):
+def _key_sums_pass(total, weights, tile_rows, operand, square, scratch, first, start, width, rows, column, tiles):
     """Features [column, column + 16 * tiles) of the key sums (:func:`tile_key_sums`): the tile rows'
-    pairs for them copied feature-major (the A tiles), then per block of 16 keys the ``tiles``
-    result tiles loaded, every 16 row pairs' product added, stored."""
+    pairs for them transposed feature-major (the A tiles; 16 x 16 words at a time in registers,
+    ``square`` and ``scratch``), then per block of 16 keys the ``tiles`` result tiles loaded, every
+    16 row pairs' product added, stored."""
     weights_stride: T.let = T.int64(4) * weights.shape[1]
     for chunk in range(rows // (2 * PAIRS)):
         for j in range(tiles):
             for i in range(PAIRS):
                 for f in T.vectorized(KEYS):
-                    operand[chunk, j, f, i] = tile_rows[chunk * PAIRS + i, column + T.int64(j * KEYS) + f]
+                    square[i, f] = tile_rows[chunk * PAIRS + i, column + T.int64(j * KEYS) + f]
+            _transpose_square(square, scratch, KEYS)
+            for f in T.unroll(KEYS):
+                for i in T.vectorized(PAIRS):
+                    operand[chunk, j, f, i] = square[f, i]
     for block in range(width // T.int64(KEYS)):
         key_block: T.let = (first + start) // T.int64(KEYS) + block
         for j in T.unroll(tiles):
@@ -236,10 +241,14 @@ def tile_key_sums(total, weights, tile_rows, first, start, width, head_dim, rows
     keys, contiguous) is loaded, takes one product per 32 tile rows, and is stored: ``rows`` a
     multiple of 32."""
     operand = T.alloc_local((rows // (2 * PAIRS), 4, KEYS, PAIRS), "int32", annotations=_ON_STACK)
+    square = T.alloc_local((KEYS, PAIRS), "int32", annotations=_ON_STACK)
+    scratch = T.alloc_local((KEYS, PAIRS), "int32", annotations=_ON_STACK)
     for feature_tile in range(head_dim // T.int64(4 * KEYS)):
-        _key_sums_pass(total, weights, tile_rows, operand, first, start, width, rows, feature_tile * T.int64(4 * KEYS), 4)
+        _key_sums_pass(total, weights, tile_rows, operand, square, scratch, first, start, width, rows,
+                       feature_tile * T.int64(4 * KEYS), 4)
     if head_dim % T.int64(4 * KEYS) != T.int64(0):
-        _key_sums_pass(total, weights, tile_rows, operand, first, start, width, rows, head_dim - T.int64(2 * KEYS), 2)
+        _key_sums_pass(total, weights, tile_rows, operand, square, scratch, first, start, width, rows,
+                       head_dim - T.int64(2 * KEYS), 2)
 
 
 AMX_PRODUCTS = TileProducts(scores=tile_scores, context=tile_context, key_sums=tile_key_sums, feature_major_sums=True,
