@@ -25,6 +25,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _run_origin,
     _run_tiles,
     _rows_feature_major,
+    _transpose_square,
     _zero_tile,
 )
 from tvm_kernels.schedules.cpu import bf16_dot
@@ -187,10 +188,13 @@ def _lanes_reduced(kind, buffer, row, lanes):
 
 @T.macro
 def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin, end, tile_blocks, rows, cols, lanes,
-                            acc_dtype, dtype, minus_inf):
+                            acc_dtype, dtype, minus_inf, pairs=None, round_now=None):
     """Each row, over the tile's computed blocks: -inf at its invalid and out-of-band columns (exp
     gives exactly 0 there), then exp(score - row max) in place, 1 / their sum, and the row's
-    log-sum-exp of the scores (-inf for a row with no key). ``partial``: _MAX_CHAINS x lanes."""
+    log-sum-exp of the scores (-inf for a row with no key). ``partial``: _MAX_CHAINS x lanes. With
+    ``pairs`` and where ``round_now`` (no dropout to apply first), the probabilities also rounded
+    to the dot product's bfloat16 pairs of columns as each vector is computed, where a pass of its
+    own re-read them (the AMX forward 0.97 of its time)."""
     first: T.let = tile_blocks[0] * T.int64(cols // lanes)  # the row's computed vectors
     count: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols // lanes)
     for r in range(rows):
@@ -219,6 +223,9 @@ def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin
                 scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype,
                                                                  is_half(dtype))
                 partial[0, lane] = partial[0, lane] + scores[r, vector * T.int64(lanes) + lane]
+            if pairs is not None:
+                if round_now:
+                    bf16_dot.round_to_pairs(pairs, r, scores, vector * T.int64(lanes), (vector + T.int64(1)) * T.int64(lanes))
         reciprocal[r] = _lanes_reduced("sum", partial, 0, lanes)
         log_sum[r] = row_max[0] + T.log(reciprocal[r])  # one scalar log per row; log(0) = -inf
         # 1 / sum, 0 for a row with no key; a NaN sum (a NaN score) stays NaN.
@@ -471,13 +478,13 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
                 products.scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, rows, cols,
                                 acc_dtype, True, dot, scale, transposed)
                 _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, tile_blocks, rows, cols,
-                                        lanes, acc_dtype, dtype, minus_inf)
+                                        lanes, acc_dtype, dtype, minus_inf, probs if dot else None, dropout <= T.float64(0))
                 for r in range(rows):
                     if p0 + T.int64(r) < n:
                         lse[b, query[r], h] = log_sum[r]
                 if dropout > T.float64(0):
                     _apply_dropout(scores, scores, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
-                if dot:
+                if dot and dropout > T.float64(0):  # (without dropout the softmax rounded them)
                     for r in range(rows):
                         bf16_dot.round_to_pairs(probs, r, scores, tile_blocks[0] * T.int64(cols), tile_blocks[1] * T.int64(cols))
                 products.context(out, out_acc, probs if dot else scores, values, row_scale, span, begin, end, query, b, h, p0,
@@ -527,6 +534,8 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
     # them as rows.
     transposed = not dot and rows == lanes and lanes in (8, 16)
     blocked = products.feature_major_sums  # dK, dV sums as total[t // cols, f, t % cols] (TileProducts)
+    if blocked and cols != lanes:
+        raise ValueError(f"feature-major key sums need blocks of one vector of keys (cols {cols}, lanes {lanes})")
 
     @T.prim_func
     def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
@@ -621,6 +630,8 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
             acc = T.alloc_local((qk_rows, cols), acc_dtype, annotations=_ON_STACK)
             out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
             key_acc = T.alloc_local((keys_per_update, features), acc_dtype, annotations=_ON_STACK)
+            square = T.alloc_local((cols, lanes), acc_dtype, annotations=_ON_STACK) if blocked else ()
+            scratch = T.alloc_local((cols, lanes), acc_dtype, annotations=_ON_STACK) if blocked else ()
             _fill_residue_major(row_of, n, d)
             if dot:
                 _pack_dot_operands(keys_k, rows_k, biases, key_tile, k, key_words, k, key_bits, key_bias, row_of, block_keys,
@@ -716,17 +727,13 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
             right_edge: T.let = tile_end * T.int64(rows)
             own_begin: T.let = T.Select(tile_begin > T.int64(0), T.min(left_edge + reach, n), T.int64(0))
             own_end: T.let = T.Select(tile_end < tiles, right_edge - w, n)
-            for p in range(own_begin, own_end):
-                # The rows written _ROWS_AHEAD steps later (a new page every row or two).
-                _prefetch_row(grad_k, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line, 1)
-                _prefetch_row(grad_v, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line, 1)
-                for vector in range(head_dim // T.int64(lanes)):
-                    for lane in T.vectorized(lanes):
-                        grad_k[b, row_of[p], h, vector * T.int64(lanes) + lane] = _key_gradient(
-                            dtype, acc_dtype, _summed(total_k, run_margin + p, vector * T.int64(lanes) + lane, cols, blocked),
-                            scale, dot)
-                        grad_v[b, row_of[p], h, vector * T.int64(lanes) + lane] = _rounded(
-                            dtype, _summed(total_v, run_margin + p, vector * T.int64(lanes) + lane, cols, blocked))
+            if blocked:
+                _store_blocked_sums(grad_k, grad_v, total_k, total_v, square, scratch, row_of, b, h, n, own_begin, own_end,
+                                    run_margin, head_dim, scale, lanes, cols, per_line, dtype, acc_dtype, dot)
+            else:
+                for p in range(own_begin, own_end):
+                    _store_key_row(grad_k, grad_v, total_k, total_v, row_of, b, h, n, p, run_margin, head_dim, scale, lanes,
+                                   cols, per_line, dtype, acc_dtype, dot, blocked)
             if tile_begin < tile_end:
                 if tile_begin > T.int64(0):  # side 1 of the edge before this run
                     _store_edge_part(edge_parts_k, edge_parts_v, total_k, total_v, bh, run - T.int64(1), T.int64(1),
@@ -766,6 +773,62 @@ def _summed(total, t, f, cols, blocked):
 def _key_gradient(dtype, acc_dtype, total, scale, dot):
     """A dK sum rounded to the output dtype (the dot product's sums are of unscaled queries: scaled here)."""
     return _rounded(dtype, total * T.Cast(acc_dtype, scale) if dot else total)
+
+
+@T.macro
+def _store_key_row(grad_k, grad_v, total_k, total_v, row_of, b, h, n, p, run_margin, head_dim, scale, lanes, cols, per_line,
+                   dtype, acc_dtype, dot, blocked):
+    """The dK and dV rows of packed row p (sequence row row_of[p]) from their sums, rounded."""
+    # The rows written _ROWS_AHEAD steps later (a new page every row or two).
+    _prefetch_row(grad_k, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line, 1)
+    _prefetch_row(grad_v, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line, 1)
+    for vector in range(head_dim // T.int64(lanes)):
+        for lane in T.vectorized(lanes):
+            grad_k[b, row_of[p], h, vector * T.int64(lanes) + lane] = _key_gradient(
+                dtype, acc_dtype, _summed(total_k, run_margin + p, vector * T.int64(lanes) + lane, cols, blocked), scale, dot)
+            grad_v[b, row_of[p], h, vector * T.int64(lanes) + lane] = _rounded(
+                dtype, _summed(total_v, run_margin + p, vector * T.int64(lanes) + lane, cols, blocked))
+
+
+@T.macro
+def _store_blocked_sums(grad_k, grad_v, total_k, total_v, square, scratch, row_of, b, h, n, own_begin, own_end, run_margin,
+                        head_dim, scale, lanes, cols, per_line, dtype, acc_dtype, dot):
+    """:func:`_store_key_row` for packed rows [own_begin, own_end) from sums in blocks of ``cols`` keys
+    feature-major (``cols == lanes``): each whole block's 16 x 16 squares transposed in registers
+    (``square``, ``scratch``) into key rows, where reading a row's features took a cache line each
+    (the AMX backward 0.98 of its time); the partial blocks at the ends row by row."""
+    block_begin: T.let = (run_margin + own_begin + T.int64(cols - 1)) // T.int64(cols)
+    block_end: T.let = T.max((run_margin + own_end) // T.int64(cols), block_begin)
+    head_end: T.let = T.min(block_begin * T.int64(cols) - run_margin, own_end)
+    for p in range(own_begin, head_end):
+        _store_key_row(grad_k, grad_v, total_k, total_v, row_of, b, h, n, p, run_margin, head_dim, scale, lanes, cols,
+                       per_line, dtype, acc_dtype, dot, True)
+    for block in range(block_begin, block_end):
+        for key in range(cols):  # the next block's rows (a new page every row or two)
+            _prefetch_row(grad_k, b, row_of[T.min((block + T.int64(1)) * T.int64(cols) + key - run_margin, n - T.int64(1))],
+                          h, head_dim, per_line, 1)
+            _prefetch_row(grad_v, b, row_of[T.min((block + T.int64(1)) * T.int64(cols) + key - run_margin, n - T.int64(1))],
+                          h, head_dim, per_line, 1)
+        for vector in range(head_dim // T.int64(lanes)):
+            for i in T.unroll(cols):
+                for lane in T.vectorized(lanes):
+                    square[i, lane] = total_k[block, vector * T.int64(lanes) + i, lane]
+            _transpose_square(square, scratch, lanes)
+            for i in T.unroll(cols):
+                for lane in T.vectorized(lanes):
+                    grad_k[b, row_of[block * T.int64(cols) + i - run_margin], h, vector * T.int64(lanes) + lane] = _key_gradient(
+                        dtype, acc_dtype, square[i, lane], scale, dot)
+            for i in T.unroll(cols):
+                for lane in T.vectorized(lanes):
+                    square[i, lane] = total_v[block, vector * T.int64(lanes) + i, lane]
+            _transpose_square(square, scratch, lanes)
+            for i in T.unroll(cols):
+                for lane in T.vectorized(lanes):
+                    grad_v[b, row_of[block * T.int64(cols) + i - run_margin], h, vector * T.int64(lanes) + lane] = _rounded(
+                        dtype, square[i, lane])
+    for p in range(T.max(block_end * T.int64(cols) - run_margin, head_end), own_end):
+        _store_key_row(grad_k, grad_v, total_k, total_v, row_of, b, h, n, p, run_margin, head_dim, scale, lanes, cols,
+                       per_line, dtype, acc_dtype, dot, True)
 
 
 @T.macro

@@ -113,7 +113,8 @@ def pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n,
             block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
             _prefetch_row(t2, b, row_of[T.max(T.min(p + T.int64(8), n - T.int64(1)), T.int64(0))], h, head_dim, per_line)
         # Transposed 16 words at a time through a tile of constant strides (as _pack_operands): a
-        # square tile in registers (the strided gather took 2.5x as long for K alone; NOTES.md).
+        # square tile in registers, where the words were gathered column by column (~1% of the
+        # fused kernels' time; bench/NOTES.md).
         for chunk in range(head_dim // T.int64(2 * LANES)):
             for lane in range(T.int64(cols)):
                 for i in T.vectorized(LANES):

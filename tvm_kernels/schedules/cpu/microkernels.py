@@ -305,9 +305,15 @@ def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, r
 # built in the exponent bits. Inputs are clamped at -127 ln 2, where m = -127 makes those bits 0:
 # exp(-inf) = 0 exactly, and results below float32's smallest normal number (x < -87.7) flush to 0.
 # The clamp keeps a NaN (see _at_least): a NaN score gives a NaN row, not a probability of 0.
+# m is rounded by adding _SHIFTER (1.5 * 2^23, whose ulp is 1, plus the exponent's bias): the sum's
+# low mantissa bits are then m + 127, shifted into place as 2^m's exponent, where a floor, a
+# conversion to int32 and an integer addition took three more instructions per vector (bench/NOTES.md:
+# the AMX forward 0.97 of its time, results bit for bit the same). The sum's round trip through
+# int32 keeps TVM's simplifier from folding (y + _SHIFTER) - _SHIFTER into y.
 _LOG2E = 1.4426950408889634
 _LN2_HIGH = 0.693145751953125  # few mantissa bits: m * _LN2_HIGH is exact in float32
 _LN2_LOW = 1.4286068203094172e-06
+_SHIFTER = 1.5 * 2**23 + 127
 # exp(t)'s polynomial, highest degree first. By default the degree-7 Taylor polynomial, within 1.5
 # ulp of float32 in float32 arithmetic. Where everything derived from exp is rounded to bfloat16 or
 # float16 (the fused attention's half-type kernels) a degree-4 minimax fit of the relative error,
@@ -336,13 +342,14 @@ def _exp(x, acc_dtype, half_results: bool = False):
     if acc_dtype == "float64":  # no speed goal for float64: the library's exp, exactly rounded
         return T.exp(x)
     x = _at_least(x, T.float32(-127 * 0.6931471805599453))
-    m = T.floor(x * T.float32(_LOG2E) + T.float32(0.5))
+    shifted = x * T.float32(_LOG2E) + T.float32(_SHIFTER)
+    m = T.reinterpret("float32", T.reinterpret("int32", shifted)) - T.float32(_SHIFTER)
     t = x - m * T.float32(_LN2_HIGH) - m * T.float32(_LN2_LOW)
     coefficients = _EXP_HALF if half_results else _EXP_FLOAT32
     poly = T.float32(coefficients[0])
     for c in coefficients[1:]:
         poly = poly * t + T.float32(c)
-    return poly * T.reinterpret("float32", T.shift_left(T.Cast("int32", m) + T.int32(127), T.int32(23)))
+    return poly * T.reinterpret("float32", T.shift_left(T.reinterpret("int32", shifted), T.int32(23)))
 
 
 # erf for the GELU kernels, vectorisable (TVM lowers ``T.erf`` to one scalar ``erff`` call per
