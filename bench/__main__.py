@@ -28,7 +28,7 @@ from tqdm import tqdm
 from bench import methods, report
 from bench.machine import default_cpu_memory_budget_bytes, device_name, source_commit
 from bench.measure import (GEMM, GEMM_FLOPS, GEMM_SIZE, Case, gemm_key, paired_ratio, probe_in_fresh_process,
-                           time_interleaved)
+                           slow_gemm_reason, time_interleaved)
 
 DILATED = "1,1,2,2,4,4,8,8,1,2,4,8"
 QUADRATIC = {"full", "sdpa"}  # time and memory grow with n^2
@@ -222,9 +222,14 @@ def main(argv=None) -> int:
               for spec in args.dilation for op in args.ops for p in args.passes
               if (set(_dilation_tuple(spec, args.heads)) == {1} or (op in args.dilated_ops and p in args.dilated_passes))
               and (p == "forward" or op in args.backward_ops)]
+    dtype_gemms = [d for d in args.dtype if d != "float32" and not slow_gemm_reason(args.device, d)]
     print(f"device {device_name(args.device)}: {len(groups) * len(args.dtype)} cases x {len(args.seq_lens)} lengths x "
           f"{len(args.methods)} methods, each case with a float32 GEMM ({GEMM_SIZE}^3)"
-          + (" and one in its own dtype" if set(args.dtype) - {"float32"} else "") + " in its rounds", flush=True)
+          + (" and one in its own dtype" if dtype_gemms else "") + " in its rounds", flush=True)
+    slow_gemms = [slow_gemm_reason(args.device, d) for d in args.dtype if d != "float32" and d not in dtype_gemms]
+    for reason in slow_gemms:
+        print(reason, flush=True)
+    gemm_notes = "".join(f", and torch.mm in {d} in the same rounds" for d in dtype_gemms) + "".join(f"; {r}" for r in slow_gemms)
 
     rows = []
     last: dict[tuple, tuple] = {}  # (op, backward, dilation, dtype, method) -> last measured (seq_len, seconds, bytes)
@@ -262,7 +267,7 @@ def main(argv=None) -> int:
               f"Command: `{command}` (commit {commit}, {datetime.date.today()}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads). Reference: float32 torch.mm {GEMM_SIZE}^3 timed in the rounds of "
               f"every case ({_gemm_range(rows)})"
-              + "".join(f", and torch.mm in {d} in the same rounds" for d in args.dtype if d != "float32") + ". "
+              + gemm_notes + ". "
               f"batch {args.batch}, {args.heads} heads of {args.head_dim}, one-sided window {args.window}, {', '.join(args.dtype)}.")
     stem.with_suffix(".md").write_text(report.markdown(rows, header))
     report.plot(rows, stem.with_suffix(".png"), report.plot_title(device_name(args.device), rows))

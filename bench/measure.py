@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import random
 import statistics
 import time
@@ -68,11 +70,44 @@ def gemm_runner(device: str, dtype: str = "float32"):
     return lambda: torch.mm(a, b, out=c)
 
 
+# A dtype's GEMM is left out of the rounds when it runs at under 1/SLOW_GEMM_FACTOR of float32's rate:
+# torch has no native kernel for it on this CPU (bfloat16 and float16 on AVX2 run a scalar loop at
+# ~1 GFLOP/s: ~15 s per 2048^3 call, six minutes a case), so it tells nothing about the hardware.
+SLOW_GEMM_FACTOR = 8
+_PROBE_SIZE = 256
+
+
+def _gemm_rate(device: str, dtype: str) -> float:
+    """GFLOP/s of the best of three small GEMMs in ``dtype`` (after one untimed call)."""
+    a, b = (torch.randn(_PROBE_SIZE, _PROBE_SIZE).to(device=device, dtype=getattr(torch, dtype)) for _ in range(2))
+    best = math.inf
+    for i in range(4):
+        synchronize(device)
+        started = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        best = min(best, time.perf_counter() - started) if i else best
+    return 2.0 * _PROBE_SIZE**3 / best / 1e9
+
+
+@functools.cache
+def slow_gemm_reason(device: str, dtype: str) -> str | None:
+    """Why the GEMM in ``dtype`` is not timed beside the cases (None: it is; float32's always is)."""
+    if dtype == "float32":
+        return None
+    rate, float32_rate = _gemm_rate(device, dtype), _gemm_rate(device, "float32")
+    if rate * SLOW_GEMM_FACTOR >= float32_rate:
+        return None
+    return (f"torch.mm in {dtype} runs at {rate:.1f} GFLOP/s here against float32's {float32_rate:.0f} "
+            f"({_PROBE_SIZE}^3): no native {dtype} GEMM on this {device}, so none is timed")
+
+
 def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
                      expected_seconds: dict[tuple[Case, str], float] | None = None,
                      failures: dict[tuple[Case, str], str] | None = None) -> dict[object, list[float]]:
     """Seconds per call of each (case, method) entry and of the reference GEMM (key :data:`GEMM`;
-    and a GEMM in each other dtype of the entries, key :func:`gemm_key`), one per round (sample i of
+    and a GEMM in each other dtype of the entries, key :func:`gemm_key`, unless
+    :func:`slow_gemm_reason` leaves it out), one per round (sample i of
     every entry from round i): warm-up, then ``repeats`` rounds of all of them, each round in its
     own shuffled order (seeded).
 
@@ -94,7 +129,8 @@ def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
     inputs = {case: case.inputs() for case in dict.fromkeys(case for case, _ in entries)}
     first = entries[0][0]
     runs = {gemm_key(dtype): (gemm_runner(first.device, dtype), ())
-            for dtype in dict.fromkeys(["float32", *(case.dtype for case, _ in entries)])}
+            for dtype in dict.fromkeys(["float32", *(case.dtype for case, _ in entries)])
+            if not slow_gemm_reason(first.device, dtype)}
     runs.update({(case, m): (methods.runner(case.op, m, inputs[case], case.window, case.dilation, case.backward),
                              inputs[case]) for case, m in entries})
     names = list(runs)

@@ -112,7 +112,19 @@ def test_cli_writes_results(tmp_path):
     assert report.markdown(rows_back, table.split("\n\n###", 1)[0]) == table
 
 
-def test_cli_times_several_dtypes_in_one_run(tmp_path):
+@pytest.fixture
+def gemm_rates(monkeypatch):
+    """Sets the GFLOP/s that the GEMM probe measures per dtype (the real ones depend on the CPU)."""
+    def set_rates(**rates):
+        monkeypatch.setattr(measure, "_gemm_rate", lambda device, dtype: rates[dtype])
+        measure.slow_gemm_reason.cache_clear()
+    yield set_rates
+    measure.slow_gemm_reason.cache_clear()
+
+
+def test_cli_times_several_dtypes_in_one_run(tmp_path, gemm_rates, monkeypatch):
+    gemm_rates(float32=100.0, bfloat16=50.0)
+    monkeypatch.setattr(measure, "GEMM_SIZE", 128)  # a CPU without a bfloat16 GEMM takes minutes at 2048
     main(["--seq-lens", "64", "--window", "8", "--heads", "2", "--head-dim", "16", "--repeats", "1",
           "--ops", "qk_band", "--methods", "tvm,full", "--dtype", "float32,bfloat16", "--dilation", "1",
           "--no-memory", "--out", str(tmp_path), "--name", "dtypes"])
@@ -130,8 +142,28 @@ def test_cli_times_several_dtypes_in_one_run(tmp_path):
     assert "### qk_band, forward, dilation 1, float32" in table and "### qk_band, forward, dilation 1, bfloat16" in table
 
 
-def test_cases_timed_together_share_every_round(monkeypatch):
+def test_a_dtype_without_a_native_gemm_is_not_timed_beside_the_cases(tmp_path, gemm_rates, capsys):
+    """bfloat16's torch.mm on an AVX2 CPU is a scalar loop (~15 s per reference call): left out, and said so."""
+    gemm_rates(float32=100.0, bfloat16=100.0 / measure.SLOW_GEMM_FACTOR - 0.1)
+    main(["--seq-lens", "64", "--window", "8", "--heads", "2", "--head-dim", "16", "--repeats", "1",
+          "--ops", "qk_band", "--methods", "tvm", "--dtype", "float32,bfloat16", "--dilation", "1",
+          "--no-memory", "--out", str(tmp_path), "--name", "slow"])
+    rows = list(csv.DictReader(open(tmp_path / "slow.csv")))
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"] and all(r["gemm_share"] for r in rows)
+    assert all(r["dtype_gemm_share"] == "" for r in rows)
+    reason = "torch.mm in bfloat16 runs at 12.4 GFLOP/s here against float32's 100 (256^3): no native bfloat16 GEMM"
+    assert reason in capsys.readouterr().out and reason in (tmp_path / "slow.md").read_text()
+    gemm_rates(float32=100.0, bfloat16=100.0 / measure.SLOW_GEMM_FACTOR)  # at the factor: timed
+    assert measure.slow_gemm_reason("cpu", "bfloat16") is None and measure.slow_gemm_reason("cpu", "float32") is None
+
+
+def test_the_gemm_probe_measures_a_rate():
+    assert 0.01 < measure._gemm_rate("cpu", "float32") < 1e5
+
+
+def test_cases_timed_together_share_every_round(monkeypatch, gemm_rates):
     """time_interleaved runs each round over every (case, method) and the GEMM, shuffled per round."""
+    gemm_rates(float32=100.0, bfloat16=50.0)
     calls = []
     monkeypatch.setattr(methods, "runner", lambda op, method, inputs, *rest: lambda: calls.append((inputs[0].dtype, method)))
     monkeypatch.setattr(measure, "gemm_runner", lambda device, dtype: lambda: calls.append(measure.gemm_key(dtype)))
