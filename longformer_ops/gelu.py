@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from longformer_ops import checks, kernels
+from longformer_ops import checks, dense, kernels
 from longformer_ops._output_cache import new_output
-from longformer_ops.layer import plain_linear
 
 
 def bias_gelu(h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -37,17 +36,17 @@ def bias_gelu(h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 def linear_gelu(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """``gelu(linear(x))`` (exact GELU). Where the kernel serves (the CPU libraries) and ``linear``
     is a plain ``nn.Linear`` with a bias (not a subclass or a wrapper such as an adapter, no hooks:
-    ``layer.plain_linear``), the GEMM without its bias, then :func:`bias_gelu`; without autograd
+    ``dense.plain_linear``), the GEMM without its bias, then :func:`bias_gelu`; without autograd
     (and outside autocast) the GEMM writes into recycled memory and the GELU runs there in place.
     Otherwise torch's ops as the module would run them (on CUDA the bias is the GEMM's epilogue).
     Under ``torch.autocast`` the GEMM runs in autocast's dtype and the bias is cast to it, as
     ``addmm`` casts it."""
     autocast = torch.is_autocast_enabled(x.device.type)
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-    if not plain_linear(linear):
+    if not dense.plain_linear(linear):
         return nn.functional.gelu(linear(x))
     if not kernels.bias_gelu_available(x.device, dtype):
-        h = linear(x)
+        h = dense.apply_linear(linear, x)
         # Without autograd the GELU goes into the GEMM's fresh output: no second [rows, 4 x hidden].
         return nn.functional.gelu(h) if torch.is_grad_enabled() else torch.ops.aten.gelu_(h)
     weight, bias = linear.weight, linear.bias
@@ -55,9 +54,9 @@ def linear_gelu(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         # [rows, 4 x hidden]: at n = 4096 in float32 48 MiB, past malloc's mmap threshold, so
         # fresh pages on every call where recycled memory has them in place.
         h = new_output(x, (*x.shape[:-1], weight.shape[0]))
-        torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=h.view(-1, weight.shape[0]))
+        dense.mm_into(x.reshape(-1, x.shape[-1]), weight.t(), h.view(-1, weight.shape[0]))
         checks.check_bias_gelu(h, bias)
         torch.ops.longformer_ops.bias_gelu_(h, bias)
         return h
-    h = nn.functional.linear(x, weight)  # autocast, if on, picks this GEMM's dtype
+    h = dense.linear(x, weight)  # autocast, if on, picks this GEMM's dtype
     return bias_gelu(h, bias.to(h.dtype))

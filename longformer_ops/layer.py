@@ -31,9 +31,10 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from longformer_ops import checks, kernels
+from longformer_ops import checks, dense, kernels
 from longformer_ops.attention import sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
+from longformer_ops.dense import plain_linear
 from longformer_ops.diagonaled import diagonaled_mm, fill_band_at_keys_
 from longformer_ops.pooling import pool_centres, pool_sequence, pool_then_project, pooling_attention
 from longformer_ops.reference import key_positions, pooling_attention_reference, sliding_chunks_pv, sliding_chunks_qk
@@ -145,8 +146,8 @@ class LongformerSelfAttention(nn.Module):
         # Without autograd, hidden-size temporaries are written in place (at 2^20 tokens each is 3 GiB).
         in_place = not torch.is_grad_enabled()
         q = self._heads(self._scaled_query(hidden_states, in_place))            # [b, n, h, d]
-        k = self._heads(self.key(hidden_states))                                # [b, n, h, d]
-        v = self._heads(self.value(hidden_states))                              # [b, n, h, d]
+        k = self._heads(dense.apply_linear(self.key, hidden_states))            # [b, n, h, d]
+        v = self._heads(dense.apply_linear(self.value, hidden_states))          # [b, n, h, d]
 
         if self.attention_mode is AttentionMode.FULL:
             context, probs = self._local_full(q, k, v, is_padding, is_global, globals_)
@@ -289,15 +290,15 @@ class LongformerSelfAttention(nn.Module):
         context = torch.einsum("bhik,bkhd->bihd", probs, v)                           # [b, n, h, d]
 
         # The same probabilities in the layout of the other modes: [global columns | band].
-        dense = probs.transpose(1, 2)                                                 # [b, n, h, n]
+        full_probs = probs.transpose(1, 2)                                            # [b, n, h, n]
         keys = key_positions(n, w, torch.tensor(dil, device=q.device), ar)            # [n, h, c]
         outside = (keys < 0) | (keys >= n)
-        band = torch.gather(dense, 3, keys.clamp(0, max(n - 1, 0)).expand(b, n, h, -1))
+        band = torch.gather(full_probs, 3, keys.clamp(0, max(n - 1, 0)).expand(b, n, h, -1))
         band = band.masked_fill(outside | is_global[:, keys.clamp(0, max(n - 1, 0))], 0)
         if globals_ is None:
             return context, band
         index = globals_.positions[:, None, None, :].expand(b, n, h, -1)
-        global_cols = torch.gather(dense, 3, index).masked_fill(~globals_.valid[:, None, None, :], 0)
+        global_cols = torch.gather(full_probs, 3, index).masked_fill(~globals_.valid[:, None, None, :], 0)
         return context, torch.cat([global_cols, band], dim=-1)                        # [b, n, h, g + c]
 
     def _scaled_query(self, hidden_states, in_place: bool):
@@ -306,7 +307,7 @@ class LongformerSelfAttention(nn.Module):
         each way (for head_dim 64 the same numbers: 1/8 is exact); another module is divided after."""
         if plain_linear(self.query):
             scale = 1 / math.sqrt(self.head_dim)
-            return nn.functional.linear(hidden_states, self.query.weight * scale, self.query.bias * scale)
+            return dense.linear(hidden_states, self.query.weight * scale, self.query.bias * scale)
         q = self.query(hidden_states)
         return q.div_(math.sqrt(self.head_dim)) if in_place else q / math.sqrt(self.head_dim)
 
@@ -318,7 +319,8 @@ class LongformerSelfAttention(nn.Module):
         ``[b, n, h, g]``, the projections' own order (see :func:`_against_slots`).
         """
         b, n, hidden = hidden_states.shape
-        q = self._heads(self.query_global(globals_.gather(hidden_states))) / math.sqrt(self.head_dim)  # [b, g, h, d]
+        q = self._heads(dense.apply_linear(self.query_global, globals_.gather(hidden_states)))
+        q = q / math.sqrt(self.head_dim)                                                           # [b, g, h, d]
         # Few slots: the slots' queries go through the key weights and the probabilities meet the
         # rows before the value weights (see _keys_through_weights): no keys or values of all rows.
         through_weights = (_global_rows_through_weights(self.num_heads, q.shape[1], hidden)
@@ -326,7 +328,7 @@ class LongformerSelfAttention(nn.Module):
         if through_weights:
             scores = _keys_through_weights(hidden_states, q, self.key_global)                         # [b, n, h, g]
         else:
-            scores = _against_slots(self._heads(self.key_global(hidden_states)), q)                   # [b, n, h, g]
+            scores = _against_slots(self._heads(dense.apply_linear(self.key_global, hidden_states)), q)  # [b, n, h, g]
         hidden_keys = is_padding[:, :, None, None]
         if self.autoregressive:
             later = torch.arange(n, device=q.device)[None, :, None] > globals_.positions[:, None, :]  # [b, n, g]
@@ -340,7 +342,7 @@ class LongformerSelfAttention(nn.Module):
         if through_weights:
             context = _values_through_weights(probs, hidden_states, self.value_global)
         else:
-            context = _slots_weighted(probs, self._heads(self.value_global(hidden_states)))
+            context = _slots_weighted(probs, self._heads(dense.apply_linear(self.value_global, hidden_states)))
         return context, probs.permute(0, 2, 3, 1)
 
 
@@ -403,13 +405,14 @@ class PoolingformerSelfAttention(LongformerSelfAttention):
         logits = None
         if self.ldconv is not None:
             centres = pool_centres(n, k, s).to(y.device)
-            logits = self.ldconv(y[:, centres]).view(b, -1, self.num_heads, k)  # [b, m, h, k]
-        q = self._heads(self.query2(y))
+            logits = dense.apply_linear(self.ldconv, y[:, centres]).view(b, -1, self.num_heads, k)  # [b, m, h, k]
+        q = self._heads(dense.apply_linear(self.query2, y))
         dropout_p = self.dropout if self.training else 0.0
         if self.attention_mode is AttentionMode.FULL or self.pooling_kind == "max":
             # The definition: pool the projections (the reference mode; and max, which is not linear).
-            pooled_k, valid = pool_sequence(self._heads(self.key2(y)), k, s, self.pooling_kind, is_padding, logits)
-            pooled_v, _ = pool_sequence(self._heads(self.value2(y)), k, s, self.pooling_kind, is_padding, logits)
+            keys, values = (self._heads(dense.apply_linear(p, y)) for p in (self.key2, self.value2))
+            pooled_k, valid = pool_sequence(keys, k, s, self.pooling_kind, is_padding, logits)
+            pooled_v, _ = pool_sequence(values, k, s, self.pooling_kind, is_padding, logits)
         else:  # the same, a quarter of the work at stride 4: project the pools
             (pooled_k, pooled_v), valid = pool_then_project(y, (self.key2, self.value2), self.num_heads, k, s,
                                                             self.pooling_kind, is_padding, logits)
@@ -446,8 +449,8 @@ def _against_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``x [b, n, h, d]``, ``slots [b, g, h, d]`` -> ``[b, n, h, g]``: each row's dot product with
     each slot, per head."""
     b, n, h, d = x.shape
-    if slots.shape[1] > BLOCK_DIAGONAL_SLOTS:
-        return torch.einsum("bnhd,bghd->bnhg", x, slots)
+    if slots.shape[1] > BLOCK_DIAGONAL_SLOTS or dense.computes_in_float32(x.dtype, x.device):
+        return dense.einsum("bnhd,bghd->bnhg", x, slots)
     return (x.reshape(b, n, h * d) @ _slots_block_diagonal(slots)).view(b, n, h, -1)
 
 
@@ -456,8 +459,8 @@ def _weighted_slots(weights: torch.Tensor, slots: torch.Tensor, out: torch.Tenso
     slots' vectors weighted and summed; into ``out`` if given (outside autograd; unlike the default,
     not a view)."""
     b, n, h, g = weights.shape
-    if g > BLOCK_DIAGONAL_SLOTS:
-        merged = torch.einsum("bnhg,bghd->bnhd", weights, slots)
+    if g > BLOCK_DIAGONAL_SLOTS or dense.computes_in_float32(weights.dtype, weights.device):
+        merged = dense.einsum("bnhg,bghd->bnhd", weights, slots)
         return merged if out is None else out.copy_(merged)
     blocks = _slots_block_diagonal(slots).transpose(1, 2)
     if out is not None:
@@ -470,8 +473,8 @@ def _slots_weighted(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``weights [b, n, h, g]``, ``x [b, n, h, d]`` -> ``[b, g, h, d]``: per slot and head, the rows
     weighted and summed over n (the diagonal blocks of one ``[h*g, h*d]`` product)."""
     b, n, h, g = weights.shape
-    if g > BLOCK_DIAGONAL_SLOTS:
-        return torch.einsum("bnhg,bnhd->bghd", weights, x)
+    if g > BLOCK_DIAGONAL_SLOTS or dense.computes_in_float32(weights.dtype, weights.device):
+        return dense.einsum("bnhg,bnhd->bghd", weights, x)
     full = weights.reshape(b, n, h * g).transpose(1, 2) @ x.reshape(b, n, -1)  # [b, h*g, h*d]
     return full.view(b, h, g, h, -1).diagonal(dim1=1, dim2=3).permute(0, 1, 3, 2)
 
@@ -489,23 +492,17 @@ def _global_rows_through_weights(heads: int, slots: int, hidden: int) -> bool:
     return heads * slots < hidden
 
 
-def plain_linear(module: nn.Module) -> bool:
-    """Whether ``module`` computes ``x W^T + b`` from its ``weight`` and ``bias`` and nothing else: not a
-    subclass or wrapper (a LoRA adapter, a quantized layer) whose output the weights do not tell, no
-    hooks, and no ``forward`` of its own instance (accelerate's offloading hooks replace it)."""
-    return type(module) is nn.Linear and module.bias is not None and not module._forward_hooks \
-        and not module._forward_pre_hooks and "forward" not in module.__dict__
-
-
 def _keys_through_weights(x: torch.Tensor, queries: torch.Tensor, key: nn.Linear) -> torch.Tensor:
     """``x [b, n, hidden]``, ``queries [b, g, h, d]`` -> ``[b, n, h, g]``: each row's ``key(x)`` (heads
     of ``d``) against each slot's query, computed as ``x (W_k^T q) + b_k . q``."""
     b, g, h, d = queries.shape
     weight = key.weight.to(queries.dtype).view(h, d, -1)                          # [h, d, hidden]
-    through = torch.einsum("hdc,bghd->bchg", weight, queries).reshape(b, -1, h * g)  # [b, hidden, h*g]
+    through = dense.einsum("hdc,bghd->bchg", weight, queries).reshape(b, -1, h * g)  # [b, hidden, h*g]
     # The bias adds one constant per slot and head to all its scores (softmax ignores it), kept so
     # that key.bias stays in the graph (DistributedDataParallel expects a gradient for it).
-    offset = torch.einsum("hd,bghd->bhg", key.bias.to(queries.dtype).view(h, d), queries).reshape(b, 1, h * g)
+    offset = dense.einsum("hd,bghd->bhg", key.bias.to(queries.dtype).view(h, d), queries).reshape(b, 1, h * g)
+    if dense.computes_in_float32(queries.dtype, queries.device):
+        return (dense.bmm(x.to(queries.dtype), through) + offset).view(b, -1, h, g)
     return torch.baddbmm(offset, x.to(queries.dtype), through).view(b, -1, h, g)
 
 
@@ -513,9 +510,9 @@ def _values_through_weights(weights: torch.Tensor, x: torch.Tensor, value: nn.Li
     """``weights [b, n, h, g]``, ``x [b, n, hidden]`` -> ``[b, g, h, d]``: per slot and head the rows'
     ``value(x)`` weighted and summed over n, computed as ``(weights^T x) W_v^T + (sum of weights) b_v``."""
     b, n, h, g = weights.shape
-    pooled = weights.reshape(b, n, h * g).transpose(1, 2) @ x.to(weights.dtype)     # [b, h*g, hidden]
+    pooled = dense.bmm(weights.reshape(b, n, h * g).transpose(1, 2), x.to(weights.dtype))     # [b, h*g, hidden]
     weight = value.weight.to(weights.dtype).view(h, -1, pooled.shape[-1])          # [h, d, hidden]
-    context = torch.einsum("bhgc,hdc->bghd", pooled.view(b, h, g, -1), weight)
+    context = dense.einsum("bhgc,hdc->bghd", pooled.view(b, h, g, -1), weight)
     return context + weights.sum(1).transpose(1, 2)[..., None] * value.bias.to(weights.dtype).view(h, -1)
 
 

@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from longformer_ops import dense
 from longformer_ops.attention import sliding_window_attention
 from longformer_ops.config import POOLING_KINDS
 
@@ -102,11 +103,11 @@ def pool_then_project(y: torch.Tensor, projections, heads: int, kernel_size: int
     if kind == "mean":
         weights = counted.to(y.dtype) / counted.sum(-1, keepdim=True).clamp_min(1).to(y.dtype)  # [b, m, k]
         pooled = (windows * weights[:, :, None, :]).sum(-1)               # [b, m, hidden]
-        outputs = [p(pooled).view(b, -1, heads, hidden // heads) for p in projections]
+        outputs = [dense.apply_linear(p, pooled).view(b, -1, heads, hidden // heads) for p in projections]
     elif kind == "ldconv":
         weights = _ldconv_weights(ldconv_logits, counted, valid, (b, valid.shape[1], heads, kernel_size))
-        pooled = torch.einsum("bmck,bmhk->bmhc", windows, weights.to(y.dtype))  # [b, m, h, hidden]
-        outputs = [torch.einsum("bmhc,hdc->bmhd", pooled, p.weight.view(heads, -1, hidden)) + p.bias.view(heads, -1)
+        pooled = dense.einsum("bmck,bmhk->bmhc", windows, weights.to(y.dtype))  # [b, m, h, hidden]
+        outputs = [dense.einsum("bmhc,hdc->bmhd", pooled, p.weight.view(heads, -1, hidden)) + p.bias.view(heads, -1)
                    for p in projections]
     else:
         raise ValueError(f"pool_then_project needs a linear pooling (mean or ldconv), got kind={kind!r}")

@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from longformer_ops import checks, kernels
+from longformer_ops import checks, dense, kernels
 from longformer_ops._output_cache import new_output
 from longformer_ops.dropout import Dropout, dropout, dropout_seed
-from longformer_ops.layer import plain_linear
 
 
 def bias_dropout_add(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float = 0.5,
@@ -52,7 +51,7 @@ def _plain_dropout(module: nn.Module) -> bool:
 
 def linear_dropout_add(x: torch.Tensor, linear: nn.Linear, drop: nn.Module, residual: torch.Tensor) -> torch.Tensor:
     """``drop(linear(x)) + residual``. Where the kernel serves (the CPU libraries), ``linear`` is a
-    plain ``nn.Linear`` with a bias (``layer.plain_linear``: not an adapter, no hooks) and ``drop``
+    plain ``nn.Linear`` with a bias (``dense.plain_linear``: not an adapter, no hooks) and ``drop``
     our :class:`~longformer_ops.dropout.Dropout` as it comes: the GEMM without its bias, then
     :func:`bias_dropout_add` with ``drop``'s ``p`` and mode; without autograd (and outside
     autocast) the GEMM writes into recycled memory and the rest runs there in place. Otherwise
@@ -60,10 +59,10 @@ def linear_dropout_add(x: torch.Tensor, linear: nn.Linear, drop: nn.Module, resi
     dtype; a residual of another dtype (autocast's float32 stream) or shape (broadcast) takes torch's ops."""
     autocast = torch.is_autocast_enabled(x.device.type)
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-    if not (plain_linear(linear) and _plain_dropout(drop) and residual.dtype == dtype
+    if not (dense.plain_linear(linear) and _plain_dropout(drop) and residual.dtype == dtype
             and residual.shape == (*x.shape[:-1], linear.out_features)  # (torch's add would broadcast)
             and kernels.bias_dropout_add_available(x.device, dtype)):
-        y = drop(linear(x))
+        y = drop(dense.apply_linear(linear, x))
         # Without autograd the residual goes into the dense layer's fresh output: one hidden-size
         # temporary fewer.
         return y.add_(residual) if not torch.is_grad_enabled() and y.dtype == residual.dtype else y + residual
@@ -71,11 +70,11 @@ def linear_dropout_add(x: torch.Tensor, linear: nn.Linear, drop: nn.Module, resi
     if not torch.is_grad_enabled() and not autocast and x.dtype == weight.dtype == bias.dtype:
         # The GEMM's output is ours: the bias, the dropout and the residual go into it in place.
         h = new_output(x, (*x.shape[:-1], weight.shape[0]))
-        torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=h.view(-1, weight.shape[0]))
+        dense.mm_into(x.reshape(-1, x.shape[-1]), weight.t(), h.view(-1, weight.shape[0]))
         checks.check_bias_dropout_add(h, bias, residual)
         p = drop.p if drop.training else 0.0
         seed = dropout_seed() if p > 0 else torch.zeros((), dtype=torch.int64)
         torch.ops.longformer_ops.bias_dropout_add_(h, bias, residual, seed, p)
         return h
-    h = nn.functional.linear(x, weight)  # autocast, if on, picks this GEMM's dtype
+    h = dense.linear(x, weight)  # autocast, if on, picks this GEMM's dtype
     return bias_dropout_add(h, bias.to(h.dtype), residual, drop.p, drop.training)

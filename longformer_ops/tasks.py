@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from longformer_ops import dense
 from longformer_ops.config import LongformerConfig
 from longformer_ops.dropout import Dropout
 from longformer_ops.layer_norm import LayerNorm
@@ -120,8 +121,8 @@ class LongformerLMHead(nn.Module):
         self.decoder.bias = self.bias  # one tensor under two names, as in Hugging Face
 
     def forward(self, x):
-        x = self.layer_norm(nn.functional.gelu(self.dense(x)))
-        return self.decoder(x)  # [b, n, vocab]
+        x = self.layer_norm(nn.functional.gelu(dense.apply_linear(self.dense, x)))
+        return dense.apply_linear(self.decoder, x)  # [b, n, vocab]
 
 
 class LongformerForMaskedLM(_PreTrained):
@@ -158,8 +159,8 @@ class LongformerClassificationHead(nn.Module):
         self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
 
     def forward(self, x):
-        x = torch.tanh(self.dense(self.dropout(x[:, 0])))
-        return self.out_proj(self.dropout(x))  # [b, num_labels]
+        x = torch.tanh(dense.apply_linear(self.dense, self.dropout(x[:, 0])))
+        return dense.apply_linear(self.out_proj, self.dropout(x))  # [b, num_labels]
 
 
 class LongformerForSequenceClassification(_PreTrained):
@@ -228,7 +229,7 @@ class LongformerForTokenClassification(_PreTrained):
                 output_hidden_states=False) -> TaskOutput:
         out = self.longformer(input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids,
                               inputs_embeds, output_attentions, output_hidden_states)
-        logits = self.classifier(self.dropout(out.last_hidden_state))  # [b, n, num_labels]
+        logits = dense.apply_linear(self.classifier, self.dropout(out.last_hidden_state))  # [b, n, num_labels]
         loss = None if labels is None else _cross_entropy(logits.view(-1, self.num_labels),
                                                           labels.to(logits.device).view(-1))
         return TaskOutput(loss, logits, out.hidden_states, out.attentions, out.global_attentions)
@@ -264,7 +265,7 @@ class LongformerForQuestionAnswering(_PreTrained):
                 global_attention_mask = question_global_mask(input_ids, self.config.sep_token_id)
         out = self.longformer(input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids,
                               inputs_embeds, output_attentions, output_hidden_states)
-        logits = self.qa_outputs(out.last_hidden_state)  # [b, n, 2]
+        logits = dense.apply_linear(self.qa_outputs, out.last_hidden_state)  # [b, n, 2]
         start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
@@ -308,7 +309,7 @@ class LongformerForMultipleChoice(_PreTrained):
         out = self.longformer(flat(input_ids), flat(attention_mask), flat(global_attention_mask),
                               flat(token_type_ids), flat(position_ids), flat(inputs_embeds, 2),
                               output_attentions, output_hidden_states)
-        logits = self.classifier(self.dropout(out.pooler_output)).view(-1, choices)  # [b, choices]
+        logits = dense.apply_linear(self.classifier, self.dropout(out.pooler_output)).view(-1, choices)  # [b, choices]
         loss = None if labels is None else _cross_entropy(logits, labels.to(logits.device))
         return TaskOutput(loss, logits, out.hidden_states, out.attentions, out.global_attentions)
 

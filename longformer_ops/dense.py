@@ -1,0 +1,162 @@
+"""The dense products (projections, the FFN, the global slots' products) in bfloat16 and float16
+on CPUs where torch has no GEMM of its own for them.
+
+torch's CPU matmuls in the half types run on oneDNN only where the CPU has instructions for them
+(bfloat16: AVX-512 or AMX; float16: AVX512-FP16 or AMX-FP16). Elsewhere, on every AVX2 CPU, they
+fall back to loops at 1-25 GFLOP/s against float32's ~150: a bfloat16 projection's forward takes
+4-7x float32's time there and its input gradient up to 190x (bench/NOTES.md). There the products
+below run in float32 on the same values (a half type widens to float32 exactly) and round their
+result to the half type once, as torch's half GEMMs accumulate in float32 and round once: the
+same numbers up to the order of the sums, at float32's rate, for the price of widening the
+operands (O(rows x features) against the product's O(rows x features^2)). Nothing is kept in
+float32 between forward and backward. Everywhere else they are torch's own calls.
+
+``linear`` and ``apply_linear`` (the projections, the FFN, the heads), ``mm_into`` (the same without
+autograd, into recycled memory), ``einsum`` and ``bmm`` (the global slots' and Poolingformer's
+products); ``plain_linear`` says which ``nn.Linear`` may be computed from its weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+HALF_TYPES = (torch.bfloat16, torch.float16)
+
+
+def _cpu_has_half_gemm(dtype: torch.dtype) -> bool:
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
+    try:
+        return bool(torch.backends.mkldnn.is_available() and getattr(mkldnn, check)())
+    except (AttributeError, RuntimeError):  # a torch without the query: assume its GEMM is native
+        return True
+
+
+# Asked once, at import: a constant that torch.compile reads without tracing the query.
+_CPU_HAS_HALF_GEMM = {dtype: _cpu_has_half_gemm(dtype) for dtype in HALF_TYPES}
+
+
+def computes_in_float32(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether products in ``dtype`` on ``device`` run here in float32 (a half type on a CPU
+    without torch's native GEMM for it)."""
+    return dtype in HALF_TYPES and torch.device(device).type == "cpu" and not _CPU_HAS_HALF_GEMM[dtype]
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` computes ``x W^T + b`` from its ``weight`` and ``bias`` and nothing else: not a
+    subclass or wrapper (a LoRA adapter, a quantized layer) whose output the weights do not tell, no
+    hooks, and no ``forward`` of its own instance (accelerate's offloading hooks replace it)."""
+    return type(module) is nn.Linear and module.bias is not None and not module._forward_hooks \
+        and not module._forward_pre_hooks and "forward" not in module.__dict__
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or as it is if wider (float64: the autograd functions below are gradchecked so)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _product_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype torch would multiply ``x`` in: autocast's where it is on, else ``x``'s own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class _Float32Linear(torch.autograd.Function):
+    """``x W^T + b`` for half-type tensors, each product in float32, results rounded to the half
+    type; saves the half-type inputs only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        with torch.autocast(x.device.type, enabled=False):
+            y = nn.functional.linear(_wide(x), _wide(weight), None if bias is None else _wide(bias))
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rows = _wide(grad.reshape(-1, grad.shape[-1]))
+        grad_x = grad_weight = grad_bias = None
+        with torch.autocast(x.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_x = (rows @ _wide(weight)).to(x.dtype).view(x.shape)
+            if ctx.needs_input_grad[1]:
+                grad_weight = (rows.t() @ _wide(x.reshape(-1, x.shape[-1]))).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_bias = rows.sum(0).to(weight.dtype)
+        return grad_x, grad_weight, grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``nn.functional.linear(x, weight, bias)``, in float32 where :func:`computes_in_float32` says
+    so for the dtype it multiplies in (autocast's, when on; then cast to it first, as autocast does)."""
+    dtype = _product_dtype(x)
+    if not computes_in_float32(dtype, x.device):
+        return nn.functional.linear(x, weight, bias)
+    return _Float32Linear.apply(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
+def apply_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for an ``nn.Linear``: through :func:`linear` when it is a plain one
+    (:func:`plain_linear`); any other module (an adapter, a hooked layer) runs its own forward."""
+    return linear(x, module.weight, module.bias) if plain_linear(module) else module(x)
+
+
+def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.mm(a, b, out=out)`` (``torch.addmm(bias, a, b, out=out)`` with a bias) outside autograd,
+    in float32 where :func:`computes_in_float32` says so (into a float32 temporary, then ``out``)."""
+    if not computes_in_float32(a.dtype, a.device):
+        return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
+    product = torch.mm(a.float(), b.float()) if bias is None else torch.addmm(bias.float(), a.float(), b.float())
+    return out.copy_(product)
+
+
+def _gradient_equations(equation: str) -> tuple[str, str]:
+    """For ``"A,B->C"``: the einsums of C's gradient with B giving A's (``"C,B->A"``) and with A giving B's."""
+    inputs, output = equation.replace(" ", "").split("->")
+    a, b = inputs.split(",")
+    for mine, other in ((a, b), (b, a)):
+        if not set(mine) <= set(other) | set(output) or len(set(mine)) != len(mine):
+            raise ValueError(f"dense.einsum: {equation!r} sums an index of one operand alone or repeats one: "
+                             "its gradient is not an einsum of the other two")
+    return f"{output},{b}->{a}", f"{a},{output}->{b}"
+
+
+class _Float32Einsum(torch.autograd.Function):
+    """``torch.einsum(equation, a, b)`` for half-type tensors, in float32, rounded back; saves the
+    half-type inputs only."""
+
+    @staticmethod
+    def forward(ctx, equation, a, b):
+        ctx.equation = equation
+        ctx.save_for_backward(a, b)
+        with torch.autocast(a.device.type, enabled=False):
+            return torch.einsum(equation, _wide(a), _wide(b)).to(a.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        for_a, for_b = _gradient_equations(ctx.equation)
+        grad_a = grad_b = None
+        with torch.autocast(a.device.type, enabled=False):
+            if ctx.needs_input_grad[1]:
+                grad_a = torch.einsum(for_a, _wide(grad), _wide(b)).to(a.dtype)
+            if ctx.needs_input_grad[2]:
+                grad_b = torch.einsum(for_b, _wide(a), _wide(grad)).to(b.dtype)
+        return None, grad_a, grad_b
+
+
+def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(equation, a, b)`` (two operands; every index of each in the other or the
+    output), in float32 where :func:`computes_in_float32` says so."""
+    if not computes_in_float32(a.dtype, a.device):
+        return torch.einsum(equation, a, b)
+    _gradient_equations(equation)  # checked here, where the call is, not in the backward
+    return _Float32Einsum.apply(equation, a, b)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)``, in float32 where :func:`computes_in_float32` says so."""
+    return einsum("bij,bjk->bik", a, b) if computes_in_float32(a.dtype, a.device) else torch.bmm(a, b)

@@ -1,0 +1,217 @@
+"""longformer_ops.dense: the dense products in float32 for the half types where torch has no CPU
+GEMM of its own for them. Which devices and dtypes take it; the products and their gradients
+against float64 on the same (rounded) inputs, element by element, to one rounding of the half
+type plus float32's accumulation; gradcheck of the autograd functions in float64; and that the
+encoder, its task heads, global tokens and Poolingformer's level 2 send no half-type product to
+torch where the float32 path is on, forward, backward and without autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import stable_seed, unit_roundoff
+from longformer_ops import LongformerConfig, dense
+from longformer_ops.config import PoolingConfig
+from longformer_ops.tasks import LongformerForMaskedLM
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def float32_products(monkeypatch):
+    """Every CPU takes the float32 path for the half types, as an AVX2 CPU does."""
+    monkeypatch.setattr(dense, "computes_in_float32",
+                        lambda dtype, device: dtype in dense.HALF_TYPES and torch.device(device).type == "cpu")
+
+
+def test_which_products_run_in_float32():
+    assert not dense.computes_in_float32(torch.float32, "cpu") and not dense.computes_in_float32(torch.float64, "cpu")
+    assert not dense.computes_in_float32(torch.bfloat16, "cuda")
+    assert not dense.computes_in_float32(torch.float16, "cuda:0")
+    # On the CPU: where torch's own half GEMM runs on oneDNN, it stays torch's.
+    assert dense.computes_in_float32(torch.bfloat16, "cpu") == (not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert dense.computes_in_float32(torch.float16, "cpu") == (not torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def _random(generator, *shape, dtype):
+    return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+
+
+def _assert_one_rounding(got, exact, magnitude, terms, dtype, what, seed):
+    """|got - exact| <= u |exact| + (terms + 2) u32 magnitude, element by element: the half type's
+    rounding of a float32 sum of ``terms`` products (``magnitude``: the sum of their absolute values)."""
+    assert got.dtype == dtype, f"{what}: dtype {got.dtype}, expected {dtype}"
+    bound = unit_roundoff(dtype) * exact.abs() + (terms + 2) * unit_roundoff(torch.float32) * magnitude
+    excess = (got.double() - exact).abs() - bound
+    assert (excess <= 0).all(), f"{what}: {int((excess > 0).sum())} elements over the bound, worst by " \
+                                f"{float(excess.max()):.3e} ({dtype}, seed {seed})"
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 33), (1, 130, 64)], ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_linear_and_its_gradients_round_once(float32_products, dtype, shape, with_bias):
+    seed = stable_seed(str(dtype), shape, with_bias)
+    generator = torch.Generator().manual_seed(seed)
+    x = _random(generator, *shape, dtype=dtype).requires_grad_()
+    weight = _random(generator, 11, shape[-1], dtype=dtype).requires_grad_()
+    bias = _random(generator, 11, dtype=dtype).requires_grad_() if with_bias else None
+    y = dense.linear(x, weight, bias)
+    grad = _random(generator, *y.shape, dtype=dtype)
+    y.backward(grad)
+
+    x64, w64, g64 = x.detach().double(), weight.detach().double(), grad.double()
+    rows, grad_rows = x64.reshape(-1, shape[-1]), g64.reshape(-1, 11)
+    b64 = bias.detach().double() if with_bias else torch.zeros(11, dtype=torch.float64)
+    _assert_one_rounding(y, x64 @ w64.t() + b64, x64.abs() @ w64.abs().t() + b64.abs(), shape[-1] + 1, dtype, "y", seed)
+    _assert_one_rounding(x.grad, g64 @ w64, g64.abs() @ w64.abs(), 11, dtype, "dx", seed)
+    _assert_one_rounding(weight.grad, grad_rows.t() @ rows, grad_rows.abs().t() @ rows.abs(), rows.shape[0], dtype,
+                         "dW", seed)
+    if with_bias:
+        _assert_one_rounding(bias.grad, grad_rows.sum(0), grad_rows.abs().sum(0), rows.shape[0], dtype, "db", seed)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_einsum_and_bmm_and_their_gradients_round_once(float32_products, dtype):
+    """An einsum of the global slots' kind (the summed index in both operands) and a batched
+    product, forward and gradients."""
+    seed = stable_seed(str(dtype), "einsum")
+    generator = torch.Generator().manual_seed(seed)
+    x, slots = (_random(generator, *s, dtype=dtype).requires_grad_() for s in ((2, 37, 3, 19), (2, 5, 3, 19)))
+    out = dense.einsum("bnhd,bghd->bnhg", x, slots)
+    grad = _random(generator, *out.shape, dtype=dtype)
+    out.backward(grad)
+    x64, s64, g64 = (t.detach().double() for t in (x, slots, grad))
+    _assert_one_rounding(out, torch.einsum("bnhd,bghd->bnhg", x64, s64),
+                         torch.einsum("bnhd,bghd->bnhg", x64.abs(), s64.abs()), 19, dtype, "out", seed)
+    _assert_one_rounding(x.grad, torch.einsum("bnhg,bghd->bnhd", g64, s64),
+                         torch.einsum("bnhg,bghd->bnhd", g64.abs(), s64.abs()), 5, dtype, "dx", seed)
+    _assert_one_rounding(slots.grad, torch.einsum("bnhd,bnhg->bghd", x64, g64),
+                         torch.einsum("bnhd,bnhg->bghd", x64.abs(), g64.abs()), 37, dtype, "dslots", seed)
+
+    a, b = (_random(generator, *s, dtype=dtype).requires_grad_() for s in ((2, 37, 19), (2, 19, 5)))
+    out = dense.bmm(a, b)
+    grad = _random(generator, *out.shape, dtype=dtype)
+    out.backward(grad)
+    a64, b64, g64 = (t.detach().double() for t in (a, b, grad))
+    _assert_one_rounding(out, a64 @ b64, a64.abs() @ b64.abs(), 19, dtype, "bmm", seed)
+    _assert_one_rounding(a.grad, g64 @ b64.transpose(1, 2), g64.abs() @ b64.abs().transpose(1, 2), 5, dtype, "da", seed)
+    _assert_one_rounding(b.grad, a64.transpose(1, 2) @ g64, a64.abs().transpose(1, 2) @ g64.abs(), 37, dtype, "db",
+                         seed)
+
+
+@pytest.mark.parametrize("equation", ["bnd,bd->b", "ij,jk->i", "ii,ij->j"])
+def test_einsum_refuses_what_its_backward_cannot_express(float32_products, equation):
+    """An index summed in one operand alone (its gradient is a broadcast) or repeated (a diagonal)."""
+    a, b = torch.ones(2, 2, 2, dtype=torch.bfloat16), torch.ones(2, 2, dtype=torch.bfloat16)
+    operands = (a, b) if equation.startswith("bnd") else (b, b)
+    with pytest.raises(ValueError, match=r"dense.einsum: .* its gradient is not an einsum of the other two"):
+        dense.einsum(equation, *operands)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_mm_into_rounds_once(float32_products, dtype, with_bias):
+    seed = stable_seed(str(dtype), "mm_into", with_bias)
+    generator = torch.Generator().manual_seed(seed)
+    a, weight, bias = _random(generator, 9, 70, dtype=dtype), _random(generator, 13, 70, dtype=dtype), \
+        _random(generator, 13, dtype=dtype)
+    out = torch.full((9, 13), float("nan"), dtype=dtype)
+    assert dense.mm_into(a, weight.t(), out, bias if with_bias else None) is out
+    a64, w64 = a.double(), weight.double()
+    b64 = bias.double() if with_bias else torch.zeros(13, dtype=torch.float64)
+    _assert_one_rounding(out, a64 @ w64.t() + b64, a64.abs() @ w64.abs().t() + b64.abs(), 71, dtype, "out", seed)
+
+
+def test_autograd_functions_gradcheck_in_float64():
+    generator = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(*s, generator=generator, dtype=torch.float64, requires_grad=True)
+                       for s in ((3, 4, 5), (6, 5), (6,)))
+    assert torch.autograd.gradcheck(dense._Float32Linear.apply, (x, weight, bias))
+    assert torch.autograd.gradcheck(lambda x, weight: dense._Float32Linear.apply(x, weight, None), (x, weight))
+    a, b = (torch.randn(*s, generator=generator, dtype=torch.float64, requires_grad=True)
+            for s in ((2, 4, 3, 5), (2, 6, 3, 5)))
+    assert torch.autograd.gradcheck(lambda a, b: dense._Float32Einsum.apply("bnhd,bghd->bnhg", a, b), (a, b))
+    # Only one input needing a gradient: the other gets None.
+    assert torch.autograd.gradcheck(lambda a: dense._Float32Einsum.apply("bnhd,bghd->bnhg", a, b.detach()), (a,))
+
+
+def test_a_linear_that_is_not_plain_runs_its_own_forward(float32_products):
+    """An adapter or hooked layer's output is not ``x W^T + b``: it runs as it is, not through the weights."""
+    linear = nn.Linear(4, 3).to(torch.bfloat16)
+    linear.register_forward_hook(lambda module, inputs, output: output * 2)
+    x = torch.randn(2, 4).to(torch.bfloat16)
+    assert torch.equal(dense.apply_linear(linear, x), linear(x))
+    assert not torch.equal(dense.apply_linear(linear, x), dense.linear(x, linear.weight, linear.bias))
+
+
+class _HalfTypeProducts(TorchDispatchMode):
+    """Records each matrix product torch is asked for with a half-type operand."""
+
+    PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+                torch.ops.aten.mv, torch.ops.aten.addmv, torch.ops.aten.dot, torch.ops.aten.addbmm}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.PRODUCTS:
+            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+            if dtypes & set(dense.HALF_TYPES):
+                self.seen.append((str(func), tuple(a.shape for a in args if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+def _encoder_config(pooling_kind: str | None, autoregressive: bool = False) -> LongformerConfig:
+    return LongformerConfig(vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=40, attention_window=[2, 3],
+                            attention_dilation=[1, [1, 2, 1, 2]], hidden_dropout_prob=0.1,
+                            attention_probs_dropout_prob=0.1, autoregressive=autoregressive,
+                            pooling=None if pooling_kind is None else PoolingConfig(window=4, kernel_size=2, stride=2,
+                                                                                   kind=pooling_kind, layers=[1]))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("pooling_kind, slots",
+                         [(None, 1), (None, 3), (None, 8), ("mean", 2), ("ldconv", 1), ("max", 1)])
+def test_the_encoder_sends_no_half_type_product_to_torch(float32_products, dtype, pooling_kind, slots):
+    """Masked LM (encoder and LM head); global tokens against the rows block-diagonally (up to
+    BLOCK_DIAGONAL_SLOTS) and by einsum (more), their rows through the weights (heads x slots <
+    hidden) and projected (8 slots); Poolingformer's level 2: training step and inference."""
+    torch.manual_seed(stable_seed(str(dtype), pooling_kind, slots))
+    model = LongformerForMaskedLM(_encoder_config(pooling_kind)).to(dtype)
+    ids = torch.randint(4, 24, (2, 17))
+    is_global = torch.zeros_like(ids)
+    is_global[:, :slots] = 1
+    labels = torch.where(torch.rand(ids.shape) < 0.3, ids, -100)
+    with _HalfTypeProducts() as products:
+        out = model.train()(ids, global_attention_mask=is_global, labels=labels)
+        out.loss.backward()
+        with torch.no_grad():
+            inference = model.eval()(ids, global_attention_mask=is_global).logits
+    assert not products.seen, products.seen
+    assert out.logits.dtype == inference.dtype == dtype and torch.isfinite(inference).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+def test_the_float32_path_gives_what_torch_gives_up_to_rounding():
+    """The bfloat16 encoder with the float32 path and with torch's own products: the same function
+    (both within a few bfloat16 roundings of the float32 encoder's hidden states)."""
+    config = _encoder_config(None).replace(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(1)
+    model = LongformerForMaskedLM(config).eval()
+    ids = torch.randint(4, 24, (2, 17))
+    with torch.no_grad():
+        exact = model.longformer(ids).last_hidden_state.double()
+        half = model.to(torch.bfloat16)
+        torch_products = half.longformer(ids).last_hidden_state
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(dense, "computes_in_float32", lambda dtype, device: dtype in dense.HALF_TYPES)
+            ours = half.longformer(ids).last_hidden_state
+    errors = [float((h.double() - exact).norm() / exact.norm()) for h in (ours, torch_products)]
+    # Two layers of bfloat16 weights and activations: a few roundings of 2^-8 each, both ways alike.
+    assert max(errors) < 0.05 and errors[0] < 2 * errors[1] + 4 * unit_roundoff(torch.bfloat16), errors
