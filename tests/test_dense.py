@@ -2,8 +2,9 @@
 GEMM of its own for them. Which devices and dtypes take it; the products and their gradients
 against float64 on the same (rounded) inputs, element by element, to one rounding of the half
 type plus float32's accumulation; gradcheck of the autograd functions in float64; and that the
-encoder, its task heads, global tokens and Poolingformer's level 2 send no half-type product to
-torch where the float32 path is on, forward, backward and without autograd."""
+encoder, its task heads, global tokens, Poolingformer's level 2 and transformers' encoder patched
+send no half-type product to torch where the float32 path is on, forward, backward and without
+autograd."""
 
 from __future__ import annotations
 
@@ -215,3 +216,25 @@ def test_the_float32_path_gives_what_torch_gives_up_to_rounding():
     errors = [float((h.double() - exact).norm() / exact.norm()) for h in (ours, torch_products)]
     # Two layers of bfloat16 weights and activations: a few roundings of 2^-8 each, both ways alike.
     assert max(errors) < 0.05 and errors[0] < 2 * errors[1] + 4 * unit_roundoff(torch.bfloat16), errors
+
+
+def test_transformers_encoder_patched_sends_no_half_type_product_to_torch(float32_products):
+    """transformers' ``LongformerModel`` patched by ``hf.patch``: its attention, FFN and output blocks
+    run our layer, whose products go through dense.py (no pooler: transformers' own module)."""
+    transformers = pytest.importorskip("transformers")
+    from hf_helpers import hf_config
+    from longformer_ops import hf
+
+    torch.manual_seed(3)
+    model = transformers.LongformerModel(hf_config([4, 8]), add_pooling_layer=False).to(torch.bfloat16)
+    hf.patch(model)
+    ids = torch.randint(3, 97, (2, 21))
+    is_global = torch.zeros_like(ids)
+    is_global[:, 0] = 1
+    with _HalfTypeProducts() as products:
+        out = model.train()(ids, global_attention_mask=is_global).last_hidden_state
+        out.float().square().sum().backward()
+        with torch.no_grad():
+            model.eval()(ids, global_attention_mask=is_global)
+    assert not products.seen, products.seen
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
