@@ -56,10 +56,13 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _product_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype torch would multiply ``x`` in: autocast's where it is on, else ``x``'s own."""
+def _product_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> torch.dtype | None:
+    """The dtype torch would multiply ``x`` and ``others`` in: autocast's where it is on, else their
+    common dtype; None where they differ (torch's own call then raises, as it would anyway)."""
     device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype if all(t is None or t.dtype == x.dtype for t in others) else None
 
 
 class _Float32Linear(torch.autograd.Function):
@@ -92,8 +95,8 @@ class _Float32Linear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``nn.functional.linear(x, weight, bias)``, in float32 where :func:`computes_in_float32` says
     so for the dtype it multiplies in (autocast's, when on; then cast to it first, as autocast does)."""
-    dtype = _product_dtype(x)
-    if not computes_in_float32(dtype, x.device):
+    dtype = _product_dtype(x, weight, bias)
+    if dtype is None or not computes_in_float32(dtype, x.device):
         return nn.functional.linear(x, weight, bias)
     return _Float32Linear.apply(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 
@@ -107,7 +110,7 @@ def apply_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.mm(a, b, out=out)`` (``torch.addmm(bias, a, b, out=out)`` with a bias) outside autograd,
     in float32 where :func:`computes_in_float32` says so (into a float32 temporary, then ``out``)."""
-    if not computes_in_float32(a.dtype, a.device):
+    if _product_dtype(a, b, out, bias) is None or not computes_in_float32(a.dtype, a.device):
         return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
     product = torch.mm(a.float(), b.float()) if bias is None else torch.addmm(bias.float(), a.float(), b.float())
     return out.copy_(product)
@@ -151,7 +154,7 @@ class _Float32Einsum(torch.autograd.Function):
 def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.einsum(equation, a, b)`` (two operands; every index of each in the other or the
     output), in float32 where :func:`computes_in_float32` says so."""
-    if not computes_in_float32(a.dtype, a.device):
+    if a.dtype != b.dtype or not computes_in_float32(a.dtype, a.device):
         return torch.einsum(equation, a, b)
     _gradient_equations(equation)  # checked here, where the call is, not in the backward
     return _Float32Einsum.apply(equation, a, b)
@@ -159,4 +162,6 @@ def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, b)``, in float32 where :func:`computes_in_float32` says so."""
-    return einsum("bij,bjk->bik", a, b) if computes_in_float32(a.dtype, a.device) else torch.bmm(a, b)
+    if a.dtype != b.dtype or not computes_in_float32(a.dtype, a.device):
+        return torch.bmm(a, b)
+    return einsum("bij,bjk->bik", a, b)

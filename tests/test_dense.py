@@ -127,6 +127,17 @@ def test_mm_into_rounds_once(float32_products, dtype, with_bias):
     _assert_one_rounding(out, a64 @ w64.t() + b64, a64.abs() @ w64.abs().t() + b64.abs(), 71, dtype, "out", seed)
 
 
+def test_mixed_dtypes_fail_as_torch_fails(float32_products):
+    """Operands of two dtypes outside autocast are not widened into agreeing: torch's error, as without dense.py."""
+    x, w = torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(3, 4)
+    for call in (lambda: dense.linear(x, w), lambda: dense.einsum("ij,kj->ik", x, w),
+                 lambda: dense.bmm(x[None], w.t()[None]), lambda: dense.mm_into(x, w.t(), torch.empty(2, 3))):
+        with pytest.raises(RuntimeError, match="dtype|type"):
+            call()
+    with torch.autocast("cpu", torch.bfloat16):  # autocast casts them to its dtype: widened from there
+        assert dense.linear(w, x).dtype == torch.bfloat16
+
+
 def test_autograd_functions_gradcheck_in_float64():
     generator = torch.Generator().manual_seed(0)
     x, weight, bias = (torch.randn(*s, generator=generator, dtype=torch.float64, requires_grad=True)
