@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import random
 import statistics
 import time
@@ -80,14 +79,15 @@ _PROBE_SIZE = 256
 def _gemm_rate(device: str, dtype: str) -> float:
     """GFLOP/s of the best of three small GEMMs in ``dtype`` (after one untimed call)."""
     a, b = (torch.randn(_PROBE_SIZE, _PROBE_SIZE).to(device=device, dtype=getattr(torch, dtype)) for _ in range(2))
-    best = math.inf
-    for i in range(4):
+    torch.mm(a, b)
+    times = []
+    for _ in range(3):
         synchronize(device)
         started = time.perf_counter()
         torch.mm(a, b)
         synchronize(device)
-        best = min(best, time.perf_counter() - started) if i else best
-    return 2.0 * _PROBE_SIZE**3 / best / 1e9
+        times.append(time.perf_counter() - started)
+    return 2.0 * _PROBE_SIZE**3 / min(times) / 1e9
 
 
 @functools.cache

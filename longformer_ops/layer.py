@@ -437,6 +437,12 @@ class PoolingformerSelfAttention(LongformerSelfAttention):
 BLOCK_DIAGONAL_SLOTS = 4
 
 
+def _slots_by_einsum(slots: int, x: torch.Tensor) -> bool:
+    """Whether the rows meet ``slots`` slots by einsum: past BLOCK_DIAGONAL_SLOTS, and wherever
+    dense.py widens the products (its einsum has the gradient; the block-diagonal matmuls are for speed)."""
+    return slots > BLOCK_DIAGONAL_SLOTS or dense.computes_in_float32(x.dtype, x.device)
+
+
 def _slots_block_diagonal(slots: torch.Tensor) -> torch.Tensor:
     """``slots [b, g, h, d]`` -> ``[b, h*d, h*g]``: head i's ``[d, g]`` block (the slots' vectors as
     columns) at rows ``i*d ...``, columns ``i*g ...``; zero elsewhere."""
@@ -449,7 +455,7 @@ def _against_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``x [b, n, h, d]``, ``slots [b, g, h, d]`` -> ``[b, n, h, g]``: each row's dot product with
     each slot, per head."""
     b, n, h, d = x.shape
-    if slots.shape[1] > BLOCK_DIAGONAL_SLOTS or dense.computes_in_float32(x.dtype, x.device):
+    if _slots_by_einsum(slots.shape[1], x):
         return dense.einsum("bnhd,bghd->bnhg", x, slots)
     return (x.reshape(b, n, h * d) @ _slots_block_diagonal(slots)).view(b, n, h, -1)
 
@@ -459,7 +465,7 @@ def _weighted_slots(weights: torch.Tensor, slots: torch.Tensor, out: torch.Tenso
     slots' vectors weighted and summed; into ``out`` if given (outside autograd; unlike the default,
     not a view)."""
     b, n, h, g = weights.shape
-    if g > BLOCK_DIAGONAL_SLOTS or dense.computes_in_float32(weights.dtype, weights.device):
+    if _slots_by_einsum(g, weights):
         merged = dense.einsum("bnhg,bghd->bnhd", weights, slots)
         return merged if out is None else out.copy_(merged)
     blocks = _slots_block_diagonal(slots).transpose(1, 2)
@@ -473,7 +479,7 @@ def _slots_weighted(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``weights [b, n, h, g]``, ``x [b, n, h, d]`` -> ``[b, g, h, d]``: per slot and head, the rows
     weighted and summed over n (the diagonal blocks of one ``[h*g, h*d]`` product)."""
     b, n, h, g = weights.shape
-    if g > BLOCK_DIAGONAL_SLOTS or dense.computes_in_float32(weights.dtype, weights.device):
+    if _slots_by_einsum(g, weights):
         return dense.einsum("bnhg,bnhd->bghd", weights, x)
     full = weights.reshape(b, n, h * g).transpose(1, 2) @ x.reshape(b, n, -1)  # [b, h*g, h*d]
     return full.view(b, h, g, h, -1).diagonal(dim1=1, dim2=3).permute(0, 1, 3, 2)
