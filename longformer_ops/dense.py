@@ -11,9 +11,11 @@ same numbers up to the order of the sums, at float32's rate, for the price of wi
 operands (O(rows x features) against the product's O(rows x features^2)). Nothing is kept in
 float32 between forward and backward. Everywhere else they are torch's own calls.
 
-``linear`` and ``apply_linear`` (the projections, the FFN, the heads), ``mm_into`` (the same without
-autograd, into recycled memory), ``einsum`` and ``bmm`` (the global slots' and Poolingformer's
-products); ``plain_linear`` says which ``nn.Linear`` may be computed from its weights.
+``linear`` and ``apply_linear`` (the projections, the FFN, the heads), ``Linear`` (an ``nn.Linear``
+computed by ``linear``: what ``hf.patch`` makes of a transformers model's other linear layers),
+``mm_into`` (the same without autograd, into recycled memory), ``einsum`` and ``bmm`` (the global
+slots' and Poolingformer's products); ``plain_linear`` says which ``nn.Linear`` may be computed from
+its weights.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def plain_linear(module: nn.Module) -> bool:
     """Whether ``module`` computes ``x W^T + b`` from its ``weight`` and ``bias`` and nothing else: not a
     subclass or wrapper (a LoRA adapter, a quantized layer) whose output the weights do not tell, no
     hooks, and no ``forward`` of its own instance (accelerate's offloading hooks replace it)."""
-    return type(module) is nn.Linear and module.bias is not None and not module._forward_hooks \
+    plain_class = type(module) is nn.Linear or (isinstance(module, Linear) and type(module).forward is Linear.forward)
+    return plain_class and module.bias is not None and not module._forward_hooks \
         and not module._forward_pre_hooks and "forward" not in module.__dict__
 
 
@@ -99,6 +102,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if dtype is None or not computes_in_float32(dtype, x.device):
         return nn.functional.linear(x, weight, bias)
     return _Float32Linear.apply(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product goes through :func:`linear`: the same parameters, state dict and
+    result (torch's own call but where :func:`computes_in_float32`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def apply_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

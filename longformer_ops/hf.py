@@ -32,7 +32,12 @@ and backward, on CPU (elsewhere, and for other activations, transformers' own fo
 the dense layer without its bias and then :func:`longformer_ops.residual.bias_dropout_add`: the
 bias, the dropout and the residual in one kernel pass on CPU. Its ``nn.LayerNorm`` modules run on
 :class:`longformer_ops.layer_norm.LayerNorm` (the same layer norm, one kernel pass each way on
-CPU). LED's feed-forward and residuals are written inline in its layers and stay torch's.
+CPU). LED's feed-forward and residuals are written inline in its layers and stay torch's. Its
+other ``nn.Linear`` modules (the task heads, the pooler, a PEFT adapter's) run on
+:class:`longformer_ops.dense.Linear`: torch's own product, but in bfloat16 and float16 on a CPU
+without a GEMM for them (every AVX2 CPU), in float32 rounded once, where torch's loops take 4x
+float32's time forward and up to 190x for the input gradient (a masked-LM head's 50265-word
+projection above all; :mod:`longformer_ops.dense`).
 
 With ``output_attentions=True`` the module returns transformers' own attention tensors: the local
 probabilities ``[batch, seq, heads, max_globals + attention_window + 1]`` (global keys' columns first,
@@ -57,6 +62,7 @@ from torch import nn
 from longformer_ops._loader import KernelNotAvailableError
 from longformer_ops.checks import KERNEL_DTYPES
 from longformer_ops.config import AttentionMode
+from longformer_ops.dense import Linear
 from longformer_ops.dropout import Dropout
 from longformer_ops.gelu import linear_gelu
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
@@ -125,6 +131,10 @@ def _unpad_models() -> None:
 
 class _PatchedDropout(Dropout):
     """A transformers model's ``nn.Dropout`` switched by :func:`patch` (:func:`unpatch` switches it back)."""
+
+
+class _PatchedLinear(Linear):
+    """A transformers model's ``nn.Linear`` switched by :func:`patch` (:func:`unpatch` switches it back)."""
 
 
 class _PatchedLayerNorm(LayerNorm):
@@ -198,7 +208,8 @@ _patched_by_name = _PatchedClassesByName()
 
 def _swap_modules(model, ours: bool) -> None:
     """Switch ``model``'s plain ``nn.Dropout`` modules to :class:`_PatchedDropout`, its plain
-    ``nn.LayerNorm`` modules to :class:`_PatchedLayerNorm` and its modules of
+    ``nn.LayerNorm`` modules to :class:`_PatchedLayerNorm`, its plain ``nn.Linear`` modules to
+    :class:`_PatchedLinear` and its modules of
     :data:`_MODULE_FORWARDS` to :func:`_patched_module_class` (``ours``), or back. Modules keep
     their attributes and parameters, so checkpoints are untouched; a dropout with ``inplace=True``
     (not in transformers' Longformer or LED) stays torch's."""
@@ -214,12 +225,16 @@ def _swap_modules(model, ours: bool) -> None:
             module.__class__ = _PatchedDropout
         elif ours and cls is nn.LayerNorm:
             module.__class__ = _PatchedLayerNorm
+        elif ours and cls is nn.Linear:
+            module.__class__ = _PatchedLinear
         elif ours and cls in originals:
             module.__class__ = _patched_module_class(cls)
         elif not ours and cls is _PatchedDropout:
             module.__class__ = nn.Dropout
         elif not ours and cls is _PatchedLayerNorm:
             module.__class__ = nn.LayerNorm
+        elif not ours and cls is _PatchedLinear:
+            module.__class__ = nn.Linear
         elif not ours and getattr(cls, "_original_class", None) in originals:
             module.__class__ = cls._original_class
 
@@ -234,8 +249,8 @@ def _pretrained_classes() -> list[type]:
 
 def _post_init(self):
     """transformers' ``post_init`` (which every model's ``__init__`` ends with), then the model's
-    dropouts, layer norms, intermediate and output layers on our kernels: for models built while :func:`patch` has
-    patched the classes."""
+    dropouts, layer norms, linear layers, intermediate and output layers on our kernels: for models
+    built while :func:`patch` has patched the classes."""
     cls = next(cls for cls in type(self).__mro__ if cls in _post_init_originals)
     _post_init_originals[cls][0](self)
     _swap_modules(self, ours=True)
@@ -340,11 +355,11 @@ def patch(model=None):
     The model's ``nn.Dropout`` modules become :class:`longformer_ops.dropout.Dropout` (the same
     dropout on our kernel), its ``LongformerIntermediate`` modules take their bias and GELU in
     one kernel pass, its ``LongformerSelfOutput`` and ``LongformerOutput`` modules their bias,
-    dropout and residual, and its ``nn.LayerNorm`` modules run on our layer norm (see the module
-    docstring). Either way ``LongformerModel``'s and
-    ``LEDEncoder``'s ``_pad_to_window_size`` is replaced class-wide by :func:`_pad_to_window_size`,
-    which pads as before for a model whose self-attention is not all patched (``unpatch()``
-    restores it)."""
+    dropout and residual, its ``nn.LayerNorm`` modules run on our layer norm and its other
+    ``nn.Linear`` modules on :class:`longformer_ops.dense.Linear` (see the module docstring).
+    Either way ``LongformerModel``'s and ``LEDEncoder``'s ``_pad_to_window_size`` is replaced
+    class-wide by :func:`_pad_to_window_size`, which pads as before for a model whose self-attention
+    is not all patched (``unpatch()`` restores it)."""
     targets = _target_classes()
     if model is None:
         for namespace, name in targets:
@@ -373,9 +388,10 @@ def patch(model=None):
 
 
 def unpatch(model=None):
-    """Undo :func:`patch`: for ``model``, its modules run transformers' code again, its dropouts and
-    layer norms are torch's ``nn.Dropout`` and ``nn.LayerNorm``, its intermediate and output layers
-    transformers' (returns ``model``); without a model, transformers' classes are restored."""
+    """Undo :func:`patch`: for ``model``, its modules run transformers' code again, its dropouts,
+    layer norms and linear layers are torch's ``nn.Dropout``, ``nn.LayerNorm`` and ``nn.Linear``, its
+    intermediate and output layers transformers' (returns ``model``); without a model, transformers'
+    classes are restored."""
     if model is None:
         while _class_patches:
             namespace, name, original = _class_patches.pop()

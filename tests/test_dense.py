@@ -2,7 +2,7 @@
 GEMM of its own for them. Which devices and dtypes take it; the products and their gradients
 against float64 on the same (rounded) inputs, element by element, to one rounding of the half
 type plus float32's accumulation; gradcheck of the autograd functions in float64; and that the
-encoder, its task heads, global tokens, Poolingformer's level 2 and transformers' encoder patched
+encoder, its task heads, global tokens, Poolingformer's level 2 and transformers' models patched
 send no half-type product to torch where the float32 path is on, forward, backward and without
 autograd."""
 
@@ -178,6 +178,27 @@ class _HalfTypeProducts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def test_dense_linear_is_an_nn_linear_through_linear(float32_products):
+    """dense.Linear: torch's own result in float32, dense.linear's in the half types (rounded once);
+    plain for the layers that read weights, unless a subclass gives it a forward of its own."""
+    torch.manual_seed(4)
+    ours, theirs = dense.Linear(8, 5), nn.Linear(8, 5)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(3, 8)
+    assert torch.equal(ours(x), theirs(x))
+    half = ours.to(torch.bfloat16)
+    with _HalfTypeProducts() as products:
+        y = half(x.bfloat16())
+    assert not products.seen and torch.equal(y, dense.linear(x.bfloat16(), half.weight, half.bias))
+    assert dense.plain_linear(ours)
+
+    class Doubled(dense.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    assert not dense.plain_linear(Doubled(8, 5)) and not dense.plain_linear(dense.Linear(8, 5, bias=False))
+
+
 def _encoder_config(pooling_kind: str | None, autoregressive: bool = False) -> LongformerConfig:
     return LongformerConfig(vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                             intermediate_size=64, max_position_embeddings=40, attention_window=[2, 3],
@@ -229,23 +250,30 @@ def test_the_float32_path_gives_what_torch_gives_up_to_rounding():
     assert max(errors) < 0.05 and errors[0] < 2 * errors[1] + 4 * unit_roundoff(torch.bfloat16), errors
 
 
-def test_transformers_encoder_patched_sends_no_half_type_product_to_torch(float32_products):
-    """transformers' ``LongformerModel`` patched by ``hf.patch``: its attention, FFN and output blocks
-    run our layer, whose products go through dense.py (no pooler: transformers' own module)."""
+@pytest.mark.parametrize("name", ["LongformerModel", "LongformerForMaskedLM", "LongformerForSequenceClassification",
+                                  "LongformerForTokenClassification", "LongformerForQuestionAnswering",
+                                  "LongformerForMultipleChoice"])
+def test_transformers_models_patched_send_no_half_type_product_to_torch(float32_products, name):
+    """transformers' models patched by ``hf.patch``: attention, FFN and output blocks run our layer,
+    the rest of their linear layers (heads, pooler, the masked LM's vocabulary projection) dense.Linear:
+    no half-type product reaches torch, training step and inference."""
     transformers = pytest.importorskip("transformers")
     from hf_helpers import hf_config
     from longformer_ops import hf
 
-    torch.manual_seed(3)
-    model = transformers.LongformerModel(hf_config([4, 8]), add_pooling_layer=False).to(torch.bfloat16)
+    torch.manual_seed(stable_seed(name))
+    model = getattr(transformers, name)(hf_config([4, 8])).to(torch.bfloat16)
     hf.patch(model)
     ids = torch.randint(3, 97, (2, 21))
     is_global = torch.zeros_like(ids)
     is_global[:, 0] = 1
+    if name == "LongformerForMultipleChoice":  # [batch, choices, n]
+        ids, is_global = ids[None], is_global[None]
     with _HalfTypeProducts() as products:
-        out = model.train()(ids, global_attention_mask=is_global).last_hidden_state
-        out.float().square().sum().backward()
+        outputs = model.train()(ids, global_attention_mask=is_global).to_tuple()  # (the pooler's too)
+        sum(out.float().square().sum() for out in outputs).backward()
         with torch.no_grad():
             model.eval()(ids, global_attention_mask=is_global)
     assert not products.seen, products.seen
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert all(out.dtype == torch.bfloat16 and torch.isfinite(out).all() for out in outputs)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

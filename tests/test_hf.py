@@ -16,7 +16,7 @@ from hf_helpers import PAD, assert_close, hf_config, random_batch, random_hf_win
 transformers = pytest.importorskip("transformers")
 import longformer_ops  # noqa: E402
 import longformer_ops.hf as hf  # noqa: E402
-from longformer_ops import kernels  # noqa: E402
+from longformer_ops import dense, kernels  # noqa: E402
 
 _ = single_thread  # autouse fixture
 ATOL = 1e-4  # float32, as the model tests against transformers
@@ -308,6 +308,32 @@ def test_patched_output_layers_take_bias_dropout_residual_and_norm_in_our_kernel
     assert [_module_types(transformers.LongformerModel(config), name) for name in names] == ours
     hf.unpatch()
     assert [_module_types(transformers.LongformerModel(config), name) for name in names] == theirs
+
+
+@pytest.mark.parametrize("name", TASK_MODELS)
+def test_patched_linear_layers_run_through_dense(name):
+    """patch(model) switches every plain nn.Linear (projections, heads, pooler) to dense.Linear's
+    patched subclass, state dict unchanged, weights still tied where they were (the masked LM's
+    decoder); unpatch(model) switches them back; the class-wide patch does the same for models built
+    while it holds (their outputs are the unpatched ones: test_patched_model_matches_transformers)."""
+    model = _model(name)
+    linear_types = lambda m: [type(x) for x in m.modules() if isinstance(x, torch.nn.Linear)]  # noqa: E731
+    before = linear_types(model)
+    assert before and set(before) == {torch.nn.Linear}
+    keys = list(model.state_dict())
+    hf.patch(model)
+    assert linear_types(model) == [hf._PatchedLinear] * len(before)
+    assert all(dense.plain_linear(m) for m in model.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None)
+    assert list(model.state_dict()) == keys
+    if name == "LongformerForMaskedLM":
+        assert model.lm_head.decoder.weight is model.longformer.embeddings.word_embeddings.weight
+    hf.unpatch(model)
+    assert linear_types(model) == before
+    config = model.config
+    hf.patch()
+    assert set(linear_types(getattr(transformers, name)(config))) == {hf._PatchedLinear}
+    hf.unpatch()
+    assert set(linear_types(getattr(transformers, name)(config))) == {torch.nn.Linear}
 
 
 def test_attention_mask_with_2_for_global(kernel_calls):
