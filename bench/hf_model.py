@@ -1,8 +1,9 @@
 """transformers' LongformerModel, patched (``longformer_ops.hf.patch``) against unpatched:
-``python -m bench.hf_model [--seq-lens 1024,2048,4096,8192,16384] [--rounds 3]``.
+``python -m bench.hf_model [--seq-lens 1024,2048,4096,8192,16384] [--rounds 3] [--dtype float32]``.
 
 One base-size model (12 layers, hidden 768, 12 heads, transformers' default two-sided window 512,
-float32, random weights), batch 1, token 0 global (a classifier's ``<s>``). Per length:
+random weights, in ``--dtype``: float32, or bfloat16 / float16 for the whole model, as
+``model.to(dtype)`` makes it), batch 1, token 0 global (a classifier's ``<s>``). Per length:
 
 - memory first: the peak extra RSS of one call of each (method, pass) in a fresh process (after a
   short warm-up call there, so that loading libraries does not count), as ``python -m bench``
@@ -38,15 +39,16 @@ METHODS = ("transformers", "patched")
 PASSES = {"forward": ("forward", False), "training step": ("forward+backward", False),
           "checkpointed training step": ("forward+backward, checkpointed", True)}
 WARM_UP_TOKENS = 512
+DTYPES = ("float32", "bfloat16", "float16")
 
 
-def build(seq_len: int, layers: int = 12):
-    """The model (base size, default window; ``layers`` of them) and its inputs for one length."""
+def build(seq_len: int, layers: int = 12, dtype: str = "float32"):
+    """The model (base size, default window; ``layers`` of them, in ``dtype``) and its inputs for one length."""
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LongformerConfig(max_position_embeddings=seq_len + 2, num_hidden_layers=layers)
-    model = transformers.LongformerModel(config)
+    model = transformers.LongformerModel(config).to(getattr(torch, dtype))
     generator = torch.Generator().manual_seed(seq_len)
     ids = torch.randint(3, config.vocab_size, (1, seq_len), generator=generator)
     global_mask = torch.zeros_like(ids)
@@ -79,14 +81,15 @@ def runner(model, inputs, step: str):
             _checkpointing(model, PASSES[step][1])
             model.train()
             model.zero_grad(set_to_none=True)
-            model(**inputs).last_hidden_state.square().mean().backward()
+            model(**inputs).last_hidden_state.float().square().mean().backward()
 
     return run
 
 
-def time_rounds(seq_len: int, layers: int, entries: list[tuple[str, str]], rounds: int, warm_up: set) -> dict:
+def time_rounds(seq_len: int, layers: int, dtype: str, entries: list[tuple[str, str]], rounds: int,
+                warm_up: set) -> dict:
     """Median seconds per call of each (method, pass) entry."""
-    model, inputs = build(seq_len, layers)
+    model, inputs = build(seq_len, layers, dtype)
     runs = {key: runner(model, inputs, key[1]) for key in entries}
     samples = {key: [] for key in runs}
     order = random.Random(seq_len)
@@ -102,11 +105,11 @@ def time_rounds(seq_len: int, layers: int, entries: list[tuple[str, str]], round
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
-def _peak_child(seq_len: int, layers: int, method: str, step: str, connection) -> None:
+def _peak_child(seq_len: int, layers: int, dtype: str, method: str, step: str, connection) -> None:
     from bench.measure import _rss_kib
 
     try:
-        model, inputs = build(seq_len, layers)
+        model, inputs = build(seq_len, layers, dtype)
         use(model, method)
         # Warm-up on a short prefix: libraries load. What it freed goes back to the system (our output
         # cache, then glibc's free lists), so that the measured call's memory counts as in a fresh process.
@@ -126,13 +129,13 @@ def _peak_child(seq_len: int, layers: int, method: str, step: str, connection) -
         connection.send(f"{type(error).__name__}: {str(error)[:200]}")
 
 
-def peak_mib(seq_len: int, layers: int, method: str, step: str) -> float | str:
+def peak_mib(seq_len: int, layers: int, dtype: str, method: str, step: str) -> float | str:
     """Peak extra RSS (MiB) of one call in a fresh process, or why it could not be measured."""
     from bench.measure import _fresh_process_context
 
     context = _fresh_process_context()
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_peak_child, args=(seq_len, layers, method, step, sender))
+    process = context.Process(target=_peak_child, args=(seq_len, layers, dtype, method, step, sender))
     process.start()
     sender.close()
     try:
@@ -146,14 +149,15 @@ def peak_mib(seq_len: int, layers: int, method: str, step: str) -> float | str:
         process.join()
 
 
-def measure(seq_lens: list[int], layers: int, passes: list[str], rounds: int, budget_mib: float) -> list[dict]:
+def measure(seq_lens: list[int], layers: int, dtype: str, passes: list[str], rounds: int,
+            budget_mib: float) -> list[dict]:
     """One row per (length, method, pass), in the layout of ``python -m bench``'s results."""
     rows, last = [], {}  # last: (method, pass) -> (seq_len, peak MiB, seconds) at the previous length
     for seq_len in seq_lens:
         entries, warm_up, by_key = [], set(), {}
         for key in ((m, s) for s in passes for m in METHODS):
             row = dict(op="hf LongformerModel base", method=key[0], seq_len=seq_len, window=256, dilation="1", heads=12,
-                       head_dim=64, batch=1, dtype="float32", device="cpu", status="ok", **{"pass": PASSES[key[1]][0]})
+                       head_dim=64, batch=1, dtype=dtype, device="cpu", status="ok", **{"pass": PASSES[key[1]][0]})
             rows.append(row)
             by_key[key] = row
             previous = last.get(key)
@@ -163,7 +167,7 @@ def measure(seq_lens: list[int], layers: int, passes: list[str], rounds: int, bu
                                                     f"{budget_mib / 1024:.1f} GiB")
                 continue
             print(f"n = {seq_len}: peak memory of {key[0]}, {key[1]} ...", file=sys.stderr)
-            peak = peak_mib(seq_len, layers, *key)
+            peak = peak_mib(seq_len, layers, dtype, *key)
             if isinstance(peak, str):
                 row.update(status="skipped", reason=peak)
                 continue
@@ -171,7 +175,7 @@ def measure(seq_lens: list[int], layers: int, passes: list[str], rounds: int, bu
             entries.append(key)
             if previous is None or previous[2] < 1.0:
                 warm_up.add(key)
-        medians = time_rounds(seq_len, layers, entries, rounds, warm_up) if entries else {}
+        medians = time_rounds(seq_len, layers, dtype, entries, rounds, warm_up) if entries else {}
         for key, seconds in medians.items():
             by_key[key]["time_ms"] = seconds * 1e3
             last[key] = (seq_len, by_key[key]["peak_mib"], seconds)
@@ -201,7 +205,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=12, help="fewer for a quick run (the committed results: 12)")
     parser.add_argument("--passes", default="forward,training step",
                         help=f"comma-separated, from: {', '.join(PASSES)}")
-    parser.add_argument("--name", default=None, help="results file stem (default: <cpu>-hf-model)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="the model's parameters and activations")
+    parser.add_argument("--name", default=None,
+                        help="results file stem (default: <cpu>-hf-model, <cpu>-hf-model-<dtype> for a half type)")
     parser.add_argument("--memory-budget-gib", type=float, default=None,
                         help="skip a call predicted to need more (default: 60%% of the memory available at the start)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
@@ -215,12 +221,12 @@ def main(argv=None) -> int:
     name, commit = cpu_results_name(), source_commit()
     budget = (args.memory_budget_gib * 1024 if args.memory_budget_gib is not None
               else default_cpu_memory_budget_bytes() / 2**20)
-    rows = measure([int(s) for s in args.seq_lens.split(",")], args.layers, passes, args.rounds, budget)
+    rows = measure([int(s) for s in args.seq_lens.split(",")], args.layers, args.dtype, passes, args.rounds, budget)
     lines = [f"# transformers' LongformerModel (base), patched against unpatched ({name}, at {commit})", "",
              f"`python -m bench.hf_model --seq-lens {args.seq_lens} --rounds {args.rounds} --layers {args.layers} "
-             f"--passes '{args.passes}'`: "
+             f"--dtype {args.dtype} --passes '{args.passes}'`: "
              f"{args.layers} layers, batch 1, token 0 global, "
-             f"float32, {torch.get_num_threads()} threads; time per call (median of the rounds) / peak extra RSS of "
+             f"{args.dtype}, {torch.get_num_threads()} threads; time per call (median of the rounds) / peak extra RSS of "
              f"one call in a fresh process; memory budget {budget / 1024:.1f} GiB.", "",
              "| n | pass | transformers | patched | speed-up | memory saved |", "|---:|---|---:|---:|---:|---:|"]
     by_key = {(r["seq_len"], r["method"], r["pass"]): r for r in rows}
@@ -231,11 +237,11 @@ def main(argv=None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / (args.name or f"{name}-hf-model")
+    stem = args.out / (args.name or f"{name}-hf-model" + ("" if args.dtype == "float32" else f"-{args.dtype}"))
     stem.with_suffix(".md").write_text(text)
     report.write_csv(rows, stem.with_suffix(".csv"))
     report.plot(rows, stem.with_suffix(".png"), f"{name}: transformers' LongformerModel (base, window 512), "
-                                                f"patched vs unpatched, batch 1, float32")
+                                                f"patched vs unpatched, batch 1, {args.dtype}")
     print(f"wrote {stem}.md, .csv and .png", file=sys.stderr)
     return 0
 

@@ -308,6 +308,22 @@ def test_hf_model_bench_writes_results_and_skips_what_would_not_fit(tmp_path):
     assert table.count("| 256 |") == 3 and "x |" in table and table.count("skipped: predicted") == 6
 
 
+def test_hf_model_bench_runs_a_half_type(tmp_path):
+    """``--dtype bfloat16``: the model in bfloat16 both ways, recorded so, in a file of its own name."""
+    pytest.importorskip("transformers")
+    from bench import hf_model, report
+
+    assert hf_model.main(["--seq-lens", "64", "--rounds", "1", "--layers", "1", "--passes", "forward",
+                          "--dtype", "bfloat16", "--out", str(tmp_path)]) == 0
+    stem = next(tmp_path.glob("*-hf-model-bfloat16.csv")).with_suffix("")
+    rows = report.read_csv(stem.with_suffix(".csv"))
+    assert {(r["method"], r["dtype"], r["status"]) for r in rows} == {
+        ("transformers", "bfloat16", "ok"), ("patched", "bfloat16", "ok")}, rows
+    assert "--dtype bfloat16" in stem.with_suffix(".md").read_text()
+    model, _ = hf_model.build(64, 1, "bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
 def test_model_op_runs_the_encoder(tmp_path):
     """``--ops model``: the 12-layer encoder, forward and a training step, in its tvm and full modes."""
     inputs = methods.make_inputs("model", 1, 40, 2, 8, 3, torch.float64, "cpu", False)
