@@ -5,7 +5,8 @@ tensor is freed (glibc ``mmap``/``munmap``; measured here from 25 MiB on), so ev
 returns a fresh band pays the OS for zeroed pages again: at n = 4096 a Q.K^T band is 100 MiB, and
 faulting it in cost a third of the kernel's time (31.6 vs 21.6 ms, ``bench/NOTES.md``).
 
-Outputs of at least ``MIN_BYTES`` on CPU come from here instead: a private anonymous mapping,
+Outputs of at least ``MIN_BYTES`` on CPU come from here instead (and ``dense.py``'s float32
+temporaries, as large as activations and made for every product): a private anonymous mapping,
 wrapped as a tensor (``torch.frombuffer``). When the last tensor using it
 is freed (every view holds it), the mapping is parked, and the next output of the same byte size
 reuses it, its pages already in place. The kernels overwrite every element of their outputs, so
@@ -46,15 +47,16 @@ def limit_bytes() -> int:
     return int(mib * 2**20)
 
 
-def new_output(like: torch.Tensor, shape) -> torch.Tensor:
-    """An uninitialised tensor of ``shape`` with ``like``'s dtype and device; on CPU from
-    ``MIN_BYTES`` on, recycled memory (see the module docstring)."""
+def new_output(like: torch.Tensor, shape, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` with ``like``'s device and dtype (or ``dtype``); on CPU
+    from ``MIN_BYTES`` on, recycled memory (see the module docstring)."""
+    dtype = like.dtype if dtype is None else dtype
     numel = 1
     for size in shape:
         numel *= size
-    nbytes = numel * like.element_size()
+    nbytes = numel * dtype.itemsize
     if like.device.type != "cpu" or nbytes < max(MIN_BYTES, 1):  # (no mapping is empty)
-        return like.new_empty(shape)
+        return like.new_empty(shape, dtype=dtype)
     limit_bytes()  # a bad setting is reported here, to the caller, not later inside a finaliser
     mapping = _take(nbytes)
     view = memoryview(mapping)
@@ -63,7 +65,7 @@ def new_output(like: torch.Tensor, shape) -> torch.Tensor:
     storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
     # A tensor of its own on that storage, not a view of frombuffer's: autograd forbids in-place
     # changes to a view returned by a custom Function (the layer fills its score band in place).
-    return torch.empty(0, dtype=like.dtype).set_(storage, 0, tuple(shape))
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
 
 
 def empty_cache() -> int:

@@ -9,7 +9,8 @@ below run in float32 on the same values (a half type widens to float32 exactly) 
 result to the half type once, as torch's half GEMMs accumulate in float32 and round once: the
 same numbers up to the order of the sums, at float32's rate, for the price of widening the
 operands (O(rows x features) against the product's O(rows x features^2)). Nothing is kept in
-float32 between forward and backward. Everywhere else they are torch's own calls.
+float32 between forward and backward, and the float32 temporaries come from recycled memory
+(below). Everywhere else they are torch's own calls.
 
 ``linear`` and ``apply_linear`` (the projections, the FFN, the heads), ``Linear`` (an ``nn.Linear``
 computed by ``linear``: what ``hf.patch`` makes of a transformers model's other linear layers),
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from longformer_ops._output_cache import new_output
 
 HALF_TYPES = (torch.bfloat16, torch.float16)
 
@@ -54,9 +57,32 @@ def plain_linear(module: nn.Module) -> bool:
         and not module._forward_pre_hooks and "forward" not in module.__dict__
 
 
+# The widened operands, float32 products and rounded results below are as large as the layer's
+# activations and made anew for every product: taken from torch's allocator, each is fresh memory
+# from the OS, faulted in page by page (a bfloat16 training step of the base encoder on an AVX2 CPU
+# 5% slower than from recycled memory, bench/NOTES.md). So they come from the kernels' output cache
+# (_output_cache.py), but under torch.compile, which plans its own memory.
+
+
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` in float32, or as it is if wider (float64: the autograd functions below are gradchecked so)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    dtype = torch.promote_types(t.dtype, torch.float32)
+    if t.dtype == dtype or not t.is_contiguous() or torch.compiler.is_compiling():
+        return t.to(dtype)
+    return new_output(t, t.shape, dtype).copy_(t)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` (``+ bias``) of 2-D ``a`` and ``b``."""
+    out = None if torch.compiler.is_compiling() else new_output(a, (a.shape[0], b.shape[1]))
+    return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
+
+
+def _narrow(t: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """``t`` rounded to ``dtype``, viewed as ``shape``."""
+    if torch.compiler.is_compiling():
+        return t.to(dtype).view(shape)
+    return new_output(t, shape, dtype).copy_(t.view(shape))
 
 
 def _product_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> torch.dtype | None:
@@ -77,8 +103,9 @@ class _Float32Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         with torch.autocast(x.device.type, enabled=False):
-            y = nn.functional.linear(_wide(x), _wide(weight), None if bias is None else _wide(bias))
-        return y.to(x.dtype)
+            rows = _wide(x).reshape(-1, x.shape[-1])
+            y = _product(rows, _wide(weight).t(), None if bias is None else _wide(bias))
+        return _narrow(y, x.dtype, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad):
@@ -87,9 +114,9 @@ class _Float32Linear(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         with torch.autocast(x.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                grad_x = (rows @ _wide(weight)).to(x.dtype).view(x.shape)
+                grad_x = _narrow(_product(rows, _wide(weight)), x.dtype, x.shape)
             if ctx.needs_input_grad[1]:
-                grad_weight = (rows.t() @ _wide(x.reshape(-1, x.shape[-1]))).to(weight.dtype)
+                grad_weight = (rows.t() @ _wide(x).reshape(-1, x.shape[-1])).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_bias = rows.sum(0).to(weight.dtype)
         return grad_x, grad_weight, grad_bias
@@ -123,8 +150,7 @@ def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Ten
     in float32 where :func:`computes_in_float32` says so (into a float32 temporary, then ``out``)."""
     if _product_dtype(a, b, out, bias) is None or not computes_in_float32(a.dtype, a.device):
         return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
-    product = torch.mm(a.float(), b.float()) if bias is None else torch.addmm(bias.float(), a.float(), b.float())
-    return out.copy_(product)
+    return out.copy_(_product(_wide(a), _wide(b), None if bias is None else _wide(bias)))
 
 
 def _gradient_equations(equation: str) -> tuple[str, str]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import CPU_DTYPES
-from longformer_ops import _output_cache, diagonaled_mm, empty_cache, sliding_window_attention
+from longformer_ops import _output_cache, dense, diagonaled_mm, empty_cache, sliding_window_attention
 from longformer_ops.diagonaled import transposed_product
 from longformer_ops.reference import diagonaled_mm_reference
 from test_diagonaled_mm import SIZES, _random
@@ -65,6 +65,39 @@ def test_recycled_outputs_hold_a_fresh_calls_result(cpu_library, every_output_ca
     assert any(m is p for m in taken for p in parked), "the second call took nothing from the cache"
     for x, y in zip(got, expected, strict=True):
         assert torch.equal(x, y)
+
+
+def _dense_outputs(op: str, dtype) -> list[torch.Tensor]:
+    """dense.py's half-type products in float32 (their temporaries from the cache): a linear layer's
+    output and gradients, or ``mm_into`` with a bias."""
+    generator = torch.Generator().manual_seed(11)
+    x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in ((2, 37, 24), (19, 24), (19,)))
+    if op == "mm_into":
+        out = torch.empty(37, 19, dtype=dtype)
+        return [dense.mm_into(x[0], weight.t(), out, bias)]
+    x, weight, bias = (t.requires_grad_() for t in (x, weight, bias))
+    y = dense.linear(x, weight, bias)
+    return [y.detach(), *torch.autograd.grad(y, (x, weight, bias), torch.randn(y.shape, generator=generator).to(dtype))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op", ["linear", "mm_into"])
+def test_dense_temporaries_on_recycled_memory_change_no_result(every_output_cached, monkeypatch, op, dtype):
+    """Where the half types' products run in float32, their widened operands, products and rounded
+    results come from the cache: on memory first set to NaN, the same results bit for bit."""
+    monkeypatch.setattr(dense, "computes_in_float32", lambda dtype, device: dtype in dense.HALF_TYPES)
+    expected = [x.clone() for x in _dense_outputs(op, dtype)]
+    parked = list(_output_cache._parked)
+    assert len(parked) >= 3, "the float32 temporaries were not parked when freed"
+    for mapping in parked:
+        mapping[:] = b"\xff" * len(mapping)
+    taken = []
+    take = _output_cache._take
+    monkeypatch.setattr(_output_cache, "_take", lambda nbytes: taken.append(take(nbytes)) or taken[-1])
+    got = _dense_outputs(op, dtype)
+    assert sum(any(m is p for p in parked) for m in taken) >= 3, "the second call took little from the cache"
+    for x, y in zip(got, expected, strict=True):
+        assert x.dtype == dtype and torch.equal(x, y)
 
 
 def test_memory_in_use_is_never_handed_out_again(every_output_cached):
