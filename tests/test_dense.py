@@ -151,6 +151,23 @@ def test_autograd_functions_gradcheck_in_float64():
     assert torch.autograd.gradcheck(lambda a: dense._Float32Einsum.apply("bnhd,bghd->bnhg", a, b.detach()), (a,))
 
 
+def test_linear_under_torch_compile_is_eagers(float32_products):
+    """torch.compile(fullgraph=True) traces the float32 path (its temporaries then torch's, not the
+    output cache's): eager's output and gradients."""
+    torch.manual_seed(6)
+    x, weight, bias = (torch.randn(*shape).bfloat16().requires_grad_() for shape in ((3, 300, 40), (1100, 40), (1100,)))
+
+    def loss(x, weight, bias):
+        return dense.linear(x, weight, bias).float().square().sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        value = fn(x, weight, bias)
+        results.append([value, *torch.autograd.grad(value, (x, weight, bias))])
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=unit_roundoff(torch.bfloat16), atol=0)
+
+
 def test_a_linear_that_is_not_plain_runs_its_own_forward(float32_products):
     """An adapter or hooked layer's output is not ``x W^T + b``: it runs as it is, not through the weights."""
     linear = nn.Linear(4, 3).to(torch.bfloat16)
