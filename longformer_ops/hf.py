@@ -357,7 +357,7 @@ def patch(model=None):
     one kernel pass, its ``LongformerSelfOutput`` and ``LongformerOutput`` modules their bias,
     dropout and residual, its ``nn.LayerNorm`` modules run on our layer norm and its other
     ``nn.Linear`` modules on :class:`longformer_ops.dense.Linear` (see the module docstring).
-    Either way ``LongformerModel``'s and ``LEDEncoder``'s ``_pad_to_window_size`` is replaced
+    Patching a patched model again switches what was added since (a PEFT adapter's layers). Either way ``LongformerModel``'s and ``LEDEncoder``'s ``_pad_to_window_size`` is replaced
     class-wide by :func:`_pad_to_window_size`, which pads as before for a model whose self-attention
     is not all patched (``unpatch()`` restores it)."""
     targets = _target_classes()
@@ -374,14 +374,13 @@ def patch(model=None):
         _unpad_models()
         return None
     originals = _original_attention_classes()
-    patched = False
     for module in model.modules():
         cls = type(module)
         if cls in originals:
             module.__class__ = _patched_class(cls)
             _adopt(module)
-            patched = True
-    if patched:
+    # Also for a model patched before: modules added since (a PEFT adapter's linear layers) join.
+    if any(isinstance(module, originals) for module in model.modules()):
         _swap_modules(model, ours=True)
     _unpad_models()
     return model

@@ -644,6 +644,25 @@ def test_peft_lora_model(kernel_calls):
     _assert_patch_keeps_outputs(lora, _inputs("LongformerForSequenceClassification"), True, kernel_calls, "LoRA")
 
 
+def test_adapters_added_after_patching_join_on_a_second_patch():
+    """LoRA added to a patched model brings plain nn.Linear layers; patching again switches them
+    (and leaves the rest as it was), with the same outputs as the model without the second patch."""
+    import peft
+
+    model = hf.patch(_model("LongformerForSequenceClassification"))
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"],
+                                                      lora_dropout=0.0, init_lora_weights=False))
+    added = [m for name, m in lora.named_modules() if ".lora_" in name and isinstance(m, torch.nn.Linear)]
+    assert added and {type(m) for m in added} == {torch.nn.Linear}
+    inputs = _inputs("LongformerForSequenceClassification")
+    with torch.no_grad():
+        before = lora(**inputs).logits
+        assert hf.patch(lora) is lora
+        after = lora(**inputs).logits
+    assert {type(m) for m in added} == {hf._PatchedLinear}
+    torch.testing.assert_close(after, before, rtol=0, atol=ATOL)
+
+
 class _Documents(torch.utils.data.Dataset):
     """A tiny in-memory classification set: padded token ids, attention and global masks, labels."""
 
