@@ -34,7 +34,6 @@ from torch.autograd.function import once_differentiable
 from longformer_ops import checks, dense, kernels
 from longformer_ops.attention import sliding_window_attention
 from longformer_ops.config import AttentionMode, LongformerConfig
-from longformer_ops.dense import plain_linear
 from longformer_ops.diagonaled import diagonaled_mm, fill_band_at_keys_
 from longformer_ops.pooling import pool_centres, pool_sequence, pool_then_project, pooling_attention
 from longformer_ops.reference import key_positions, pooling_attention_reference, sliding_chunks_pv, sliding_chunks_qk
@@ -302,10 +301,10 @@ class LongformerSelfAttention(nn.Module):
         return context, torch.cat([global_cols, band], dim=-1)                        # [b, n, h, g + c]
 
     def _scaled_query(self, hidden_states, in_place: bool):
-        """``query(hidden_states) / sqrt(head_dim)``. A plain ``nn.Linear`` (``plain_linear``) takes the
+        """``query(hidden_states) / sqrt(head_dim)``. A plain ``nn.Linear`` (``dense.plain_linear``) takes the
         scale in its weight and bias, a hidden x hidden product instead of a pass over the queries
         each way (for head_dim 64 the same numbers: 1/8 is exact); another module is divided after."""
-        if plain_linear(self.query):
+        if dense.plain_linear(self.query):
             scale = 1 / math.sqrt(self.head_dim)
             return dense.linear(hidden_states, self.query.weight * scale, self.query.bias * scale)
         q = self.query(hidden_states)
@@ -324,7 +323,7 @@ class LongformerSelfAttention(nn.Module):
         # Few slots: the slots' queries go through the key weights and the probabilities meet the
         # rows before the value weights (see _keys_through_weights): no keys or values of all rows.
         through_weights = (_global_rows_through_weights(self.num_heads, q.shape[1], hidden)
-                           and plain_linear(self.key_global) and plain_linear(self.value_global))
+                           and dense.plain_linear(self.key_global) and dense.plain_linear(self.value_global))
         if through_weights:
             scores = _keys_through_weights(hidden_states, q, self.key_global)                         # [b, n, h, g]
         else:
