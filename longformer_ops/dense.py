@@ -14,15 +14,17 @@ float32 between forward and backward, and the float32 temporaries come from recy
 
 ``linear`` and ``apply_linear`` (the projections, the FFN, the heads), ``Linear`` (an ``nn.Linear``
 computed by ``linear``: what ``hf.patch`` makes of a transformers model's other linear layers),
-``mm_into`` (the same without autograd, into recycled memory), ``einsum`` and ``bmm`` (the global
-slots' and Poolingformer's products); ``plain_linear`` says which ``nn.Linear`` may be computed from
-its weights.
+``mm_into`` (the same without autograd, into recycled memory), ``einsum``, ``bmm`` and ``matmul`` (the
+global slots' and Poolingformer's products), ``float32_products`` (a context that sends other code's
+``torch.bmm``/``mm``/``matmul`` calls through ``matmul``: transformers' LED decoder attention);
+``plain_linear`` says which ``nn.Linear`` may be computed from its weights.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from longformer_ops._output_cache import new_output
 
@@ -122,11 +124,25 @@ class _Float32Linear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+# The float32 path widens the whole weight for every call, where torch's half-type loops read it
+# once per row: with no gradient to compute and at most this many rows (a decoder's generation
+# step), torch's call takes less time (bfloat16 on an AVX2 Zen 3, [1, rows, 768] against 768 x 768:
+# 0.47 ms against 0.75 at 8 rows, 0.70 against 0.62 at 12; against 50265 x 768: 5.3 ms against 24 at
+# 1 row). With gradients the float32 path wins from 2 rows on (torch's backward loops: 3-10x).
+FEW_ROWS = 8
+
+
+def _few_rows_without_grad(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others))
+    return not needs_grad and x.numel() <= FEW_ROWS * x.shape[-1]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``nn.functional.linear(x, weight, bias)``, in float32 where :func:`computes_in_float32` says
-    so for the dtype it multiplies in (autocast's, when on; then cast to it first, as autocast does)."""
+    so for the dtype it multiplies in (autocast's, when on; then cast to it first, as autocast does),
+    but for :data:`FEW_ROWS` rows or fewer that need no gradient (torch's call is faster there)."""
     dtype = _product_dtype(x, weight, bias)
-    if dtype is None or not computes_in_float32(dtype, x.device):
+    if dtype is None or not computes_in_float32(dtype, x.device) or _few_rows_without_grad(x, weight, bias):
         return nn.functional.linear(x, weight, bias)
     return _Float32Linear.apply(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 
@@ -188,17 +204,70 @@ class _Float32Einsum(torch.autograd.Function):
         return None, grad_a, grad_b
 
 
+def _float32_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype | None:
+    """The half type a product of ``a`` and ``b`` multiplies in (:func:`_product_dtype`) where that
+    runs in float32 here (:func:`computes_in_float32`), else None."""
+    dtype = _product_dtype(a, b)
+    return dtype if dtype is not None and computes_in_float32(dtype, a.device) else None
+
+
 def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.einsum(equation, a, b)`` (two operands; every index of each in the other or the
-    output), in float32 where :func:`computes_in_float32` says so."""
-    if a.dtype != b.dtype or not computes_in_float32(a.dtype, a.device):
+    output), in float32 where :func:`computes_in_float32` says so for the dtype it multiplies in
+    (autocast's, when on; then cast to it first, as autocast does)."""
+    dtype = _float32_dtype(a, b)
+    if dtype is None:
         return torch.einsum(equation, a, b)
     _gradient_equations(equation)  # checked here, where the call is, not in the backward
-    return _Float32Einsum.apply(equation, a, b)
+    return _Float32Einsum.apply(equation, a.to(dtype), b.to(dtype))
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, b)``, in float32 where :func:`computes_in_float32` says so."""
-    if a.dtype != b.dtype or not computes_in_float32(a.dtype, a.device):
+    if a.dim() != b.dim() or a.dim() != 3 or _float32_dtype(a, b) is None:
         return torch.bmm(a, b)
-    return einsum("bij,bjk->bik", a, b)
+    return matmul(a, b)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(a, b)``, in float32 where :func:`computes_in_float32` says so, for operands of
+    the same rank (2 to 10) and the same batch dimensions: ``mm``, ``bmm`` and the attention products
+    of ``[batch, heads, n, d]`` tensors. Other shapes (batches broadcast, vectors) are torch's call."""
+    if (_float32_dtype(a, b) is None or a.dim() != b.dim() or not 2 <= a.dim() <= 2 + len(_BATCH_INDICES)
+            or a.shape[:-2] != b.shape[:-2]):
+        return torch.matmul(a, b)
+    batch = _BATCH_INDICES[:a.dim() - 2]
+    return einsum(f"{batch}ij,{batch}jk->{batch}ik", a, b)
+
+
+_BATCH_INDICES = "abcdefgh"
+
+
+class _Float32Products(TorchFunctionMode):
+    """:func:`float32_products`: torch's matrix products of two tensors, called by name, through
+    :func:`matmul` where its rank rules hold (``bmm`` of 3-D tensors, ``mm`` of 2-D ones); every other
+    call (a wrong rank, keyword arguments such as ``out=``) is torch's own, errors included."""
+
+    RANKS = {torch.bmm: 3, torch.Tensor.bmm: 3, torch.mm: 2, torch.Tensor.mm: 2,
+             torch.matmul: None, torch.Tensor.matmul: None, torch.Tensor.__matmul__: None}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        rank = self.RANKS.get(func, 0)
+        if rank != 0 and not kwargs and len(args) == 2 and all(isinstance(t, torch.Tensor) for t in args):
+            a, b = args
+            if (rank is None or a.dim() == b.dim() == rank) and _float32_dtype(a, b) is not None:
+                return matmul(a, b)  # (the mode is off inside this method: no recursion)
+        return func(*args, **(kwargs or {}))
+
+
+def float32_products() -> TorchFunctionMode:
+    """A context in which ``torch.bmm``, ``torch.mm``, ``torch.matmul`` and ``@`` (functions and
+    tensor methods) run as :func:`matmul`: in float32 on half-type values where
+    :func:`computes_in_float32` says so (torch's loops there take 8-85x float32's time for a
+    decoder's attention products), torch's own call everywhere else. For code that is not ours,
+    such as transformers' LED decoder attention, which ``hf.patch`` runs in it::
+
+        with longformer_ops.dense.float32_products():
+            scores = torch.bmm(q, k.transpose(1, 2))   # bfloat16 on an AVX2 CPU: float32's speed
+    """
+    return _Float32Products()

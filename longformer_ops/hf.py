@@ -32,7 +32,10 @@ and backward, on CPU (elsewhere, and for other activations, transformers' own fo
 the dense layer without its bias and then :func:`longformer_ops.residual.bias_dropout_add`: the
 bias, the dropout and the residual in one kernel pass on CPU. Its ``nn.LayerNorm`` modules run on
 :class:`longformer_ops.layer_norm.LayerNorm` (the same layer norm, one kernel pass each way on
-CPU). LED's feed-forward and residuals are written inline in its layers and stay torch's. Its
+CPU). LED's feed-forward and residuals are written inline in its layers and stay torch's; its
+decoder's dense self- and cross-attention (``LEDDecoderAttention``) runs transformers' own forward,
+with its ``torch.bmm`` products in :func:`longformer_ops.dense.float32_products` where a half type
+has no CPU GEMM (they would take 8-85x float32's time on torch's loops there). Its
 other ``nn.Linear`` modules (the task heads, the pooler, a PEFT adapter's) run on
 :class:`longformer_ops.dense.Linear`: torch's own product, but in bfloat16 and float16 on a CPU
 without a GEMM for them (every AVX2 CPU), in float32 rounded once, where torch's loops take 4x
@@ -62,7 +65,7 @@ from torch import nn
 from longformer_ops._loader import KernelNotAvailableError
 from longformer_ops.checks import KERNEL_DTYPES
 from longformer_ops.config import AttentionMode
-from longformer_ops.dense import Linear
+from longformer_ops.dense import Linear, computes_in_float32, float32_products
 from longformer_ops.dropout import Dropout
 from longformer_ops.gelu import linear_gelu
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
@@ -163,9 +166,31 @@ def _residual_forward(self, hidden_states, input_tensor):
     return self.LayerNorm(linear_dropout_add(hidden_states, self.dense, self.dropout, input_tensor))
 
 
-# transformers' Longformer module classes (by name) whose patched subclass runs this forward.
+def _decoder_attention_forward(self, hidden_states, *args, **kwargs):
+    """transformers' ``LEDDecoderAttention`` (the decoder's dense self- and cross-attention: ``torch.bmm``
+    of queries and keys, softmax, ``torch.bmm`` of probabilities and values), its own forward, with its
+    products in :func:`longformer_ops.dense.float32_products` where they run in float32 (a half type
+    on a CPU without a GEMM for it: torch's loops there take 8-85x float32's time for these)."""
+    device = hidden_states.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden_states.dtype
+    if not computes_in_float32(dtype, hidden_states.device):
+        return self._original_class.forward(self, hidden_states, *args, **kwargs)
+    with float32_products():
+        return self._original_class.forward(self, hidden_states, *args, **kwargs)
+
+
+# transformers' Longformer and LED module classes (by name) whose patched subclass runs this forward.
 _MODULE_FORWARDS = {"LongformerIntermediate": _intermediate_forward, "LongformerSelfOutput": _residual_forward,
-                    "LongformerOutput": _residual_forward}
+                    "LongformerOutput": _residual_forward, "LEDDecoderAttention": _decoder_attention_forward}
+
+
+def _module_class(name: str) -> type:
+    """transformers' own class ``name`` of :data:`_MODULE_FORWARDS` (the original, also while patched)."""
+    from transformers.models.led import modeling_led
+    from transformers.models.longformer import modeling_longformer
+
+    cls = getattr(modeling_longformer, name, None) or getattr(modeling_led, name)
+    return getattr(cls, "_original_class", cls)
 
 
 def _patched_module_class(original: type) -> type:
@@ -190,11 +215,8 @@ class _PatchedClassesByName:
     loaded there is a patched model, unpadded as :func:`patch` leaves it)."""
 
     def __getattr__(self, name: str) -> type:
-        from transformers.models.longformer import modeling_longformer
-
         if name in _MODULE_FORWARDS:
-            original = getattr(modeling_longformer, name)
-            return _patched_module_class(getattr(original, "_original_class", original))
+            return _patched_module_class(_module_class(name))
         for namespace, target in _target_classes():
             if target == name:
                 original = getattr(namespace, name)
@@ -213,12 +235,7 @@ def _swap_modules(model, ours: bool) -> None:
     :data:`_MODULE_FORWARDS` to :func:`_patched_module_class` (``ours``), or back. Modules keep
     their attributes and parameters, so checkpoints are untouched; a dropout with ``inplace=True``
     (not in transformers' Longformer or LED) stays torch's."""
-    from transformers.models.longformer import modeling_longformer
-
-    originals = set()
-    for name in _MODULE_FORWARDS:
-        cls = getattr(modeling_longformer, name)
-        originals.add(getattr(cls, "_original_class", cls))
+    originals = {_module_class(name) for name in _MODULE_FORWARDS}
     for module in model.modules():
         cls = type(module)
         if ours and cls is nn.Dropout and not module.inplace:
@@ -240,11 +257,12 @@ def _swap_modules(model, ours: bool) -> None:
 
 
 def _pretrained_classes() -> list[type]:
-    """The base classes of the transformers models whose hidden-state dropouts are modules: every
-    Longformer task model's (LED's are functional calls)."""
+    """The base classes of the transformers models whose modules a model built while :func:`patch`
+    has patched the classes switches (:func:`_post_init`): every Longformer and LED model's."""
+    from transformers.models.led import modeling_led
     from transformers.models.longformer import modeling_longformer
 
-    return [modeling_longformer.LongformerPreTrainedModel]
+    return [modeling_longformer.LongformerPreTrainedModel, modeling_led.LEDPreTrainedModel]
 
 
 def _post_init(self):
@@ -356,7 +374,8 @@ def patch(model=None):
     dropout on our kernel), its ``LongformerIntermediate`` modules take their bias and GELU in
     one kernel pass, its ``LongformerSelfOutput`` and ``LongformerOutput`` modules their bias,
     dropout and residual, its ``nn.LayerNorm`` modules run on our layer norm and its other
-    ``nn.Linear`` modules on :class:`longformer_ops.dense.Linear` (see the module docstring).
+    ``nn.Linear`` modules on :class:`longformer_ops.dense.Linear`, and LED's decoder attention runs
+    its products through :func:`longformer_ops.dense.float32_products` (see the module docstring).
     Patching a patched model again switches what was added since (a PEFT adapter's layers). Either way ``LongformerModel``'s and ``LEDEncoder``'s ``_pad_to_window_size`` is replaced
     class-wide by :func:`_pad_to_window_size`, which pads as before for a model whose self-attention
     is not all patched (``unpatch()`` restores it)."""

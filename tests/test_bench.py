@@ -324,6 +324,30 @@ def test_hf_model_bench_runs_a_half_type(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
+def test_hf_model_bench_runs_led(tmp_path):
+    """``--model led``: LED's training step and generation, both methods, in a file of its own name;
+    ``--methods patched`` alone (a forward) leaves the other column "not run"; generation is LED's only."""
+    pytest.importorskip("transformers")
+    from bench import hf_model, report
+
+    assert hf_model.main(["--model", "led", "--seq-lens", "64", "--rounds", "1", "--layers", "1", "--passes",
+                          "training step,generation", "--out", str(tmp_path)]) == 0
+    stem = next(tmp_path.glob("*-hf-led.csv")).with_suffix("")
+    rows = report.read_csv(stem.with_suffix(".csv"))
+    assert {(r["method"], r["pass"], r["status"]) for r in rows} == {
+        (m, p, "ok") for m in ("transformers", "patched") for p in ("forward+backward", "generate 64")}
+    assert all(r["op"].startswith("hf LED") and r["time_ms"] > 0 for r in rows)
+    assert "LEDForConditionalGeneration" in stem.with_suffix(".md").read_text()
+    assert hf_model.main(["--model", "led", "--methods", "patched", "--seq-lens", "64", "--rounds", "1", "--layers",
+                          "1", "--passes", "forward", "--dtype", "bfloat16", "--out", str(tmp_path)]) == 0
+    stem = next(tmp_path.glob("*-hf-led-bfloat16.csv")).with_suffix("")
+    assert {r["method"] for r in report.read_csv(stem.with_suffix(".csv"))} == {"patched"}
+    assert "| not run |" in stem.with_suffix(".md").read_text()
+    for bad in (["--passes", "generation"], ["--methods", "patched,ours"]):
+        with pytest.raises(SystemExit):
+            hf_model.main(bad + ["--out", str(tmp_path)])
+
+
 def test_model_op_runs_the_encoder(tmp_path):
     """``--ops model``: the 12-layer encoder, forward and a training step, in its tvm and full modes."""
     inputs = methods.make_inputs("model", 1, 40, 2, 8, 3, torch.float64, "cpu", False)

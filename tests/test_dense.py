@@ -8,6 +8,8 @@ autograd."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from torch import nn
@@ -104,6 +106,95 @@ def test_einsum_and_bmm_and_their_gradients_round_once(float32_products, dtype):
                          seed)
 
 
+_PRODUCT_CALLS = {  # how code that is not ours asks torch for a product: (name, call, operand shapes)
+    "torch.bmm": (torch.bmm, ((3, 9, 19), (3, 19, 5))), "Tensor.bmm": (torch.Tensor.bmm, ((3, 9, 19), (3, 19, 5))),
+    "torch.mm": (torch.mm, ((9, 19), (19, 5))), "Tensor.mm": (torch.Tensor.mm, ((9, 19), (19, 5))),
+    "torch.matmul 2-D": (torch.matmul, ((9, 19), (19, 5))),
+    "Tensor.matmul 3-D": (torch.Tensor.matmul, ((3, 9, 19), (3, 19, 5))),
+    "@ 4-D": (lambda a, b: a @ b, ((2, 3, 9, 19), (2, 3, 19, 5))),
+}
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("call", sorted(_PRODUCT_CALLS))
+def test_float32_products_routes_other_codes_products(float32_products, dtype, call):
+    """Inside ``dense.float32_products()`` torch's products of half-type tensors (functions, methods,
+    ``@``; a transposed operand as attention passes its keys) run in float32 and round once, forward and
+    gradients: no half-type product reaches torch."""
+    seed = stable_seed(str(dtype), call)
+    generator = torch.Generator().manual_seed(seed)
+    product, (shape_a, shape_b) = _PRODUCT_CALLS[call]
+    a = _random(generator, *shape_a, dtype=dtype).requires_grad_()
+    b_stored = _random(generator, *shape_b[:-2], shape_b[-1], shape_b[-2], dtype=dtype).requires_grad_()
+    with _HalfTypeProducts() as products:
+        with dense.float32_products():
+            out = product(a, b_stored.transpose(-1, -2))
+        grad = _random(generator, *out.shape, dtype=dtype)
+        out.backward(grad)
+    assert not products.seen, products.seen
+    a64, b64, g64 = a.detach().double(), b_stored.detach().double().transpose(-1, -2), grad.double()
+    _assert_one_rounding(out, a64 @ b64, a64.abs() @ b64.abs(), 19, dtype, call, seed)
+    _assert_one_rounding(a.grad, g64 @ b64.transpose(-1, -2), g64.abs() @ b64.abs().transpose(-1, -2), 5, dtype,
+                         f"{call}: da", seed)
+    _assert_one_rounding(b_stored.grad, (a64.transpose(-1, -2) @ g64).transpose(-1, -2),
+                         (a64.abs().transpose(-1, -2) @ g64.abs()).transpose(-1, -2), 9, dtype, f"{call}: db", seed)
+
+
+def test_float32_products_leaves_the_rest_to_torch(float32_products):
+    """Inside ``dense.float32_products()``: float32 products, broadcast batches, ``out=`` and bad ranks
+    are torch's own calls, bit for bit and error for error; without the context nothing is routed."""
+    torch.manual_seed(8)
+    a, b = torch.randn(3, 9, 19), torch.randn(3, 19, 5)
+    with dense.float32_products():
+        assert torch.equal(torch.bmm(a, b), torch.bmm(a.clone(), b.clone()))
+    half_a, half_b = a.bfloat16(), b.bfloat16()
+    for product in (lambda: half_a[:1] @ half_b, lambda: torch.bmm(half_a, half_b, out=torch.empty(3, 9, 5).bfloat16())):
+        with _HalfTypeProducts() as products, dense.float32_products():
+            product()
+        assert products.seen, "routed where torch's own call was due"
+    for bad in (lambda: torch.bmm(half_a[0], half_b[0]), lambda: torch.mm(half_a, half_b),
+                lambda: torch.bmm(half_a, b)):
+        with pytest.raises(RuntimeError) as torchs:
+            bad()
+        with pytest.raises(RuntimeError) as ours, dense.float32_products():
+            bad()
+        assert str(ours.value) == str(torchs.value)
+    with _HalfTypeProducts() as products:
+        torch.bmm(half_a, half_b)
+    assert products.seen
+
+
+def test_few_rows_without_grad_are_torchs_own_call(float32_products):
+    """``dense.linear`` leaves a product of at most ``FEW_ROWS`` rows that needs no gradient to torch
+    (faster there: a generation step); more rows, or a gradient to compute, go through float32."""
+    torch.manual_seed(9)
+    weight, bias = torch.randn(6, 40).bfloat16(), torch.randn(6).bfloat16()
+    few, many = (torch.randn(1, rows, 40).bfloat16() for rows in (dense.FEW_ROWS, dense.FEW_ROWS + 1))
+    for x, torchs in ((few, True), (many, False), (few.clone().requires_grad_(), False)):
+        with _HalfTypeProducts(few_rows_without_grad=False) as products:
+            y = dense.linear(x, weight, bias)
+        assert bool(products.seen) == torchs, (x.shape, x.requires_grad, products.seen)
+        if torchs:
+            assert torch.equal(y, torch.nn.functional.linear(x, weight, bias))
+    with torch.no_grad(), _HalfTypeProducts(few_rows_without_grad=False) as products:
+        dense.linear(few, weight.clone().requires_grad_(), bias)
+    assert products.seen, "no gradient under no_grad: torch's call"
+
+
+def test_products_under_autocast_run_in_float32(float32_products):
+    """Under CPU autocast to a half type, float32 operands of einsum, bmm and matmul are cast to it and
+    multiplied in float32, as dense.linear does: no half-type product reaches torch."""
+    torch.manual_seed(10)
+    a, b = torch.randn(2, 9, 19), torch.randn(2, 19, 5)
+    with _HalfTypeProducts() as products, torch.autocast("cpu", torch.bfloat16):
+        outs = [dense.einsum("bij,bjk->bik", a, b), dense.bmm(a, b), dense.matmul(a, b)]
+        with dense.float32_products():
+            outs.append(a @ b)
+    assert not products.seen, products.seen
+    assert all(out.dtype == torch.bfloat16 for out in outs)
+    assert all(torch.equal(out, outs[0]) for out in outs)
+
+
 @pytest.mark.parametrize("equation", ["bnd,bd->b", "ij,jk->i", "ii,ij->j"])
 def test_einsum_refuses_what_its_backward_cannot_express(float32_products, equation):
     """An index summed in one operand alone (its gradient is a broadcast) or repeated (a diagonal)."""
@@ -168,6 +259,35 @@ def test_linear_under_torch_compile_is_eagers(float32_products):
         torch.testing.assert_close(compiled, eager, rtol=unit_roundoff(torch.bfloat16), atol=0)
 
 
+def test_float32_products_under_torch_compile_are_eagers(float32_products):
+    """torch.compile(fullgraph=True) traces through the context: eager's output and gradients, and the
+    graph's products in float32 (none in the half type)."""
+    torch.manual_seed(7)
+    q, k = (torch.randn(3, n, 16).bfloat16().requires_grad_() for n in (20, 30))
+
+    def attention(q, k):
+        with dense.float32_products():
+            probs = torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1)
+            return (probs @ k).float().square().sum()
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    with _HalfTypeProducts() as products:  # (a dispatch mode stops torch.compile: eager only)
+        value = attention(q, k)
+        results = [[value, *torch.autograd.grad(value, (q, k))]]
+    assert not products.seen, products.seen
+    backend = CompileCounterWithBackend("aot_eager")
+    value = torch.compile(attention, fullgraph=True, backend=backend)(q, k)
+    results.append([value, *torch.autograd.grad(value, (q, k))])
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=unit_roundoff(torch.bfloat16), atol=0)
+    products = [node for graph in backend.graphs for module in graph.modules() if hasattr(module, "graph")
+                for node in module.graph.nodes if node.target in (torch.bmm, torch.matmul, torch.einsum, operator.matmul)]
+    operand_dtypes = {arg.meta["example_value"].dtype for node in products for arg in node.args
+                      if isinstance(arg, torch.fx.Node)}
+    assert products and operand_dtypes == {torch.float32}, (products, operand_dtypes)
+
+
 def test_a_linear_that_is_not_plain_runs_its_own_forward(float32_products):
     """An adapter or hooked layer's output is not ``x W^T + b``: it runs as it is, not through the weights."""
     linear = nn.Linear(4, 3).to(torch.bfloat16)
@@ -178,20 +298,26 @@ def test_a_linear_that_is_not_plain_runs_its_own_forward(float32_products):
 
 
 class _HalfTypeProducts(TorchDispatchMode):
-    """Records each matrix product torch is asked for with a half-type operand."""
+    """Records each matrix product torch is asked for with a half-type operand, but those that
+    dense.linear leaves to torch by design: at most ``dense.FEW_ROWS`` rows with no gradient."""
 
     PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
                 torch.ops.aten.mv, torch.ops.aten.addmv, torch.ops.aten.dot, torch.ops.aten.addbmm}
+    WITH_ADDEND = {torch.ops.aten.addmm, torch.ops.aten.baddbmm, torch.ops.aten.addmv, torch.ops.aten.addbmm}
 
-    def __init__(self):
+    def __init__(self, few_rows_without_grad: bool = True):
         super().__init__()
+        self.few_rows_without_grad = few_rows_without_grad
         self.seen = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in self.PRODUCTS:
-            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
-            if dtypes & set(dense.HALF_TYPES):
-                self.seen.append((str(func), tuple(a.shape for a in args if isinstance(a, torch.Tensor))))
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            left = tensors[1 if func.overloadpacket in self.WITH_ADDEND else 0]
+            few_rows = func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and left.shape[0] <= dense.FEW_ROWS
+            allowed = self.few_rows_without_grad and few_rows and not torch.is_grad_enabled()
+            if {t.dtype for t in tensors} & set(dense.HALF_TYPES) and not allowed:
+                self.seen.append((str(func), tuple(t.shape for t in tensors)))
         return func(*args, **(kwargs or {}))
 
 
@@ -294,3 +420,69 @@ def test_transformers_models_patched_send_no_half_type_product_to_torch(float32_
     assert not products.seen, products.seen
     assert all(out.dtype == torch.bfloat16 and torch.isfinite(out).all() for out in outputs)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def _led_config(transformers, **kwargs):
+    return transformers.LEDConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                  attention_window=[8, 4], max_encoder_position_embeddings=64,
+                                  max_decoder_position_embeddings=32, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                  decoder_start_token_id=2, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["LEDModel", "LEDForConditionalGeneration", "LEDForQuestionAnswering"])
+def test_transformers_led_models_patched_send_no_half_type_product_to_torch(float32_products, name):
+    """LED patched by ``hf.patch``: besides the encoder's layers and the linear layers, the decoder's
+    dense self- and cross-attention (``torch.bmm`` in transformers' own forward) runs its products in
+    float32: none in a half type reaches torch, training step, inference and a generation's steps of
+    one row (there only the linear layers' few-row products without gradient, which are torch's by
+    design)."""
+    transformers = pytest.importorskip("transformers")
+    from longformer_ops import hf
+
+    torch.manual_seed(stable_seed(name))
+    model = getattr(transformers, name)(_led_config(transformers)).to(torch.bfloat16)
+    hf.patch(model)
+    ids = torch.randint(3, 97, (2, 21))
+    is_global = torch.zeros_like(ids)
+    is_global[:, 0] = 1
+    with _HalfTypeProducts() as products:
+        outputs = [t for t in model.train()(ids, global_attention_mask=is_global).to_tuple()
+                   if isinstance(t, torch.Tensor)]
+        sum(out.float().square().sum() for out in outputs).backward()
+        with torch.no_grad():
+            model.eval()(ids, global_attention_mask=is_global)
+            if name == "LEDForConditionalGeneration":
+                generated = model.generate(ids, global_attention_mask=is_global, max_new_tokens=4, min_new_tokens=4,
+                                           do_sample=False, num_beams=1)
+    assert not products.seen, products.seen
+    assert all(out.dtype == torch.bfloat16 and torch.isfinite(out).all() for out in outputs)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    if name == "LEDForConditionalGeneration":
+        assert generated.shape[1] >= 5
+
+
+def test_patched_led_in_bfloat16_errs_as_transformers_own(float32_products):
+    """LED in bfloat16, patched (encoder on our kernels, decoder attention and linear layers through the
+    float32 path): its logits err against float32 at most twice as much as transformers' own bfloat16
+    code (plus a few units roundoff)."""
+    transformers = pytest.importorskip("transformers")
+    from hf_helpers import randomize_
+    from longformer_ops import hf
+
+    config = _led_config(transformers, dropout=0.0, attention_dropout=0.0)
+    model = randomize_(transformers.LEDForConditionalGeneration(config), 0).eval()
+    generator = torch.Generator().manual_seed(11)
+    inputs = dict(input_ids=torch.randint(3, 97, (2, 21), generator=generator),
+                  decoder_input_ids=torch.randint(3, 97, (2, 13), generator=generator))
+    inputs["global_attention_mask"] = torch.zeros_like(inputs["input_ids"])
+    inputs["global_attention_mask"][:, 0] = 1
+    with torch.no_grad():
+        exact = model(**inputs).logits.double()
+        half = model.to(torch.bfloat16)
+        theirs = half(**inputs).logits.double()
+        with _HalfTypeProducts() as products:
+            ours = hf.patch(half)(**inputs).logits.double()
+    assert not products.seen, products.seen
+    error, their_error = ((x - exact).abs().max().item() for x in (ours, theirs))
+    assert error <= 2 * their_error + 4 * unit_roundoff(torch.bfloat16) * exact.abs().max().item(), (error, their_error)

@@ -336,6 +336,35 @@ def test_patched_linear_layers_run_through_dense(name):
     assert set(linear_types(getattr(transformers, name)(config))) == {torch.nn.Linear}
 
 
+def test_patched_led_switches_its_decoder_attention_and_linear_layers():
+    """patch(model) switches LED's decoder attention modules to their patched subclass (transformers'
+    forward, products through dense.float32_products) and its linear layers to dense.Linear's, state
+    dict unchanged; unpatch(model) switches them back; the class-wide patch does the same for LED
+    models built while it holds."""
+    model = _led()
+    decoder_attention = transformers.models.led.modeling_led.LEDDecoderAttention
+
+    def types(m):
+        return ({type(x) for x in m.modules() if isinstance(x, decoder_attention)},
+                {type(x) for x in m.modules() if isinstance(x, torch.nn.Linear)})
+
+    keys = list(model.state_dict())
+    assert types(model) == ({decoder_attention}, {torch.nn.Linear})
+    hf.patch(model)
+    assert types(model) == ({hf._patched_by_name.LEDDecoderAttention}, {hf._PatchedLinear})
+    assert hf._patched_by_name.LEDDecoderAttention._original_class is decoder_attention
+    assert list(model.state_dict()) == keys
+    hf.unpatch(model)
+    assert types(model) == ({decoder_attention}, {torch.nn.Linear})
+    hf.patch()
+    try:
+        assert types(transformers.LEDForConditionalGeneration(model.config)) == (
+            {hf._patched_by_name.LEDDecoderAttention}, {hf._PatchedLinear})
+    finally:
+        hf.unpatch()
+    assert types(transformers.LEDForConditionalGeneration(model.config)) == ({decoder_attention}, {torch.nn.Linear})
+
+
 def test_attention_mask_with_2_for_global(kernel_calls):
     """transformers' older convention: one attention_mask with 0 padding, 1 local, 2 global (no
     global_attention_mask); the patched model reads it as the unpatched one does."""
