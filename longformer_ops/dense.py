@@ -96,6 +96,13 @@ def _product_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> torch.dtype
     return x.dtype if all(t is None or t.dtype == x.dtype for t in others) else None
 
 
+def _float32_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> torch.dtype | None:
+    """The half type a product of ``x`` and ``others`` multiplies in (:func:`_product_dtype`) where
+    that runs in float32 here (:func:`computes_in_float32`), else None."""
+    dtype = _product_dtype(x, *others)
+    return dtype if dtype is not None and computes_in_float32(dtype, x.device) else None
+
+
 class _Float32Linear(torch.autograd.Function):
     """``x W^T + b`` for half-type tensors, each product in float32, results rounded to the half
     type; saves the half-type inputs only."""
@@ -141,8 +148,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``nn.functional.linear(x, weight, bias)``, in float32 where :func:`computes_in_float32` says
     so for the dtype it multiplies in (autocast's, when on; then cast to it first, as autocast does),
     but for :data:`FEW_ROWS` rows or fewer that need no gradient (torch's call is faster there)."""
-    dtype = _product_dtype(x, weight, bias)
-    if dtype is None or not computes_in_float32(dtype, x.device) or _few_rows_without_grad(x, weight, bias):
+    dtype = _float32_dtype(x, weight, bias)
+    if dtype is None or _few_rows_without_grad(x, weight, bias):
         return nn.functional.linear(x, weight, bias)
     return _Float32Linear.apply(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 
@@ -204,13 +211,6 @@ class _Float32Einsum(torch.autograd.Function):
         return None, grad_a, grad_b
 
 
-def _float32_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype | None:
-    """The half type a product of ``a`` and ``b`` multiplies in (:func:`_product_dtype`) where that
-    runs in float32 here (:func:`computes_in_float32`), else None."""
-    dtype = _product_dtype(a, b)
-    return dtype if dtype is not None and computes_in_float32(dtype, a.device) else None
-
-
 def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.einsum(equation, a, b)`` (two operands; every index of each in the other or the
     output), in float32 where :func:`computes_in_float32` says so for the dtype it multiplies in
@@ -229,6 +229,9 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return matmul(a, b)
 
 
+_BATCH_INDICES = "abcdefgh"  # matmul's einsum letters for up to 8 batch dimensions
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.matmul(a, b)``, in float32 where :func:`computes_in_float32` says so, for operands of
     the same rank (2 to 10) and the same batch dimensions: ``mm``, ``bmm`` and the attention products
@@ -238,9 +241,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b)
     batch = _BATCH_INDICES[:a.dim() - 2]
     return einsum(f"{batch}ij,{batch}jk->{batch}ik", a, b)
-
-
-_BATCH_INDICES = "abcdefgh"
 
 
 class _Float32Products(TorchFunctionMode):
