@@ -58,7 +58,11 @@ def _assert_one_rounding(got, exact, magnitude, terms, dtype, what, seed):
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("shape", [(5, 7), (2, 3, 33), (1, 130, 64)], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_linear_and_its_gradients_round_once(float32_products, dtype, shape, with_bias):
+@pytest.mark.parametrize("feature_block", [None, 4], ids=["one-block", "three-blocks"])
+def test_linear_and_its_gradients_round_once(float32_products, dtype, shape, with_bias, feature_block, monkeypatch):
+    """11 output features, in one block or (FEATURE_BLOCK = 4) in three: forward and gradients."""
+    if feature_block:
+        monkeypatch.setattr(dense, "FEATURE_BLOCK", feature_block)
     seed = stable_seed(str(dtype), shape, with_bias)
     generator = torch.Generator().manual_seed(seed)
     x = _random(generator, *shape, dtype=dtype).requires_grad_()
