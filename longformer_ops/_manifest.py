@@ -49,7 +49,8 @@ def function_name(op: str, autoregressive: bool) -> str:
 
 # Ops without a band (no symmetric / causal pair): exported under their own name.
 UNBANDED_OPS = ("dropout", "bias_dropout_add", "dropout_column_sums", "bias_gelu", "bias_gelu_backward",
-                "global_merge", "global_merge_backward", "layer_norm", "layer_norm_backward")
+                "global_merge", "global_merge_backward", "layer_norm", "layer_norm_backward",
+                "few_rows_mm", "few_rows_mm_nt")
 
 
 def function_names(op: str) -> tuple[str, ...]:

@@ -22,10 +22,13 @@ global slots' and Poolingformer's products), ``float32_products`` (a context tha
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from longformer_ops import kernels
 from longformer_ops._output_cache import new_output
 
 HALF_TYPES = (torch.bfloat16, torch.float16)
@@ -266,12 +269,39 @@ _BATCH_INDICES = "abcdefgh"  # matmul's einsum letters for up to 8 batch dimensi
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.matmul(a, b)``, in float32 where :func:`computes_in_float32` says so, for operands of
     the same rank (2 to 10) and the same batch dimensions: ``mm``, ``bmm`` and the attention products
-    of ``[batch, heads, n, d]`` tensors. Other shapes (batches broadcast, vectors) are torch's call."""
-    if (_float32_dtype(a, b) is None or a.dim() != b.dim() or not 2 <= a.dim() <= 2 + len(_BATCH_INDICES)
+    of ``[batch, heads, n, d]`` tensors. Other shapes (batches broadcast, vectors) are torch's call.
+    Products of at most :data:`FEW_ROWS` rows of ``a`` that need no gradient (a generation step's
+    attention over its key/value cache) run in the few-row kernels, where the CPU library has them."""
+    dtype = _float32_dtype(a, b)
+    if (dtype is None or a.dim() != b.dim() or not 2 <= a.dim() <= 2 + len(_BATCH_INDICES)
             or a.shape[:-2] != b.shape[:-2]):
         return torch.matmul(a, b)
+    if _few_row_kernels_serve(a, b, dtype):
+        return _few_row_product(a, b)
     batch = _BATCH_INDICES[:a.dim() - 2]
     return einsum(f"{batch}ij,{batch}jk->{batch}ik", a, b)
+
+
+# Widening a half-type key/value cache for a float32 product of one query row costs more than the
+# product (LED's cross-attention at n = 4096 on an AVX2 Zen 3: 1.0-1.8 ms against 0.3); the few-row
+# kernels read each element once in its own dtype and widen it in a register (bench/NOTES.md).
+def _few_row_kernels_serve(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    needs_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    return (not needs_grad and a.shape[-2] <= FEW_ROWS and a.dtype == b.dtype == dtype
+            and kernels.few_row_products_available(a.device, dtype))
+
+
+def _few_row_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (same batch dimensions) by the few-row kernels, ``b`` read as it lies when it is a
+    transposed contiguous matrix (a key cache's ``transpose(-1, -2)``)."""
+    batch = math.prod(a.shape[:-2])
+    rows, inner, cols = a.shape[-2], a.shape[-1], b.shape[-1]
+    a = a.reshape(batch, rows, inner)
+    if b.transpose(-1, -2).is_contiguous():
+        out = kernels.few_rows_mm_nt(a, b.transpose(-1, -2).reshape(batch, cols, inner))
+    else:
+        out = kernels.few_rows_mm(a, b.reshape(batch, inner, cols))
+    return out.view(*b.shape[:-2], rows, cols)
 
 
 class _Float32Products(TorchFunctionMode):

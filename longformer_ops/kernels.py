@@ -36,6 +36,9 @@ already checked by the public functions in :mod:`longformer_ops.diagonaled` and
 - ``layer_norm(x, weight, bias, eps) -> (out, mean, rstd)``: layer normalisation over the last
   dimension (CPU libraries); its backward ``layer_norm_backward(grad, x, weight, mean, rstd) ->
   (grad x, grad weight, grad bias)`` in one pass;
+- ``few_rows_mm(a, b) -> a @ b`` and ``few_rows_mm_nt(a, bt) -> a @ bt^T`` of ``[batch, rows, inner]``
+  ``a`` of a few rows (a generation step's attention products over its key/value cache, half types
+  widened in registers; CPU libraries); inference only, no autograd;
 - ``*_out`` variants of each forward op write into a given ``out`` (``mutates_args=("out",)``;
   not differentiable, as custom ops that mutate cannot have autograd).
 
@@ -78,6 +81,9 @@ GLOBAL_MERGE_BACKWARD = "global_merge_backward"
 # Layer normalisation (tvm_kernels.variants.LAYER_NORM).
 LAYER_NORM = "layer_norm"
 LAYER_NORM_BACKWARD = "layer_norm_backward"
+# Products of a few rows with a matrix (tvm_kernels.variants.FEW_ROW_PRODUCTS).
+FEW_ROWS_MM = "few_rows_mm"
+FEW_ROWS_MM_NT = "few_rows_mm_nt"
 
 
 # ----------------------------------------------------------------------------- helpers (eager only)
@@ -186,6 +192,11 @@ def global_merge_available(device: torch.device, dtype: torch.dtype) -> bool:
 def layer_norm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a library for (device, dtype) has the layer-norm kernels (False, not an error, without one)."""
     return _optional_kernels_available(device, dtype, (LAYER_NORM, LAYER_NORM_BACKWARD))
+
+
+def few_row_products_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a library for (device, dtype) has the few-row products (False, not an error, without one)."""
+    return _optional_kernels_available(device, dtype, (FEW_ROWS_MM, FEW_ROWS_MM_NT))
 
 
 # Each run of queries the CPU kernels split a (batch, head) into re-packs the keys within a window of
@@ -828,3 +839,47 @@ def _layer_norm_autograd(ctx, grad, grad_mean, grad_rstd):
 
 
 layer_norm.register_autograd(_layer_norm_autograd, setup_context=_save_layer_norm)
+
+
+# ----------------------------------------------------------------------------- few-row products
+def _few_rows_product(function: str, a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` (few_rows_mm) or ``a @ b^T`` (few_rows_mm_nt) after checking the operands."""
+    transposed = function == FEW_ROWS_MM_NT
+    form = "[batch, cols, inner]" if transposed else "[batch, inner, cols]"
+    if (a.dim() != 3 or b.dim() != 3 or b.shape[0] != a.shape[0] or b.shape[2 if transposed else 1] != a.shape[2]
+            or b.dtype != a.dtype or b.device != a.device):
+        raise ValueError(f"{function}: expected a [batch, rows, inner] and b {form} of one dtype and device, "
+                         f"got a {tuple(a.shape)} {a.dtype} on {a.device}, b {tuple(b.shape)} {b.dtype} on {b.device}")
+    cols = b.shape[1 if transposed else 2]
+    out = new_output(a, (a.shape[0], a.shape[1], cols))
+    if out.numel() == 0:
+        return out
+    if a.shape[2] == 0:  # (no terms: the kernels would not write)
+        return out.zero_()
+    with _on_device(a):
+        _library(a).function(function)(a.contiguous(), b.contiguous(), out.view(-1, cols))
+    return out
+
+
+@torch.library.custom_op(f"{NAMESPACE}::few_rows_mm", mutates_args=())
+def few_rows_mm(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.bmm(a, b)`` of ``a`` ``[batch, rows, inner]`` (a few rows) and ``b`` ``[batch, inner,
+    cols]`` of the same dtype, sums in the accumulation dtype, rounded once; no autograd."""
+    return _few_rows_product(FEW_ROWS_MM, a, b)
+
+
+@few_rows_mm.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+
+
+@torch.library.custom_op(f"{NAMESPACE}::few_rows_mm_nt", mutates_args=())
+def few_rows_mm_nt(a: Tensor, bt: Tensor) -> Tensor:
+    """``torch.bmm(a, bt.transpose(1, 2))`` of ``a`` ``[batch, rows, inner]`` (a few rows) and ``bt``
+    ``[batch, cols, inner]`` (a key cache as it is stored) of the same dtype, as :func:`few_rows_mm`."""
+    return _few_rows_product(FEW_ROWS_MM_NT, a, bt)
+
+
+@few_rows_mm_nt.register_fake
+def _(a, bt):
+    return a.new_empty(a.shape[0], a.shape[1], bt.shape[1])

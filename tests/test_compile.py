@@ -172,6 +172,8 @@ def _opcheck_cases(dtype, device="cpu"):
         out, mean, rstd = ops.layer_norm(rows, scale.detach(), shift.detach(), 1e-5)
         cases += [(ops.layer_norm, (rows.clone().requires_grad_(True), scale, shift, 1e-5)),
                   (ops.layer_norm_backward, (torch.randn_like(rows), rows, scale.detach(), mean, rstd))]
+        query, keys = torch.randn(6, 1, 24, dtype=dtype), torch.randn(6, 37, 24, dtype=dtype)
+        cases += [(ops.few_rows_mm_nt, (query, keys)), (ops.few_rows_mm, (query @ keys.transpose(1, 2), keys))]
     return cases
 
 
@@ -191,7 +193,7 @@ def test_opcheck_every_op(dtype):
         torch.library.opcheck(op, args)
         names.add(op._qualified_op_name.split("::")[1])
     registered = {name for name in dir(ops) if isinstance(getattr(ops, name), torch._ops.OpOverloadPacket)}
-    assert names == registered and len(names) == 23, (names, registered)
+    assert names == registered and len(names) == 25, (names, registered)
 
 
 # ----------------------------------------------------------------------------- layer and model

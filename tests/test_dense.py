@@ -187,6 +187,57 @@ def test_few_rows_without_grad_are_torchs_own_call(float32_products):
     assert products.seen, "no gradient under no_grad: torch's call"
 
 
+class _OpCalls(TorchDispatchMode):
+    """Records the name of every op dispatched (ours appear as ``longformer_ops::...``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+_FEW_ROW_CASES = {  # a product and which few-row kernel it takes: (call, shapes of a and of b as stored, kernel)
+    "query x keys^T": (lambda a, b: torch.bmm(a, b.transpose(1, 2)), ((12, 1, 64), (12, 300, 64)), "few_rows_mm_nt"),
+    "probs x values": (torch.bmm, ((12, 1, 300), (12, 300, 64)), "few_rows_mm"),
+    "4-D, 8 rows": (lambda a, b: a @ b, ((2, 3, 8, 19), (2, 3, 19, 33)), "few_rows_mm"),
+    "mm of a strided b": (lambda a, b: torch.mm(a, b[:, ::2]), ((2, 40), (40, 66)), "few_rows_mm"),
+}
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("case", sorted(_FEW_ROW_CASES))
+def test_few_row_products_without_grad_run_in_the_few_row_kernels(float32_products, dtype, case):
+    """Inside ``dense.float32_products()`` a product of at most ``FEW_ROWS`` rows that needs no gradient
+    (a generation step's attention over its cache) runs in the few-row kernels, a transposed key
+    cache read as it lies; rounded once."""
+    seed = stable_seed(str(dtype), case)
+    generator = torch.Generator().manual_seed(seed)
+    product, (shape_a, shape_b), kernel = _FEW_ROW_CASES[case]
+    a, b = _random(generator, *shape_a, dtype=dtype), _random(generator, *shape_b, dtype=dtype)
+    with _OpCalls() as calls, dense.float32_products():
+        out = product(a, b)
+    ours = [name for name in calls.names if name.startswith("longformer_ops::")]
+    assert ours == [f"longformer_ops::{kernel}"], calls.names
+    a64, b64 = a.double(), b.double()
+    exact, magnitude = product(a64, b64), product(a64.abs(), b64.abs())
+    _assert_one_rounding(out, exact, magnitude, shape_a[-1], dtype, case, seed)
+
+
+def test_few_row_kernels_leave_more_rows_gradients_and_float32_alone(float32_products):
+    """More than ``FEW_ROWS`` rows, a gradient to compute, or float32 operands: no few-row kernel."""
+    torch.manual_seed(12)
+    keys = torch.randn(12, 300, 64).bfloat16()
+    for query, grad in ((torch.randn(12, dense.FEW_ROWS + 1, 64).bfloat16(), False),
+                        (torch.randn(12, 1, 64).bfloat16(), True), (torch.randn(12, 1, 64), False)):
+        query.requires_grad_(grad)
+        with _OpCalls() as calls, dense.float32_products():
+            torch.bmm(query, (keys if query.dtype == keys.dtype else keys.float()).transpose(1, 2))
+        assert not [name for name in calls.names if "few_rows" in name], (query.shape, grad, query.dtype, calls.names)
+
+
 def test_products_under_autocast_run_in_float32(float32_products):
     """Under CPU autocast to a half type, float32 operands of einsum, bmm and matmul are cast to it and
     multiplied in float32, as dense.linear does: no half-type product reaches torch."""
@@ -292,6 +343,19 @@ def test_float32_products_under_torch_compile_are_eagers(float32_products):
     operand_dtypes = {arg.meta["example_value"].dtype for node in products for arg in node.args
                       if isinstance(arg, torch.fx.Node)}
     assert products and operand_dtypes == {torch.float32}, (products, operand_dtypes)
+
+
+def test_few_row_products_under_torch_compile_are_eagers(float32_products):
+    """torch.compile(fullgraph=True) traces the few-row kernel as one op: eager's result, bit for bit."""
+    torch.manual_seed(13)
+    query, keys = torch.randn(12, 1, 64).bfloat16(), torch.randn(12, 300, 64).bfloat16()
+
+    def scores(query, keys):
+        with dense.float32_products():
+            return torch.bmm(query, keys.transpose(1, 2))
+
+    with torch.no_grad():
+        assert torch.equal(torch.compile(scores, fullgraph=True, backend="aot_eager")(query, keys), scores(query, keys))
 
 
 def test_a_linear_that_is_not_plain_runs_its_own_forward(float32_products):

@@ -38,6 +38,10 @@ GLOBAL_MERGE = ("global_merge", "global_merge_backward")
 # Layer normalisation over the last dimension and its backward with the weight's and bias's
 # gradients (schedules/cpu/layer_norm.py): CPU targets only; elsewhere torch's layer_norm.
 LAYER_NORM = ("layer_norm", "layer_norm_backward")
+# Products of a few rows with a matrix, a @ b and a @ b^T, half types widened in registers
+# (schedules/cpu/few_rows.py): a generation step's attention over its key/value cache. CPU targets
+# only; elsewhere torch's matmul.
+FEW_ROW_PRODUCTS = ("few_rows_mm", "few_rows_mm_nt")
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs
@@ -83,7 +87,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=1,
             cpu_flags=_V3_FLAGS,
             isa="avx2",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM + FEW_ROW_PRODUCTS,
         ),
         KernelTarget(
             name="cpu-avx512",
@@ -94,7 +98,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=2,
             cpu_flags=_V4_FLAGS,
             isa="avx512",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM + FEW_ROW_PRODUCTS,
         ),
         # bfloat16 only: what differs from cpu-avx512 is bfloat16 arithmetic (vdpbf16ps); the other
         # dtypes' libraries would be cpu-avx512's again. Chosen on AMD only: on the Zen 4 a vdpbf16ps
@@ -112,7 +116,7 @@ TARGETS: dict[str, KernelTarget] = {
             cpu_flags=_V4_FLAGS + ("avx512_bf16",),
             cpu_vendors=("AuthenticAMD",),
             isa="avx512-bf16",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM + FEW_ROW_PRODUCTS,
         ),
         # bfloat16 only, on CPUs with AMX (Intel since Sapphire Rapids): cpu-avx512's kernels with the
         # fused attention and the band products on AMX tiles (schedules/cpu_amx). Needs the process's
@@ -126,7 +130,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=4,
             cpu_flags=_V4_FLAGS + ("avx512_bf16", "amx_tile", "amx_bf16"),
             isa="amx",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM,
+            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM + FEW_ROW_PRODUCTS,
             uses_schedules=("cpu",),
         ),
         KernelTarget(

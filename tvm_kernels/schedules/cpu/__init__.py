@@ -51,6 +51,8 @@ micro-kernel (bench/NOTES.md has every variant measured):
   each over ``[b, n, h, d]`` (global_merge.py).
 - layer normalisation over a ``[rows, cols]`` tensor's rows, and its backward with the weight's
   and bias's gradients summed on the way (layer_norm.py).
+- products of a few rows with a matrix, ``a @ b`` and ``a @ b^T``, half types widened in registers:
+  a generation step's attention over its key/value cache (few_rows.py).
 
 Contract with the runtime: ``head_dim`` is a multiple of ``FEATURE_MULTIPLE``
 (feature loops run over whole vectors or register tiles; the runtime zero-pads,
@@ -65,6 +67,7 @@ from __future__ import annotations
 from tvm_kernels.schedules.cpu.attention import attention, attention_backward
 from tvm_kernels.schedules.cpu.band_times_rows import pv, transposed
 from tvm_kernels.schedules.cpu.dropout import bias_dropout_add, dropout, dropout_column_sums
+from tvm_kernels.schedules.cpu.few_rows import few_rows_mm, few_rows_mm_nt
 from tvm_kernels.schedules.cpu.gelu import bias_gelu, bias_gelu_backward
 from tvm_kernels.schedules.cpu.global_merge import global_merge, global_merge_backward
 from tvm_kernels.schedules.cpu.layer_norm import layer_norm, layer_norm_backward
@@ -81,5 +84,7 @@ HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": atten
                 "dropout": dropout, "bias_dropout_add": bias_dropout_add, "dropout_column_sums": dropout_column_sums,
                 "bias_gelu": bias_gelu, "bias_gelu_backward": bias_gelu_backward,
                 "global_merge": global_merge, "global_merge_backward": global_merge_backward,
-                "layer_norm": layer_norm, "layer_norm_backward": layer_norm_backward}
-# (the dropouts, the GELU, the merge and the layer norm have no band: (dtype, isa), one function each)
+                "layer_norm": layer_norm, "layer_norm_backward": layer_norm_backward,
+                "few_rows_mm": few_rows_mm, "few_rows_mm_nt": few_rows_mm_nt}
+# (the dropouts, the GELU, the merge, the layer norm and the few-row products have no band: (dtype, isa),
+# one function each)

@@ -1,6 +1,7 @@
 """The micro-kernel macros and helpers the CPU kernels share: prefetching, register tiles
-(zero, accumulate, save, load, store), row runs, the residue-major row table and packing, and
-a vectorisable exp."""
+(zero, accumulate, save, load, store), row runs, the residue-major row table and packing, square
+tiles transposed in registers (rows made feature-major), rounding to the output dtype, and
+vectorisable exp and erf."""
 
 from __future__ import annotations
 
