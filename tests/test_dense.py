@@ -3,10 +3,10 @@ GEMM of its own for them. Which devices and dtypes take it; the products and the
 against float64 on the same (rounded) inputs, element by element, to one rounding of the half
 type plus float32's accumulation; gradcheck of the autograd functions in float64; the
 ``float32_products`` context (other code's ``bmm``/``mm``/``matmul``/``@``: routed, or torch's own
-call where it should be), the few-row rule and autocast; and that the encoder, its task heads,
-global tokens, Poolingformer's level 2 and transformers' Longformer and LED models patched send no
-half-type product to torch where the float32 path is on, forward, backward, without autograd and
-generating."""
+call where it should be), the few-row rules (linear: torch's call; other products: the few-row
+kernels) and autocast; and that the encoder, its task heads, global tokens, Poolingformer's level 2
+and transformers' Longformer and LED models patched send no half-type product to torch where the
+float32 path is on, forward, backward, without autograd and generating."""
 
 from __future__ import annotations
 
