@@ -90,9 +90,10 @@ def _narrow(t: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     return new_output(t, shape, dtype).copy_(t.view(shape))
 
 
-def _product_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> torch.dtype | None:
-    """The dtype torch would multiply ``x`` and ``others`` in: autocast's where it is on, else their
-    common dtype; None where they differ (torch's own call then raises, as it would anyway)."""
+def product_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> torch.dtype | None:
+    """The dtype torch would multiply ``x`` and ``others`` in: autocast's where it is on for their
+    device, else their common dtype; None where they differ (torch's own call then raises, as it
+    would anyway). The rule every layer here that picks a kernel by dtype follows."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
@@ -100,9 +101,9 @@ def _product_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> torch.dtype
 
 
 def _float32_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> torch.dtype | None:
-    """The half type a product of ``x`` and ``others`` multiplies in (:func:`_product_dtype`) where
+    """The half type a product of ``x`` and ``others`` multiplies in (:func:`product_dtype`) where
     that runs in float32 here (:func:`computes_in_float32`), else None."""
-    dtype = _product_dtype(x, *others)
+    dtype = product_dtype(x, *others)
     return dtype if dtype is not None and computes_in_float32(dtype, x.device) else None
 
 
@@ -205,7 +206,7 @@ def apply_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.mm(a, b, out=out)`` (``torch.addmm(bias, a, b, out=out)`` with a bias) outside autograd,
     in float32 where :func:`computes_in_float32` says so (into a float32 temporary, then ``out``)."""
-    if _product_dtype(a, b, out, bias) is None or not computes_in_float32(a.dtype, a.device):
+    if product_dtype(a, b, out, bias) is None or not computes_in_float32(a.dtype, a.device):
         return torch.mm(a, b, out=out) if bias is None else torch.addmm(bias, a, b, out=out)
     return out.copy_(_product(_wide(a), _wide(b), None if bias is None else _wide(bias)))
 

@@ -42,7 +42,7 @@ def linear_gelu(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     Under ``torch.autocast`` the GEMM runs in autocast's dtype and the bias is cast to it, as
     ``addmm`` casts it."""
     autocast = torch.is_autocast_enabled(x.device.type)
-    dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    dtype = dense.product_dtype(x)
     if not dense.plain_linear(linear):
         return nn.functional.gelu(linear(x))
     if not kernels.bias_gelu_available(x.device, dtype):

@@ -65,7 +65,7 @@ from torch import nn
 from longformer_ops._loader import KernelNotAvailableError
 from longformer_ops.checks import KERNEL_DTYPES
 from longformer_ops.config import AttentionMode
-from longformer_ops.dense import Linear, computes_in_float32, float32_products
+from longformer_ops.dense import Linear, computes_in_float32, float32_products, product_dtype
 from longformer_ops.dropout import Dropout
 from longformer_ops.gelu import linear_gelu
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
@@ -171,9 +171,7 @@ def _decoder_attention_forward(self, hidden_states, *args, **kwargs):
     of queries and keys, softmax, ``torch.bmm`` of probabilities and values), its own forward, with its
     products in :func:`longformer_ops.dense.float32_products` where they run in float32 (a half type
     on a CPU without a GEMM for it: torch's loops there take 8-85x float32's time for these)."""
-    device = hidden_states.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden_states.dtype
-    if not computes_in_float32(dtype, hidden_states.device):
+    if not computes_in_float32(product_dtype(hidden_states), hidden_states.device):
         return self._original_class.forward(self, hidden_states, *args, **kwargs)
     with float32_products():
         return self._original_class.forward(self, hidden_states, *args, **kwargs)

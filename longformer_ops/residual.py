@@ -58,7 +58,7 @@ def linear_dropout_add(x: torch.Tensor, linear: nn.Linear, drop: nn.Module, resi
     torch's ops as the modules would run them. Under ``torch.autocast`` the GEMM runs in autocast's
     dtype; a residual of another dtype (autocast's float32 stream) or shape (broadcast) takes torch's ops."""
     autocast = torch.is_autocast_enabled(x.device.type)
-    dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    dtype = dense.product_dtype(x)
     if not (dense.plain_linear(linear) and _plain_dropout(drop) and residual.dtype == dtype
             and residual.shape == (*x.shape[:-1], linear.out_features)  # (torch's add would broadcast)
             and kernels.bias_dropout_add_available(x.device, dtype)):
