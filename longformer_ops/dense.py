@@ -174,9 +174,12 @@ class _Float32Linear(torch.autograd.Function):
 FEW_ROWS = 8
 
 
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _few_rows_without_grad(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others))
-    return not needs_grad and x.numel() <= FEW_ROWS * x.shape[-1]
+    return not _needs_grad(x, *others) and x.numel() <= FEW_ROWS * x.shape[-1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -287,8 +290,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # product (LED's cross-attention at n = 4096 on an AVX2 Zen 3: 1.0-1.8 ms against 0.3); the few-row
 # kernels read each element once in its own dtype and widen it in a register (bench/NOTES.md).
 def _few_row_kernels_serve(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
-    needs_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-    return (not needs_grad and a.shape[-2] <= FEW_ROWS and a.dtype == b.dtype == dtype
+    return (not _needs_grad(a, b) and a.shape[-2] <= FEW_ROWS and a.dtype == b.dtype == dtype
             and kernels.few_row_products_available(a.device, dtype))
 
 
