@@ -281,7 +281,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             or a.shape[:-2] != b.shape[:-2]):
         return torch.matmul(a, b)
     if _few_row_kernels_serve(a, b, dtype):
-        return _few_row_product(a, b)
+        return _few_row_product(a.to(dtype), b.to(dtype))  # (autocast's cast, as einsum's; .to keeps a transpose)
     batch = _BATCH_INDICES[:a.dim() - 2]
     return einsum(f"{batch}ij,{batch}jk->{batch}ik", a, b)
 
@@ -290,7 +290,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # product (LED's cross-attention at n = 4096 on an AVX2 Zen 3: 1.0-1.8 ms against 0.3); the few-row
 # kernels read each element once in its own dtype and widen it in a register (bench/NOTES.md).
 def _few_row_kernels_serve(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
-    return (not _needs_grad(a, b) and a.shape[-2] <= FEW_ROWS and a.dtype == b.dtype == dtype
+    return (not _needs_grad(a, b) and a.shape[-2] <= FEW_ROWS
             and kernels.few_row_products_available(a.device, dtype))
 
 

@@ -226,6 +226,18 @@ def test_few_row_products_without_grad_run_in_the_few_row_kernels(float32_produc
     _assert_one_rounding(out, exact, magnitude, shape_a[-1], dtype, case, seed)
 
 
+def test_few_row_products_under_autocast_run_in_the_few_row_kernels(float32_products):
+    """Under CPU autocast to bfloat16, float32 operands are cast to it (as autocast casts them) and
+    multiplied in the few-row kernel: a bfloat16 result, rounded once from the cast operands."""
+    generator = torch.Generator().manual_seed(14)
+    query, keys = _random(generator, 12, 1, 64, dtype=torch.float32), _random(generator, 12, 300, 64, dtype=torch.float32)
+    with _OpCalls() as calls, torch.autocast("cpu", torch.bfloat16), dense.float32_products():
+        out = torch.bmm(query, keys.transpose(1, 2))
+    assert [name for name in calls.names if name.startswith("longformer_ops::")] == ["longformer_ops::few_rows_mm_nt"]
+    q64, k64 = query.bfloat16().double(), keys.bfloat16().double().transpose(1, 2)
+    _assert_one_rounding(out, q64 @ k64, q64.abs() @ k64.abs(), 64, torch.bfloat16, "autocast", 14)
+
+
 def test_few_row_kernels_leave_more_rows_gradients_and_float32_alone(float32_products):
     """More than ``FEW_ROWS`` rows, a gradient to compute, or float32 operands: no few-row kernel."""
     torch.manual_seed(12)
