@@ -6,7 +6,8 @@ the few-row kernels against the float32 path they replaced and against float32 i
 ``products``: one query row against each layer's own cache of ``keys`` keys and values (12 heads x
 64; distinct caches, so that they come from memory as in a generation), Q.K^T and P.V per layer,
 milliseconds per step: the few-row kernels (``dense.matmul``), the float32 path (the cache widened
-for torch's float32 ``bmm``, as before the kernels) and torch's float32 ``bmm`` on float32 caches.
+for torch's float32 ``bmm``, as before the kernels), torch's float32 ``bmm`` on float32 caches, and
+float32 caches under autocast to the half type both ways.
 ``--led-rounds N``: also N rounds of transformers' LED generating 64 tokens (``bench.hf_model``'s
 model and generation, patched) in float32 and in the half type with and without the few-row kernels,
 seconds per call. Prints a markdown table (medians; LED per round)."""
@@ -49,8 +50,15 @@ def products(dtype: torch.dtype, keys: int, layers: int, rounds: int) -> dict[st
         with _without_kernels():
             step(query, probs, caches)
 
+    def under_autocast(kernels: bool):
+        """A float32 model generating under autocast to ``dtype``: float32 caches."""
+        with torch.autocast("cpu", dtype), (contextlib.nullcontext() if kernels else _without_kernels()):
+            step(query.float(), probs.float(), wide)
+
     ways = {"few-row kernels": lambda: step(query, probs, caches), "float32 path": float32_path,
-            "float32 bmm, float32 caches": lambda: step(query.float(), probs.float(), wide)}
+            "float32 bmm, float32 caches": lambda: step(query.float(), probs.float(), wide),
+            "autocast, float32 caches: few-row kernels": lambda: under_autocast(True),
+            "autocast, float32 caches: float32 path": lambda: under_autocast(False)}
     samples = {name: [] for name in ways}
     for round_index in range(rounds + 1):
         names = list(ways) if round_index % 2 else list(reversed(ways))

@@ -444,11 +444,13 @@ def test_libraries_bench_names_a_bad_library(spec, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_few_rows_bench_times_its_three_ways(capsys):
-    """bench.few_rows prints one step's products timed three ways, each a positive time."""
+def test_few_rows_bench_times_its_five_ways(capsys):
+    """bench.few_rows prints one step's products timed five ways, each a positive time."""
     from bench import few_rows
 
     assert few_rows.main(["--keys", "300", "--layers", "2", "--rounds", "1"]) == 0
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "way" not in line]
-    assert [cells[1].strip() for cells in rows] == ["few-row kernels", "float32 path", "float32 bmm, float32 caches"]
+    assert [cells[1].strip() for cells in rows] == ["few-row kernels", "float32 path", "float32 bmm, float32 caches",
+                                                    "autocast, float32 caches: few-row kernels",
+                                                    "autocast, float32 caches: float32 path"]
     assert all(float(cells[2]) > 0 for cells in rows)
