@@ -50,13 +50,16 @@ def products(dtype: torch.dtype, keys: int, layers: int, rounds: int) -> dict[st
         with _without_kernels():
             step(query, probs, caches)
 
+    def float32_step():
+        step(query.float(), probs.float(), wide)
+
     def under_autocast(kernels: bool):
         """A float32 model generating under autocast to ``dtype``: float32 caches."""
         with torch.autocast("cpu", dtype), (contextlib.nullcontext() if kernels else _without_kernels()):
-            step(query.float(), probs.float(), wide)
+            float32_step()
 
     ways = {"few-row kernels": lambda: step(query, probs, caches), "float32 path": float32_path,
-            "float32 bmm, float32 caches": lambda: step(query.float(), probs.float(), wide),
+            "float32 bmm, float32 caches": float32_step,
             "autocast, float32 caches: few-row kernels": lambda: under_autocast(True),
             "autocast, float32 caches: float32 path": lambda: under_autocast(False)}
     samples = {name: [] for name in ways}
