@@ -454,3 +454,24 @@ def test_few_rows_bench_times_its_five_ways(capsys):
                                                     "autocast, float32 caches: few-row kernels",
                                                     "autocast, float32 caches: float32 path"]
     assert all(float(cells[2]) > 0 for cells in rows)
+
+
+def test_elementwise_bench_times_every_kernel_in_three_dtypes(capsys):
+    """bench.elementwise prints each elementwise kernel's time in float32, bfloat16 and float16, the
+    half types with a positive ratio to float32; an odd hidden size is refused by name."""
+    from bench import elementwise
+
+    assert elementwise.main(["--rows", "40", "--hidden", "48", "--ffn", "70", "--globals", "2", "--rounds", "1"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "kernel" not in line]
+    assert [cells[0].strip() for cells in rows] == [
+        "bias_gelu", "bias_gelu_backward", "dropout (ffn wide)", "dropout_column_sums", "bias_dropout_add",
+        "layer_norm", "layer_norm_backward", "global_merge", "global_merge_backward"]
+    for cells in rows:
+        assert float(cells[1]) > 0
+        for cell in cells[2:]:
+            milliseconds, ratio = re.fullmatch(r"\s*([0-9.]+) \(([0-9.]+)\)\s*", cell).groups()
+            assert float(milliseconds) > 0 and float(ratio) > 0
+    with pytest.raises(SystemExit):
+        elementwise.main(["--hidden", "50"])
+    assert "--hidden must be a multiple of 12" in capsys.readouterr().err

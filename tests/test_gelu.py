@@ -16,9 +16,11 @@ from longformer_ops.gelu import bias_gelu, linear_gelu
 
 ops = torch.ops.longformer_ops
 
-# Odd widths (vector tails), widths under one vector, a 1-D tensor, the base FFN's width; values
-# spread to +-8 so that erf's clamp at |x / sqrt 2| = 4 and both tails are crossed.
-SHAPES = [(1,), (7,), (3, 5), (2, 37, 19), (4, 16), (2, 3, 65), (5, 3072)]
+# Odd widths (vector tails), widths under one vector, a 1-D tensor, the base FFN's width, and 157
+# (AVX2's half-type forward, in two passes over runs of 8 vectors: two runs, three vectors after
+# them, a tail of five); values spread to +-8 so that erf's clamp at |x / sqrt 2| = 4 and both
+# tails are crossed.
+SHAPES = [(1,), (7,), (3, 5), (2, 37, 19), (4, 16), (2, 3, 65), (3, 157), (5, 3072)]
 
 
 def _inputs(dtype, shape, *parts):

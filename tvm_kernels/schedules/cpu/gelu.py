@@ -10,6 +10,11 @@ GELU's derivative from the same pre-activation in one pass, summing the bias's g
 The exact GELU, ``x Phi(x) = x (1 + erf(x / sqrt 2)) / 2``, as torch's ``gelu(approximate="none")``.
 erf and exp are the vectorisable expressions of microkernels.py (float32 arithmetic for float32
 and the half types; float64 the library's).
+
+On AVX2 the half types' forward runs in two passes over each run of ``_RUN`` vectors: the GELUs into
+a float32 buffer on the stack, then their rounding. In one pass the erf's constants and the
+rounding's do not fit AVX2's 16 registers together, and LLVM shuffles and reloads them every vector
+(bfloat16 took 1.5x float32's time, float16 1.1x; in two passes 1.1x and 0.99x, bench/NOTES.md).
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import math
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _exp, _one_plus_erf, _staging, _store_rounded
-from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
+from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _exp, _one_plus_erf, _rounded, _staging,
+                                                    _store_rounded)
+from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 _SQRT_HALF = math.sqrt(0.5)
+_RUN = 8  # vectors per run of bias_gelu's two passes (the module docstring)
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 
 
@@ -45,6 +52,8 @@ def bias_gelu(dtype: str, isa: str):
     each element is read before it is written, by the same lane)."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
+    # Half types, where the ISA asks for it (tiles.py): two passes per run (the module docstring).
+    two_pass = tiles_for(isa).half_rounding_pass and dtype in ("bfloat16", "float16")
     # Buffers aligned to their element only: a contiguous tensor (a slice of rows, a bias read from
     # a checkpoint file) may start anywhere, and with TVM's default 64-byte alignment the bias's
     # vector loads, at offsets that are multiples of a vector, are emitted as aligned loads (a fault).
@@ -59,8 +68,23 @@ def bias_gelu(dtype: str, isa: str):
         bias = T.match_buffer(bias_handle, (cols,), dtype, align=element_bytes)
         out = T.match_buffer(out_handle, (rows, cols), dtype, align=element_bytes)
         for r in T.parallel(rows):
-            staged = _staging(dtype, lanes, acc_dtype)
-            for vector in range(cols // T.int64(lanes)):
+            staged = T.alloc_local((_RUN * lanes,), acc_dtype, annotations=_ON_STACK) if two_pass else _staging(
+                dtype, lanes, acc_dtype)
+            if two_pass:
+                for run in range(cols // T.int64(_RUN * lanes)):
+                    first: T.let = run * T.int64(_RUN * lanes)
+                    for vector in range(_RUN):
+                        for lane in T.vectorized(lanes):
+                            staged[vector * lanes + lane] = _gelu(
+                                T.Cast(acc_dtype, h[r, first + T.int64(vector * lanes) + lane])
+                                + T.Cast(acc_dtype, bias[first + T.int64(vector * lanes) + lane]), acc_dtype)
+                    for vector in range(_RUN):
+                        for lane in T.vectorized(lanes):
+                            out[r, first + T.int64(vector * lanes) + lane] = _rounded(dtype,
+                                                                                      staged[vector * lanes + lane])
+            # (With two passes: the vectors after the last whole run.)
+            for vector in range(cols // T.int64(_RUN * lanes) * T.int64(_RUN) if two_pass else T.int64(0),
+                                cols // T.int64(lanes)):
                 for lane in T.vectorized(lanes):
                     _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, _gelu(
                         T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
