@@ -458,7 +458,8 @@ def test_few_rows_bench_times_its_five_ways(capsys):
 
 def test_elementwise_bench_times_every_kernel_in_three_dtypes(capsys):
     """bench.elementwise prints each elementwise kernel's time in float32, bfloat16 and float16, the
-    half types with a positive ratio to float32; an odd hidden size is refused by name."""
+    half types with a positive ratio to float32; a hidden size the 12 heads do not divide is refused
+    by name."""
     from bench import elementwise
 
     assert elementwise.main(["--rows", "40", "--hidden", "48", "--ffn", "70", "--globals", "2", "--rounds", "1"]) == 0
