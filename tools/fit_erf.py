@@ -1,36 +1,41 @@
 """Fit the rational approximation of erf used by the CPU GELU kernels (tvm_kernels/schedules/cpu/microkernels.py).
 
-erf(z) = z * P(s) / Q(s), s = z^2 / 16, |z| <= 4 (beyond, erf rounds to +-1 in float32), P of degree
-7 and Q of degree 4 with Q(0) = 1. Linearised least squares (P - f Q, weighted by 1 / Q of the
-previous step), then Lawson reweighting toward the minimax of the absolute error of erf. Prints the
-coefficients (lowest degree first) and the error in float64 and in float32 Horner evaluation.
+erf(z) = z * P(s) / Q(s), s = z^2 / 16, |z| <= 4 (beyond, erf rounds to +-1 in float32), with Q(0) = 1:
+P of degree 7 and Q of degree 4 for float32 (``_ERF_P``, ``_ERF_Q``), 4 and 3 for the half types'
+forward, whose results are rounded to 8 or 11 bits (``_ERF_P_HALF``, ``_ERF_Q_HALF``). Linearised
+least squares (P - f Q, weighted by 1 / Q of the previous step), then Lawson reweighting toward the
+minimax of the absolute error of erf. Prints the coefficients (lowest degree first) and the error in
+float64 and in float32 Horner evaluation.
 
-    python tools/fit_erf.py
+    python tools/fit_erf.py                  # float32's fit
+    python tools/fit_erf.py --degrees 4 3    # the half types'
 """
+import argparse
 import math
 
 import numpy as np
 
 Z_MAX = 4.0
 P_DEGREE, Q_DEGREE = 7, 4
+HALF_DEGREES = (4, 3)
 
 
-def fit(iterations: int = 60):
+def fit(p_degree: int = P_DEGREE, q_degree: int = Q_DEGREE, iterations: int = 60):
     z = np.linspace(0, Z_MAX, 20001)[1:]
     s = (z / Z_MAX) ** 2
     erf = np.array([math.erf(v) for v in z])
     f = erf / z
-    q = np.zeros(Q_DEGREE + 1)
+    q = np.zeros(q_degree + 1)
     q[0] = 1
     lawson = np.ones_like(s)
     best = None
-    powers_p = np.vander(s, P_DEGREE + 1, increasing=True)
-    powers_q = np.vander(s, Q_DEGREE + 1, increasing=True)[:, 1:]
+    powers_p = np.vander(s, p_degree + 1, increasing=True)
+    powers_q = np.vander(s, q_degree + 1, increasing=True)[:, 1:]
     for step in range(iterations):
         weight = lawson / np.abs(powers_q @ q[1:] + 1) * z
         system = np.hstack([powers_p, -f[:, None] * powers_q])
         solution = np.linalg.lstsq(system * weight[:, None], f * weight, rcond=None)[0]
-        p, q = solution[:P_DEGREE + 1], np.concatenate([[1.0], solution[P_DEGREE + 1:]])
+        p, q = solution[:p_degree + 1], np.concatenate([[1.0], solution[p_degree + 1:]])
         denominator = powers_q @ q[1:] + 1
         if np.any(denominator <= 0):
             break
@@ -57,7 +62,10 @@ def float32_error(p, q) -> float:
 
 
 if __name__ == "__main__":
-    error, p, q = fit()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--degrees", type=int, nargs=2, default=(P_DEGREE, Q_DEGREE), metavar=("P", "Q"),
+                        help="degrees of P and Q (default: %(default)s)")
+    error, p, q = fit(*parser.parse_args().degrees)
     print(f"max |error| in float64: {error:.3g}; evaluated in float32: {float32_error(p, q):.3g}")
     print("P:", [float(c) for c in p])
     print("Q:", [float(c) for c in q])

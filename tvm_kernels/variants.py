@@ -42,6 +42,8 @@ LAYER_NORM = ("layer_norm", "layer_norm_backward")
 # (schedules/cpu/few_rows.py): a generation step's attention over its key/value cache. CPU targets
 # only; elsewhere torch's matmul.
 FEW_ROW_PRODUCTS = ("few_rows_mm", "few_rows_mm_nt")
+# Every CPU library builds all of them.
+CPU_OPS = OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM + FEW_ROW_PRODUCTS
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs
@@ -87,7 +89,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=1,
             cpu_flags=_V3_FLAGS,
             isa="avx2",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM + FEW_ROW_PRODUCTS,
+            ops=CPU_OPS,
         ),
         KernelTarget(
             name="cpu-avx512",
@@ -98,7 +100,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=2,
             cpu_flags=_V4_FLAGS,
             isa="avx512",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM + FEW_ROW_PRODUCTS,
+            ops=CPU_OPS,
         ),
         # bfloat16 only: what differs from cpu-avx512 is bfloat16 arithmetic (vdpbf16ps); the other
         # dtypes' libraries would be cpu-avx512's again. Chosen on AMD only: on the Zen 4 a vdpbf16ps
@@ -116,7 +118,7 @@ TARGETS: dict[str, KernelTarget] = {
             cpu_flags=_V4_FLAGS + ("avx512_bf16",),
             cpu_vendors=("AuthenticAMD",),
             isa="avx512-bf16",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM + FEW_ROW_PRODUCTS,
+            ops=CPU_OPS,
         ),
         # bfloat16 only, on CPUs with AMX (Intel since Sapphire Rapids): cpu-avx512's kernels with the
         # fused attention and the band products on AMX tiles (schedules/cpu_amx). Needs the process's
@@ -130,7 +132,7 @@ TARGETS: dict[str, KernelTarget] = {
             preference=4,
             cpu_flags=_V4_FLAGS + ("avx512_bf16", "amx_tile", "amx_bf16"),
             isa="amx",
-            ops=OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM + FEW_ROW_PRODUCTS,
+            ops=CPU_OPS,
             uses_schedules=("cpu",),
         ),
         KernelTarget(

@@ -791,6 +791,21 @@ def _store_key_row(grad_k, grad_v, total_k, total_v, row_of, b, h, n, p, run_mar
 
 
 @T.macro
+def _store_square(grad, total, square, scratch, row_of, b, h, block, vector, run_margin, scale, lanes, cols, dtype,
+                  acc_dtype, dot, is_key):
+    """One square of :func:`_store_blocked_sums`: features [vector * lanes, + lanes) of the block's
+    keys, transposed into their rows of ``grad`` (dK where ``is_key``: :func:`_key_gradient`)."""
+    for i in T.unroll(cols):
+        for lane in T.vectorized(lanes):
+            square[i, lane] = total[block, vector * T.int64(lanes) + i, lane]
+    _transpose_square(square, scratch, lanes)
+    for i in T.unroll(cols):
+        for lane in T.vectorized(lanes):
+            grad[b, row_of[block * T.int64(cols) + i - run_margin], h, vector * T.int64(lanes) + lane] = (
+                _key_gradient(dtype, acc_dtype, square[i, lane], scale, dot) if is_key else _rounded(dtype, square[i, lane]))
+
+
+@T.macro
 def _store_blocked_sums(grad_k, grad_v, total_k, total_v, square, scratch, row_of, b, h, n, own_begin, own_end, run_margin,
                         head_dim, scale, lanes, cols, per_line, dtype, acc_dtype, dot):
     """:func:`_store_key_row` for packed rows [own_begin, own_end) from sums in blocks of ``cols`` keys
@@ -810,22 +825,10 @@ def _store_blocked_sums(grad_k, grad_v, total_k, total_v, square, scratch, row_o
             _prefetch_row(grad_v, b, row_of[T.min((block + T.int64(1)) * T.int64(cols) + key - run_margin, n - T.int64(1))],
                           h, head_dim, per_line, 1)
         for vector in range(head_dim // T.int64(lanes)):
-            for i in T.unroll(cols):
-                for lane in T.vectorized(lanes):
-                    square[i, lane] = total_k[block, vector * T.int64(lanes) + i, lane]
-            _transpose_square(square, scratch, lanes)
-            for i in T.unroll(cols):
-                for lane in T.vectorized(lanes):
-                    grad_k[b, row_of[block * T.int64(cols) + i - run_margin], h, vector * T.int64(lanes) + lane] = _key_gradient(
-                        dtype, acc_dtype, square[i, lane], scale, dot)
-            for i in T.unroll(cols):
-                for lane in T.vectorized(lanes):
-                    square[i, lane] = total_v[block, vector * T.int64(lanes) + i, lane]
-            _transpose_square(square, scratch, lanes)
-            for i in T.unroll(cols):
-                for lane in T.vectorized(lanes):
-                    grad_v[b, row_of[block * T.int64(cols) + i - run_margin], h, vector * T.int64(lanes) + lane] = _rounded(
-                        dtype, square[i, lane])
+            _store_square(grad_k, total_k, square, scratch, row_of, b, h, block, vector, run_margin, scale, lanes, cols,
+                          dtype, acc_dtype, dot, True)
+            _store_square(grad_v, total_v, square, scratch, row_of, b, h, block, vector, run_margin, scale, lanes, cols,
+                          dtype, acc_dtype, dot, False)
     for p in range(T.max(block_end * T.int64(cols) - run_margin, head_end), own_end):
         _store_key_row(grad_k, grad_v, total_k, total_v, row_of, b, h, n, p, run_margin, head_dim, scale, lanes, cols,
                        per_line, dtype, acc_dtype, dot, True)

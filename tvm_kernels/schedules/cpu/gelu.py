@@ -9,12 +9,20 @@ GELU's derivative from the same pre-activation in one pass, summing the bias's g
 
 The exact GELU, ``x Phi(x) = x (1 + erf(x / sqrt 2)) / 2``, as torch's ``gelu(approximate="none")``.
 erf and exp are the vectorisable expressions of microkernels.py (float32 arithmetic for float32
-and the half types; float64 the library's).
+and the half types; float64 the library's). Where the results are rounded to a half type (8 or 11
+bits) the arithmetic is cheaper, within 2.4e-6 of the exact values, against those types' units of
+3.9e-3 and 4.9e-4: the forward's erf a rational fit of lower degree (microkernels.py), the
+backward's Phi from the exp that phi needs anyway (Abramowitz and Stegun 7.1.26:
+``erfc(z) = tau P(tau) exp(-z^2)``, ``tau = 1 / (1 + p z)``, within 1.5e-7, z = |x| / sqrt 2) with
+exp's cheaper polynomial. The half types' kernels are FMA-bound on AVX2, where their rounding adds
+to float32's work; this keeps them under float32's time (bench/NOTES.md: forward bfloat16 0.89-0.96,
+float16 0.70-0.80; backward 0.95 and 0.78-0.81 on the Zen 3, where they were 1.07-1.31 and 0.93-1.15).
 
-On AVX2 the half types' forward runs in two passes over each run of ``_RUN`` vectors: the GELUs into
-a float32 buffer on the stack, then their rounding. In one pass the erf's constants and the
-rounding's do not fit AVX2's 16 registers together, and LLVM shuffles and reloads them every vector
-(bfloat16 took 1.5x float32's time, float16 1.1x; in two passes 1.1x and 0.99x, bench/NOTES.md).
+On AVX2 bfloat16's forward runs in two passes over each run of ``_RUN`` vectors: the GELUs into a
+float32 buffer on the stack, then their rounding. In one pass the erf's constants and the rounding's
+do not fit AVX2's 16 registers together, and LLVM shuffles and reloads them every vector (1.1x the
+two passes' time; float16, whose rounding is one instruction, is faster in one pass: 0.73 against 0.80
+of float32's time).
 """
 
 from __future__ import annotations
@@ -31,19 +39,31 @@ from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 _SQRT_HALF = math.sqrt(0.5)
 _RUN = 8  # vectors per run of bias_gelu's two passes (the module docstring)
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
+# Abramowitz and Stegun 7.1.26 (Hastings): erfc(z) = tau (a1 + tau (a2 + ... + tau a5)) exp(-z^2) for
+# z >= 0, tau = 1 / (1 + p z), within 1.5e-7 absolutely; the half types' GELU derivative (module docstring).
+_ERFC_P = 0.3275911
+_ERFC_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 
 
-def _gelu(x, acc_dtype):
-    """The expression gelu(x)."""
-    return T.Cast(acc_dtype, 0.5) * x * _one_plus_erf(x * T.Cast(acc_dtype, _SQRT_HALF), acc_dtype)
+def _gelu(x, acc_dtype, half_results):
+    """The expression gelu(x); ``half_results``: rounded to a half type (the cheaper erf)."""
+    return T.Cast(acc_dtype, 0.5) * x * _one_plus_erf(x * T.Cast(acc_dtype, _SQRT_HALF), acc_dtype, half_results)
 
 
-def _gelu_derivative(x, acc_dtype):
-    """The expression gelu'(x) = Phi(x) + x phi(x)."""
-    half = T.Cast(acc_dtype, 0.5)
-    phi = T.Cast(acc_dtype, _INV_SQRT_2PI) * _exp(-(half * x * x), acc_dtype)
-    return half * _one_plus_erf(x * T.Cast(acc_dtype, _SQRT_HALF), acc_dtype) + x * phi
-
+def _gelu_derivative(x, acc_dtype, half_results):
+    """The expression gelu'(x) = Phi(x) + x phi(x); ``half_results``: rounded to a half type, Phi
+    from phi's exp (the module docstring)."""
+    one_half = T.Cast(acc_dtype, 0.5)
+    if not half_results:
+        phi = T.Cast(acc_dtype, _INV_SQRT_2PI) * _exp(-(one_half * x * x), acc_dtype)
+        return one_half * _one_plus_erf(x * T.Cast(acc_dtype, _SQRT_HALF), acc_dtype) + x * phi
+    gauss = _exp(-(one_half * x * x), acc_dtype, True)  # exp(-z^2), z = x / sqrt 2
+    tau = T.float32(1) / (T.float32(1) + T.float32(_ERFC_P * _SQRT_HALF) * T.fabs(x))
+    poly = T.float32(_ERFC_A[-1] / 2)
+    for c in reversed(_ERFC_A[:-1]):
+        poly = poly * tau + T.float32(c / 2)
+    tail = tau * poly * gauss  # erfc(|z|) / 2 = Phi(-|x|)
+    return T.Select(x < T.float32(0), tail, T.float32(1) - tail) + x * T.float32(_INV_SQRT_2PI) * gauss
 
 
 def bias_gelu(dtype: str, isa: str):
@@ -52,8 +72,9 @@ def bias_gelu(dtype: str, isa: str):
     each element is read before it is written, by the same lane)."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
-    # Half types, where the ISA asks for it (tiles.py): two passes per run (the module docstring).
-    two_pass = tiles_for(isa).half_rounding_pass and dtype in ("bfloat16", "float16")
+    half = dtype in ("bfloat16", "float16")  # rounded to a half type: the cheaper arithmetic
+    # bfloat16, where the ISA asks for it (tiles.py): two passes per run (the module docstring).
+    two_pass = tiles_for(isa).half_rounding_pass and dtype == "bfloat16"
     # Buffers aligned to their element only: a contiguous tensor (a slice of rows, a bias read from
     # a checkpoint file) may start anywhere, and with TVM's default 64-byte alignment the bias's
     # vector loads, at offsets that are multiples of a vector, are emitted as aligned loads (a fault).
@@ -77,7 +98,7 @@ def bias_gelu(dtype: str, isa: str):
                         for lane in T.vectorized(lanes):
                             staged[vector * lanes + lane] = _gelu(
                                 T.Cast(acc_dtype, h[r, first + T.int64(vector * lanes) + lane])
-                                + T.Cast(acc_dtype, bias[first + T.int64(vector * lanes) + lane]), acc_dtype)
+                                + T.Cast(acc_dtype, bias[first + T.int64(vector * lanes) + lane]), acc_dtype, half)
                     for vector in range(_RUN):
                         for lane in T.vectorized(lanes):
                             out[r, first + T.int64(vector * lanes) + lane] = _rounded(dtype,
@@ -88,9 +109,9 @@ def bias_gelu(dtype: str, isa: str):
                 for lane in T.vectorized(lanes):
                     _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, _gelu(
                         T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
-                        acc_dtype), staged, lane)
+                        acc_dtype, half), staged, lane)
             for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                _store_rounded(dtype, out, r, c, _gelu(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype), staged, 0)
+                _store_rounded(dtype, out, r, c, _gelu(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype, half), staged, 0)
 
     return main
 
@@ -103,6 +124,7 @@ def bias_gelu_backward(dtype: str, isa: str):
     sums ``[chunks, cols]`` (accumulation dtype)."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
+    half = dtype in ("bfloat16", "float16")  # rounded to a half type: the cheaper arithmetic
     element_bytes = _BITS[dtype] // 8  # see bias_gelu
 
     @T.prim_func
@@ -127,12 +149,12 @@ def bias_gelu_backward(dtype: str, isa: str):
                     for lane in T.vectorized(lanes):
                         _store_rounded(dtype, grad_h, r, vector * T.int64(lanes) + lane, T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * _gelu_derivative(
                             T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
-                            acc_dtype), staged, lane)
+                            acc_dtype, half), staged, lane)
                         sums[chunk, vector * T.int64(lanes) + lane] = (sums[chunk, vector * T.int64(lanes) + lane]
                                                                        + T.Cast(acc_dtype, grad_h[r, vector * T.int64(lanes) + lane]))
                 for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
                     _store_rounded(dtype, grad_h, r, c, T.Cast(acc_dtype, grad[r, c])
-                                   * _gelu_derivative(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype), staged, 0)
+                                   * _gelu_derivative(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype, half), staged, 0)
                     sums[chunk, c] = sums[chunk, c] + T.Cast(acc_dtype, grad_h[r, c])
 
     return main

@@ -361,25 +361,31 @@ def _exp(x, acc_dtype, half_results: bool = False):
 # that is clamped at 0: at z = -4 the float32 evaluation lands an ulp below -1, and 1 + erf(z) was
 # -1.2e-7 where it must be 0 (GELU(-20) was +1.2e-6 and GELU(-1e6) +0.06, growing with |x|). The
 # clamp after the fused 1 + z P / Q costs one vmaxps (clamping erf itself at -1 took three
-# operations, the fused multiply-add split: bfloat16 bias-GELU ~10% slower).
+# operations, the fused multiply-add split: bfloat16 bias-GELU ~10% slower). Where the GELU is
+# rounded to a half type (8 or 11 bits) a fit of degrees 4 and 3 (``tools/fit_erf.py --degrees 4 3``):
+# 3.7e-6 evaluated in float32 (1/1000 of bfloat16's unit roundoff, 1/130 of float16's), three of the
+# erf's FMAs fewer (bench/NOTES.md: the half types' forward 0.8-0.96 of float32's time on AVX2).
 _ERF_Z_MAX = 4.0
 _ERF_P = (1.128379075110033, 2.3689332468719773, 11.529766079130393, 7.550756739158106, 9.005213846679423,
           -3.678338374302783, 1.251627841146014, -0.20006841108392498)
 _ERF_Q = (1.0, 7.432727638433365, 24.26036545712762, 43.2919858710228, 39.84000414470118)
+_ERF_P_HALF = (1.1284049785270638, 2.589223206823955, 12.239847139118256, 4.591763869953932, -0.32482795756876776)
+_ERF_Q_HALF = (1.0, 7.6312851626173615, 25.81129398160848, 46.454788048258564)
 
 
-def _one_plus_erf(z, acc_dtype):
+def _one_plus_erf(z, acc_dtype, half_results: bool = False):
     """The expression 1 + erf(z), never below 0 (a plain Python helper building the expression);
     float64: the library's erf (no speed goal there, and gradcheck's finite differences need its
-    accuracy)."""
+    accuracy); ``half_results``: the caller rounds the result to a half type (the cheaper fit)."""
     if acc_dtype == "float64":
         return T.float64(1) + T.erf(z)
     z = _at_most(_at_least(z, T.float32(-_ERF_Z_MAX)), T.float32(_ERF_Z_MAX))
     s = z * z * T.float32(1 / _ERF_Z_MAX**2)
-    numerator = T.float32(_ERF_P[-1])
-    for c in reversed(_ERF_P[:-1]):
+    p, q = (_ERF_P_HALF, _ERF_Q_HALF) if half_results else (_ERF_P, _ERF_Q)
+    numerator = T.float32(p[-1])
+    for c in reversed(p[:-1]):
         numerator = numerator * s + T.float32(c)
-    denominator = T.float32(_ERF_Q[-1])
-    for c in reversed(_ERF_Q[:-1]):
+    denominator = T.float32(q[-1])
+    for c in reversed(q[:-1]):
         denominator = denominator * s + T.float32(c)
     return _at_least(T.float32(1) + z * (numerator / denominator), T.float32(0))

@@ -36,7 +36,7 @@ class Tiles:
     # bfloat16 band products (Q.K^T, probs.V, transposed) and fused attention through the CPU's
     # bfloat16 dot product (bf16_dot.py) instead of FMAs.
     bf16_dot: bool = False
-    # Half types' GELU forward in two passes per run of vectors, computed then rounded, where the
+    # bfloat16's GELU forward in two passes per run of vectors, computed then rounded, where the
     # register file cannot hold the GELU's constants and the rounding's at once (schedules/cpu/gelu.py).
     half_rounding_pass: bool = False
 
