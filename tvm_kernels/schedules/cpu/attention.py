@@ -802,7 +802,8 @@ def _store_square(grad, total, square, scratch, row_of, b, h, block, vector, run
     for i in T.unroll(cols):
         for lane in T.vectorized(lanes):
             grad[b, row_of[block * T.int64(cols) + i - run_margin], h, vector * T.int64(lanes) + lane] = (
-                _key_gradient(dtype, acc_dtype, square[i, lane], scale, dot) if is_key else _rounded(dtype, square[i, lane]))
+                _key_gradient(dtype, acc_dtype, square[i, lane], scale, dot) if is_key
+                else _rounded(dtype, square[i, lane]))
 
 
 @T.macro

@@ -14,13 +14,15 @@ bits) the arithmetic is cheaper, within 2.4e-6 of the exact values, against thos
 3.9e-3 and 4.9e-4: the forward's erf a rational fit of lower degree (microkernels.py), the
 backward's Phi from the exp that phi needs anyway (Abramowitz and Stegun 7.1.26:
 ``erfc(z) = tau P(tau) exp(-z^2)``, ``tau = 1 / (1 + p z)``, within 1.5e-7, z = |x| / sqrt 2) with
-exp's cheaper polynomial. The half types' kernels are FMA-bound on AVX2, where their rounding adds
-to float32's work; this keeps them under float32's time (bench/NOTES.md: forward bfloat16 0.89-0.96,
-float16 0.70-0.80; backward 0.95 and 0.78-0.81 on the Zen 3, where they were 1.07-1.31 and 0.93-1.15).
+exp's cheaper polynomial. The half types' kernels are bound by the floating-point pipes on AVX2,
+where their widening and rounding add to float32's work; on the Zen 3 this took their share of
+float32's time from 1.17-1.38 (bfloat16) and 1.02-1.14 (float16) to 0.96-1.12 and 0.73-0.80 forward,
+from 1.31-1.34 and 1.15-1.16 to 0.95-1.03 and 0.78-0.83 backward (the ranges span the VM's slower
+and faster states: bench/NOTES.md, "The half types' GELU in less arithmetic").
 
 On AVX2 bfloat16's forward runs in two passes over each run of ``_RUN`` vectors: the GELUs into a
 float32 buffer on the stack, then their rounding. In one pass the erf's constants and the rounding's
-do not fit AVX2's 16 registers together, and LLVM shuffles and reloads them every vector (1.1x the
+do not fit AVX2's 16 registers together, and LLVM shuffles and reloads them every vector (1.15x the
 two passes' time; float16, whose rounding is one instruction, is faster in one pass: 0.73 against 0.80
 of float32's time).
 """
