@@ -47,7 +47,7 @@ def _approximation(dtype) -> float:
     """The kernels' approximation error per unit of |x| (forward) or |g| (backward): 8 units of the
     arithmetic's roundoff (float32's erf is a rational fit within 3.8e-7 = 6.3 units of float32's,
     halved by GELU's 1/2); the half types' cheaper erf and exp (tvm_kernels/schedules/cpu/gelu.py:
-    the forward's fit within 3.7e-6, halved, the backward's Phi within 2.1e-6) add 1.85e-6."""
+    the forward's fit within 3.7e-6, halved, the backward's derivative within 2.1e-6) add 1.85e-6."""
     return 8 * _slack(dtype) + (1.85e-6 if dtype in (torch.bfloat16, torch.float16) else 0)
 
 

@@ -47,6 +47,11 @@ _ERFC_P = 0.3275911
 _ERFC_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 
 
+def _half_results(dtype: str) -> bool:
+    """Whether ``dtype``'s results are rounded to a half type: the cheaper arithmetic (module docstring)."""
+    return dtype in ("bfloat16", "float16")
+
+
 def _gelu(x, acc_dtype, half_results):
     """The expression gelu(x); ``half_results``: rounded to a half type (the cheaper erf)."""
     return T.Cast(acc_dtype, 0.5) * x * _one_plus_erf(x * T.Cast(acc_dtype, _SQRT_HALF), acc_dtype, half_results)
@@ -74,9 +79,9 @@ def bias_gelu(dtype: str, isa: str):
     each element is read before it is written, by the same lane)."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
-    half = dtype in ("bfloat16", "float16")  # rounded to a half type: the cheaper arithmetic
+    half = _half_results(dtype)
     # bfloat16, where the ISA asks for it (tiles.py): two passes per run (the module docstring).
-    two_pass = tiles_for(isa).half_rounding_pass and dtype == "bfloat16"
+    two_pass = tiles_for(isa).bfloat16_rounding_pass and dtype == "bfloat16"
     # Buffers aligned to their element only: a contiguous tensor (a slice of rows, a bias read from
     # a checkpoint file) may start anywhere, and with TVM's default 64-byte alignment the bias's
     # vector loads, at offsets that are multiples of a vector, are emitted as aligned loads (a fault).
@@ -126,7 +131,7 @@ def bias_gelu_backward(dtype: str, isa: str):
     sums ``[chunks, cols]`` (accumulation dtype)."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
-    half = dtype in ("bfloat16", "float16")  # rounded to a half type: the cheaper arithmetic
+    half = _half_results(dtype)
     element_bytes = _BITS[dtype] // 8  # see bias_gelu
 
     @T.prim_func

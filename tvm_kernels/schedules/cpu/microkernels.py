@@ -364,7 +364,7 @@ def _exp(x, acc_dtype, half_results: bool = False):
 # operations, the fused multiply-add split: bfloat16 bias-GELU ~10% slower). Where the GELU is
 # rounded to a half type (8 or 11 bits) a fit of degrees 4 and 3 (``tools/fit_erf.py --degrees 4 3``):
 # 3.7e-6 evaluated in float32 (1/1000 of bfloat16's unit roundoff, 1/130 of float16's), three of the
-# erf's FMAs fewer (bench/NOTES.md: the half types' forward 0.8-0.96 of float32's time on AVX2).
+# erf's FMAs fewer (gelu.py's docstring has what it gained).
 _ERF_Z_MAX = 4.0
 _ERF_P = (1.128379075110033, 2.3689332468719773, 11.529766079130393, 7.550756739158106, 9.005213846679423,
           -3.678338374302783, 1.251627841146014, -0.20006841108392498)
