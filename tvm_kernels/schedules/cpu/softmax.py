@@ -36,8 +36,9 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
     left (every score -inf) gets 0 and lse -inf, not NaN. Per row: a max pass (adding the bias and
     storing the biased scores, exact for 0 and -inf), a pass storing exp(score - max) and summing
     it, and a pass scaling by 1 / sum. Half types keep the exponentials in a row of the accumulation
-    dtype instead of the band, so that they round once (recomputing them in the last pass instead
-    took bfloat16 to 1.5x and float16 to 1.3x float32's time on AVX2; a row stays in L1 either way).
+    dtype instead of the band, so that they round once with one exp per score, as float32 (they used
+    to recompute them in the last pass: bench/NOTES.md, "The band softmax in the half types"; a row
+    stays in L1 either way).
     """
     acc_dtype = accumulation_dtype(dtype)
     lanes = tiles_for(isa).vector_bits // (64 if acc_dtype == "float64" else 32)
