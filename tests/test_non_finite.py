@@ -172,12 +172,33 @@ def test_gelu_far_tails(cpu_library, dtype):
     assert (got[x < 0] <= 0).all(), f"{dtype}: GELU positive at negative x: {got.tolist()}"
 
 
+# NaN bit patterns as 16-bit integers: quiet and signalling, both signs, every mantissa bit set
+# (0x7fff, 0xffff: a rounding that adds 0x7fff to a NaN with low bits set carries into the sign);
+# for the wider dtypes the NaN they convert to.
+NAN_BITS = [0x7FC0, 0x7FFF, -1, 0x7F81, -127, -64]
+# Where they go in a row of 190 (test_gelu.SHAPES): AVX2's bfloat16 pairs (even and odd positions, a
+# run and the vectors after the runs), the vector of 8 after the pairs, the tail of six.
+NAN_COLUMNS = [0, 5, 70, 131, 177, 188]
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 def test_gelu_carries_nan(cpu_library, dtype):
-    x = torch.tensor([1.0, float("nan"), -3.0], dtype=dtype)
-    bias = torch.zeros(3, dtype=dtype)
-    assert torch.equal(ops.bias_gelu(x[None], bias)[0].isnan(), x.isnan())
-    assert torch.equal(ops.bias_gelu_backward(torch.ones_like(x)[None], x[None], bias)[0][0].isnan(), x.isnan())
+    """A NaN of h reaches its GELU, its gradient and its column's bias gradient, whatever its bits,
+    on every path of the kernels; nothing else turns NaN."""
+    generator = torch.Generator().manual_seed(stable_seed(str(dtype), "gelu-nan"))
+    h = (4 * torch.randn(3, 190, generator=generator, dtype=torch.float64)).to(dtype)
+    grad = torch.randn(3, 190, generator=generator, dtype=torch.float64).to(dtype)
+    bias = torch.randn(190, generator=generator, dtype=torch.float64).to(dtype)
+    for bits, column in zip(NAN_BITS, NAN_COLUMNS, strict=True):
+        if dtype == torch.bfloat16:
+            h.view(torch.int16)[1, column] = bits
+        else:
+            h[1, column] = torch.tensor(bits, dtype=torch.int16).view(torch.bfloat16).item()
+    assert h.isnan().sum() == len(NAN_COLUMNS)
+    assert torch.equal(ops.bias_gelu(h, bias).isnan(), h.isnan())
+    grad_h, bias_grad = ops.bias_gelu_backward(grad, h, bias)
+    assert torch.equal(grad_h.isnan(), h.isnan())
+    assert torch.equal(bias_grad.isnan(), h.isnan().any(0))
 
 
 @pytest.mark.parametrize("globals_", [[], [(0, 3)]], ids=["local", "a-global-token"])

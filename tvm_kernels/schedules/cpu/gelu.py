@@ -20,11 +20,16 @@ float32's time from 1.17-1.38 (bfloat16) and 1.02-1.14 (float16) to 0.96-1.12 an
 from 1.31-1.34 and 1.15-1.16 to 0.95-1.03 and 0.78-0.83 backward (the ranges span the VM's slower
 and faster states: bench/NOTES.md, "The half types' GELU in less arithmetic").
 
-On AVX2 bfloat16's forward runs in two passes over each run of ``_RUN`` vectors: the GELUs into a
-float32 buffer on the stack, then their rounding. In one pass the erf's constants and the rounding's
-do not fit AVX2's 16 registers together, and LLVM shuffles and reloads them every vector (1.15x the
-two passes' time; float16, whose rounding is one instruction, is faster in one pass: 0.73 against 0.80
-of float32's time).
+On AVX2 bfloat16 takes its values as 32-bit pairs: a pair widens to two float32 values with one
+shift (the even, low half) and one mask (the odd, high half), and two rounded results pack back
+into a pair with a mask and an or, where one value at a time takes a widening and a shift per
+operand and a pack that crosses the register's halves per result. The rounding is integer round to
+nearest even without the NaN guard of microkernels.py's ``_rounded`` (:func:`_rounded_nearest_even`). The forward runs
+in two passes over each run of ``_RUN`` vectors of pairs: the GELUs into a float32 buffer on the
+stack, then their rounding; in one pass the erf's constants and the rounding's do not fit AVX2's 16
+registers together, and LLVM shuffles and reloads them every vector. On the Zen 3 this took
+bfloat16 from over float32's time to under it in both directions (bench/NOTES.md, "bfloat16's
+GELU on pairs"). Rows of odd length (which start inside a pair) go one value at a time.
 """
 
 from __future__ import annotations
@@ -34,12 +39,11 @@ import math
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _exp, _one_plus_erf, _rounded, _staging,
-                                                    _store_rounded)
+from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _exp, _one_plus_erf, _staging, _store_rounded
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 _SQRT_HALF = math.sqrt(0.5)
-_RUN = 8  # vectors per run of bias_gelu's two passes (the module docstring)
+_RUN = 4  # vectors of pairs (each two float32 vectors) per run of bias_gelu's two passes (the module docstring)
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 # Abramowitz and Stegun 7.1.26 (Hastings): erfc(z) = tau (a1 + tau (a2 + ... + tau a5)) exp(-z^2) for
 # z >= 0, tau = 1 / (1 + p z), within 1.5e-7 absolutely; the half types' GELU derivative (module docstring).
@@ -73,6 +77,45 @@ def _gelu_derivative(x, acc_dtype, half_results):
     return T.Select(x < T.float32(0), tail, T.float32(1) - tail) + x * T.float32(_INV_SQRT_2PI) * gauss
 
 
+def _bfloat16_even(words):
+    """The bfloat16 values at the even positions of 32-bit pairs (the low halves), as float32."""
+    return T.reinterpret("float32", T.shift_left(words, T.uint32(16)))
+
+
+def _bfloat16_odd(words):
+    """The bfloat16 values at the odd positions of 32-bit pairs (the high halves), as float32."""
+    return T.reinterpret("float32", T.bitwise_and(words, T.uint32(0xFFFF0000)))
+
+
+def _rounded_nearest_even(bits):
+    """float32 ``bits`` rounded to bfloat16's 16 high bits (nearest, ties to even), still in the high
+    half. No NaN guard (microkernels.py's ``_rounded`` has one): a NaN whose low half carries into its
+    exponent must have low bits set, and this kernel's NaNs are its bfloat16 inputs' (low half zero,
+    payload kept by x86's arithmetic) or the default NaN 0xffc00000."""
+    return bits + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(bits, T.uint32(16)), T.uint32(1))
+
+
+def _bfloat16_pair(even, odd):
+    """float32 ``even`` and ``odd`` rounded to bfloat16 as one 32-bit pair (``even`` the low half)."""
+    return T.bitwise_or(T.bitwise_and(_rounded_nearest_even(T.reinterpret("uint32", odd)), T.uint32(0xFFFF0000)),
+                        T.shift_right(_rounded_nearest_even(T.reinterpret("uint32", even)), T.uint32(16)))
+
+
+def _pair_view(tensor, pairs: bool):
+    """A bfloat16 tensor's bit patterns as 32-bit pairs of values (its last axis halved); ``()``
+    without ``pairs``. Meaningful where that axis is even: :func:`_paired_vectors`."""
+    if not pairs:
+        return ()
+    return T.decl_buffer(tuple(tensor.shape[:-1]) + (tensor.shape[-1] // T.int64(2),), "uint32", data=tensor.data,
+                         align=2)
+
+
+def _paired_vectors(cols, lanes: int):
+    """Vectors of pairs a row of ``cols`` values holds whole (``T.let``): none where ``cols`` is odd
+    (its rows would start inside a pair); the columns after them go one value at a time."""
+    return T.if_then_else(cols % T.int64(2) == T.int64(0), cols // T.int64(2 * lanes), T.int64(0))
+
+
 def bias_gelu(dtype: str, isa: str):
     """``out[r, c] = gelu(h[r, c] + bias[c])``, the sum and the GELU in the accumulation dtype,
     rounded once. Arguments: h ``[rows, cols]``, bias ``[cols]``, out ``[rows, cols]`` (may be h:
@@ -80,12 +123,28 @@ def bias_gelu(dtype: str, isa: str):
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
     half = _half_results(dtype)
-    # bfloat16, where the ISA asks for it (tiles.py): two passes per run (the module docstring).
-    two_pass = tiles_for(isa).bfloat16_rounding_pass and dtype == "bfloat16"
+    # bfloat16, where the ISA asks for it (tiles.py): pairs, two passes per run (the module docstring).
+    pairs = tiles_for(isa).bfloat16_gelu_pairs and dtype == "bfloat16"
     # Buffers aligned to their element only: a contiguous tensor (a slice of rows, a bias read from
     # a checkpoint file) may start anywhere, and with TVM's default 64-byte alignment the bias's
     # vector loads, at offsets that are multiples of a vector, are emitted as aligned loads (a fault).
     element_bytes = _BITS[dtype] // 8
+
+    @T.macro
+    def gelu_pairs(h_words, bias_words, out_words, staged, r, first, vectors):
+        """``vectors`` vectors of pairs from pair ``first`` on: their GELUs (even values, then odd)
+        into ``staged``, then rounded back into pairs."""
+        for vector in range(vectors):
+            for lane in T.vectorized(lanes):
+                word: T.let = first + vector * T.int64(lanes) + lane
+                staged[2 * vector * lanes + lane] = _gelu(
+                    _bfloat16_even(h_words[r, word]) + _bfloat16_even(bias_words[word]), acc_dtype, half)
+                staged[(2 * vector + 1) * lanes + lane] = _gelu(
+                    _bfloat16_odd(h_words[r, word]) + _bfloat16_odd(bias_words[word]), acc_dtype, half)
+        for vector in range(vectors):
+            for lane in T.vectorized(lanes):
+                out_words[r, first + vector * T.int64(lanes) + lane] = _bfloat16_pair(
+                    staged[2 * vector * lanes + lane], staged[(2 * vector + 1) * lanes + lane])
 
     @T.prim_func
     def main(h_handle: T.handle, bias_handle: T.handle, out_handle: T.handle):
@@ -95,24 +154,21 @@ def bias_gelu(dtype: str, isa: str):
         h = T.match_buffer(h_handle, (rows, cols), dtype, align=element_bytes)
         bias = T.match_buffer(bias_handle, (cols,), dtype, align=element_bytes)
         out = T.match_buffer(out_handle, (rows, cols), dtype, align=element_bytes)
+        h_words = _pair_view(h, pairs)
+        bias_words = _pair_view(bias, pairs)
+        out_words = _pair_view(out, pairs)
+        if pairs:  # (a binding only then: the other libraries' code stays as it was)
+            paired: T.let = _paired_vectors(cols, lanes)
         for r in T.parallel(rows):
-            staged = T.alloc_local((_RUN * lanes,), acc_dtype, annotations=_ON_STACK) if two_pass else _staging(
+            staged = T.alloc_local((2 * _RUN * lanes,), acc_dtype, annotations=_ON_STACK) if pairs else _staging(
                 dtype, lanes, acc_dtype)
-            if two_pass:
-                for run in range(cols // T.int64(_RUN * lanes)):
-                    first: T.let = run * T.int64(_RUN * lanes)
-                    for vector in range(_RUN):
-                        for lane in T.vectorized(lanes):
-                            staged[vector * lanes + lane] = _gelu(
-                                T.Cast(acc_dtype, h[r, first + T.int64(vector * lanes) + lane])
-                                + T.Cast(acc_dtype, bias[first + T.int64(vector * lanes) + lane]), acc_dtype, half)
-                    for vector in range(_RUN):
-                        for lane in T.vectorized(lanes):
-                            out[r, first + T.int64(vector * lanes) + lane] = _rounded(dtype,
-                                                                                      staged[vector * lanes + lane])
-            # (With two passes: the vectors after the last whole run.)
-            for vector in range(cols // T.int64(_RUN * lanes) * T.int64(_RUN) if two_pass else T.int64(0),
-                                cols // T.int64(lanes)):
+            if pairs:
+                for run in range(paired // T.int64(_RUN)):
+                    gelu_pairs(h_words, bias_words, out_words, staged, r, run * T.int64(_RUN * lanes), _RUN)
+                gelu_pairs(h_words, bias_words, out_words, staged, r, paired // T.int64(_RUN) * T.int64(_RUN * lanes),
+                           paired % T.int64(_RUN))
+            # The vectors after the pairs', then the columns after the last vector.
+            for vector in range(paired * T.int64(2) if pairs else T.int64(0), cols // T.int64(lanes)):
                 for lane in T.vectorized(lanes):
                     _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, _gelu(
                         T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
@@ -132,6 +188,7 @@ def bias_gelu_backward(dtype: str, isa: str):
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
     half = _half_results(dtype)
+    pairs = tiles_for(isa).bfloat16_gelu_pairs and dtype == "bfloat16"  # see bias_gelu
     element_bytes = _BITS[dtype] // 8  # see bias_gelu
 
     @T.prim_func
@@ -146,13 +203,37 @@ def bias_gelu_backward(dtype: str, isa: str):
         bias = T.match_buffer(bias_handle, (cols,), dtype, align=element_bytes)
         grad_h = T.match_buffer(grad_h_handle, (rows, cols), dtype, align=element_bytes)
         sums = T.match_buffer(sums_handle, (chunks, cols), acc_dtype)
+        grad_words = _pair_view(grad, pairs)
+        h_words = _pair_view(h, pairs)
+        bias_words = _pair_view(bias, pairs)
+        grad_h_words = _pair_view(grad_h, pairs)
+        if pairs:  # (a binding only then: the other libraries' code stays as it was)
+            paired: T.let = _paired_vectors(cols, lanes)
         for chunk in T.parallel(chunks):
             size: T.let = (rows + chunks - T.int64(1)) // chunks
             for c in range(cols):
                 sums[chunk, c] = T.Cast(acc_dtype, 0)
             staged = _staging(dtype, lanes, acc_dtype)
+            # With pairs: a vector's even and odd values, and their rounded pairs (the sums' terms).
+            terms = T.alloc_local((2 * lanes,), acc_dtype, annotations=_ON_STACK) if pairs else ()
+            rounded = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK) if pairs else ()
             for r in range(chunk * size, T.min(rows, chunk * size + size)):
-                for vector in range(cols // T.int64(lanes)):
+                if pairs:
+                    # Pairs: the sums of a vector's 2 x lanes columns stored even columns first, odd
+                    # second (reordered after the chunk's last row).
+                    for vector in range(paired):
+                        for lane in T.vectorized(lanes):
+                            word: T.let = vector * T.int64(lanes) + lane
+                            terms[lane] = _bfloat16_even(grad_words[r, word]) * _gelu_derivative(
+                                _bfloat16_even(h_words[r, word]) + _bfloat16_even(bias_words[word]), acc_dtype, half)
+                            terms[lanes + lane] = _bfloat16_odd(grad_words[r, word]) * _gelu_derivative(
+                                _bfloat16_odd(h_words[r, word]) + _bfloat16_odd(bias_words[word]), acc_dtype, half)
+                            rounded[lane] = _bfloat16_pair(terms[lane], terms[lanes + lane])
+                            grad_h_words[r, word] = rounded[lane]
+                            even_sum: T.let = T.int64(2) * vector * T.int64(lanes) + lane
+                            sums[chunk, even_sum] += _bfloat16_even(rounded[lane])
+                            sums[chunk, even_sum + T.int64(lanes)] += _bfloat16_odd(rounded[lane])
+                for vector in range(paired * T.int64(2) if pairs else T.int64(0), cols // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
                         _store_rounded(dtype, grad_h, r, vector * T.int64(lanes) + lane, T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * _gelu_derivative(
                             T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
@@ -163,5 +244,12 @@ def bias_gelu_backward(dtype: str, isa: str):
                     _store_rounded(dtype, grad_h, r, c, T.Cast(acc_dtype, grad[r, c])
                                    * _gelu_derivative(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype, half), staged, 0)
                     sums[chunk, c] = sums[chunk, c] + T.Cast(acc_dtype, grad_h[r, c])
+            if pairs:
+                for vector in range(paired):  # the pairs' sums back in column order
+                    for lane in range(2 * lanes):
+                        terms[lane] = sums[chunk, vector * T.int64(2 * lanes) + lane]
+                    for lane in range(lanes):
+                        sums[chunk, vector * T.int64(2 * lanes) + T.int64(2 * lane)] = terms[lane]
+                        sums[chunk, vector * T.int64(2 * lanes) + T.int64(2 * lane + 1)] = terms[lanes + lane]
 
     return main
