@@ -13,8 +13,9 @@ from longformer_ops.reference import dropout_factor_reference
 
 ops = torch.ops.longformer_ops
 
-# Odd widths (vector tails), widths under one vector, a 1-D tensor, the encoder's hidden width.
-SHAPES = [(1,), (7,), (3, 5), (2, 37, 19), (4, 16), (2, 3, 65), (5, 768)]
+# Odd widths (vector tails), widths under one vector, a 1-D tensor, the encoder's hidden width, and
+# 190 (AVX2's bfloat16 on pairs: 11 vectors of 16, one vector of 8, a tail of 6; microkernels.py).
+SHAPES = [(1,), (7,), (3, 5), (2, 37, 19), (4, 16), (2, 3, 65), (3, 190), (5, 768)]
 
 
 def _factor(seed: int, shape: tuple[int, ...], p: float) -> torch.Tensor:

@@ -128,7 +128,7 @@ def test_half_types_round_to_nearest(cpu_library, dtype):
                              ("bias_gelu_backward", ops.bias_gelu_backward(grad, h, bias)[0], grad_h)):
         large = exact.abs() >= 0.5
         differ = (got.double() != exact.to(dtype).double())[large].double().mean().item()
-        assert differ <= 0.05, f"{what} {dtype}: {differ:.1%} of the results differ from the exact ones rounded to nearest"
+        assert differ <= 0.05, f"{what} {dtype}: {differ:.1%} of the results differ from the exact ones rounded"
 
 
 def test_gradcheck_float64():

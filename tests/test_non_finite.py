@@ -201,6 +201,27 @@ def test_gelu_carries_nan(cpu_library, dtype):
     assert torch.equal(bias_grad.isnan(), h.isnan().any(0))
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_dropout_kernels_carry_nan(cpu_library, dtype):
+    """A NaN of the input reaches the dropout's output whether its element is kept or dropped (NaN
+    times 0 is NaN, as in torch's dropout), the column sums of its column, and bias_dropout_add's
+    output where h or the residual holds it; whatever its bits, on every path of the kernels."""
+    generator = torch.Generator().manual_seed(stable_seed(str(dtype), "dropout-nan"))
+    x, residual = (torch.randn(3, 190, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2))
+    bias = torch.randn(190, generator=generator, dtype=torch.float64).to(dtype)
+    for tensor, row in ((x, 1), (residual, 2)):
+        for bits, column in zip(NAN_BITS, NAN_COLUMNS, strict=True):
+            if dtype == torch.bfloat16:
+                tensor.view(torch.int16)[row, column] = bits
+            else:
+                tensor[row, column] = torch.tensor(bits, dtype=torch.int16).view(torch.bfloat16).item()
+    seed = torch.tensor(1234)
+    assert torch.equal(ops.dropout(x, seed, 0.5).isnan(), x.isnan())
+    out, sums = ops.dropout_column_sums(x, seed, 0.5)
+    assert torch.equal(out.isnan(), x.isnan()) and torch.equal(sums.isnan(), x.isnan().any(0))
+    assert torch.equal(ops.bias_dropout_add(x, bias, residual, seed, 0.5).isnan(), x.isnan() | residual.isnan())
+
+
 @pytest.mark.parametrize("globals_", [[], [(0, 3)]], ids=["local", "a-global-token"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_layer_carries_a_nan_hidden_state(dtype, globals_):

@@ -12,6 +12,11 @@ dropout(dense(h)))`` otherwise takes torch's ``addmm`` (which first copies the b
 output), the dropout and the residual's add, three passes over ``[rows, hidden]`` where this is
 one; and the backward's bias gradient, a sum over rows of the dropped-out gradient, is taken on
 the way out instead of by one more pass.
+
+On AVX2 bfloat16 takes its values as 32-bit pairs, as the GELU does (microkernels.py; gelu.py's
+docstring says why): a vector of pairs is a vector of even columns and one of odd, each with its
+own hash terms, and the column sums are kept in that order until the chunk's last row
+(bench/NOTES.md, "bfloat16's dropout kernels on pairs").
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype, column_step, dropout_factor, dropout_factor_of, dropout_row_key
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _staging, _store_rounded
-from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
+from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
+                                                    _pair_view, _paired_vectors, _staging, _store_rounded,
+                                                    _sums_from_pairs)
+from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 
 @T.macro
@@ -32,6 +39,26 @@ def lane_column_steps(steps, lanes):
         steps[lane] = column_step(lane)
 
 
+@T.macro
+def pair_column_steps(steps, lanes):
+    """With pairs (microkernels.py): ``steps[l]`` the hash term of a vector of pairs' even column
+    ``2 l``, ``steps[lanes + l]`` of its odd one."""
+    for lane in T.vectorized(lanes):
+        steps[lane] = column_step(T.int64(2) * lane)
+        steps[lanes + lane] = column_step(T.int64(2) * lane + T.int64(1))
+
+
+def _pair_steps(lanes: int, pairs: bool):
+    """:func:`pair_column_steps`'s buffer with pairs, none otherwise (call it inside the PrimFunc)."""
+    return T.alloc_local((2 * lanes,), "uint32", annotations=_ON_STACK) if pairs else ()
+
+
+def _pair_terms(lanes: int, pairs: bool):
+    """With pairs, a vector of pairs' values before their rounding (even, then odd): the rounding
+    reads each twice, so it takes them from here, not from the expressions (as ``_store_rounded``)."""
+    return T.alloc_local((2 * lanes,), "float32", annotations=_ON_STACK) if pairs else ()
+
+
 def dropout(dtype: str, isa: str):
     """``out[r, c] = x[r, c] * factor(seed, r, c)``: the factor ``1 / (1 - p)`` or 0 of
     :func:`tvm_kernels.compute.dropout_factor`, row ``r``'s key that of the attention mask's row
@@ -40,6 +67,7 @@ def dropout(dtype: str, isa: str):
     (not x). The product is taken in the accumulation dtype and rounded once."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
+    pairs = tiles_for(isa).pairs_for(dtype)
 
     @T.prim_func
     def main(x_handle: T.handle, p: T.float64, seed: T.int64, out_handle: T.handle):
@@ -48,12 +76,29 @@ def dropout(dtype: str, isa: str):
         cols = T.int64()
         x = T.match_buffer(x_handle, (rows, cols), dtype)
         out = T.match_buffer(out_handle, (rows, cols), dtype)
+        x_words = _pair_view(x, pairs)
+        out_words = _pair_view(out, pairs)
+        if pairs:  # (a binding only then: the other libraries' code stays as it was)
+            paired: T.let = _paired_vectors(cols, lanes)
         for r in T.parallel(rows):
             key: T.let = dropout_row_key(seed, T.int64(0), r)
             lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
             staged = _staging(dtype, lanes, acc_dtype)
+            pair_steps = _pair_steps(lanes, pairs)
+            terms = _pair_terms(lanes, pairs)
             lane_column_steps(lane_steps, lanes)
-            for vector in range(cols // T.int64(lanes)):
+            if pairs:
+                pair_column_steps(pair_steps, lanes)
+                for vector in range(paired):
+                    hashed_start: T.let = key + column_step(vector * T.int64(2 * lanes))
+                    for lane in T.vectorized(lanes):
+                        word: T.let = vector * T.int64(lanes) + lane
+                        terms[lane] = _bfloat16_even(x_words[r, word]) * dropout_factor_of(
+                            hashed_start + pair_steps[lane], p, acc_dtype)
+                        terms[lanes + lane] = _bfloat16_odd(x_words[r, word]) * dropout_factor_of(
+                            hashed_start + pair_steps[lanes + lane], p, acc_dtype)
+                        out_words[r, word] = _bfloat16_pair(terms[lane], terms[lanes + lane])
+            for vector in range(paired * T.int64(2) if pairs else T.int64(0), cols // T.int64(lanes)):
                 hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                 for lane in T.vectorized(lanes):
                     _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
@@ -73,6 +118,7 @@ def bias_dropout_add(dtype: str, isa: str):
     lane)."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
+    pairs = tiles_for(isa).pairs_for(dtype)
     # Buffers aligned to their element only (see gelu.bias_gelu): a bias read from a checkpoint, or a
     # slice of rows, may start anywhere.
     element_bytes = _BITS[dtype] // 8
@@ -87,12 +133,34 @@ def bias_dropout_add(dtype: str, isa: str):
         bias = T.match_buffer(bias_handle, (cols,), dtype, align=element_bytes)
         residual = T.match_buffer(residual_handle, (rows, cols), dtype, align=element_bytes)
         out = T.match_buffer(out_handle, (rows, cols), dtype, align=element_bytes)
+        h_words = _pair_view(h, pairs)
+        bias_words = _pair_view(bias, pairs)
+        residual_words = _pair_view(residual, pairs)
+        out_words = _pair_view(out, pairs)
+        if pairs:  # (a binding only then: the other libraries' code stays as it was)
+            paired: T.let = _paired_vectors(cols, lanes)
         for r in T.parallel(rows):
             key: T.let = dropout_row_key(seed, T.int64(0), r)
             lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
             staged = _staging(dtype, lanes, acc_dtype)
+            pair_steps = _pair_steps(lanes, pairs)
+            terms = _pair_terms(lanes, pairs)
             lane_column_steps(lane_steps, lanes)
-            for vector in range(cols // T.int64(lanes)):
+            if pairs:
+                pair_column_steps(pair_steps, lanes)
+                for vector in range(paired):
+                    hashed_start: T.let = key + column_step(vector * T.int64(2 * lanes))
+                    for lane in T.vectorized(lanes):
+                        word: T.let = vector * T.int64(lanes) + lane
+                        terms[lane] = ((_bfloat16_even(h_words[r, word]) + _bfloat16_even(bias_words[word]))
+                                       * dropout_factor_of(hashed_start + pair_steps[lane], p, acc_dtype)
+                                       + _bfloat16_even(residual_words[r, word]))
+                        terms[lanes + lane] = (
+                            (_bfloat16_odd(h_words[r, word]) + _bfloat16_odd(bias_words[word]))
+                            * dropout_factor_of(hashed_start + pair_steps[lanes + lane], p, acc_dtype)
+                            + _bfloat16_odd(residual_words[r, word]))
+                        out_words[r, word] = _bfloat16_pair(terms[lane], terms[lanes + lane])
+            for vector in range(paired * T.int64(2) if pairs else T.int64(0), cols // T.int64(lanes)):
                 hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                 for lane in T.vectorized(lanes):
                     _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, (
@@ -115,6 +183,7 @@ def dropout_column_sums(dtype: str, isa: str):
     (accumulation dtype; chunks run in parallel, one a thread at a time, their sums in L1)."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
+    pairs = tiles_for(isa).pairs_for(dtype)
     element_bytes = _BITS[dtype] // 8
 
     @T.prim_func
@@ -126,16 +195,41 @@ def dropout_column_sums(dtype: str, isa: str):
         x = T.match_buffer(x_handle, (rows, cols), dtype, align=element_bytes)
         out = T.match_buffer(out_handle, (rows, cols), dtype, align=element_bytes)
         sums = T.match_buffer(sums_handle, (chunks, cols), acc_dtype)
+        x_words = _pair_view(x, pairs)
+        out_words = _pair_view(out, pairs)
+        if pairs:  # (a binding only then: the other libraries' code stays as it was)
+            paired: T.let = _paired_vectors(cols, lanes)
         for chunk in T.parallel(chunks):
             size: T.let = (rows + chunks - T.int64(1)) // chunks
             for c in range(cols):
                 sums[chunk, c] = T.Cast(acc_dtype, 0)
             lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
             staged = _staging(dtype, lanes, acc_dtype)
+            pair_steps = _pair_steps(lanes, pairs)
+            terms = _pair_terms(lanes, pairs)
+            rounded = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK) if pairs else ()
             lane_column_steps(lane_steps, lanes)
+            if pairs:
+                pair_column_steps(pair_steps, lanes)
             for r in range(chunk * size, T.min(rows, chunk * size + size)):
                 key: T.let = dropout_row_key(seed, T.int64(0), r)
-                for vector in range(cols // T.int64(lanes)):
+                if pairs:
+                    # The sums of a vector's 2 x lanes columns kept even columns first, odd second
+                    # (put back in column order after the chunk's last row).
+                    for vector in range(paired):
+                        hashed_start: T.let = key + column_step(vector * T.int64(2 * lanes))
+                        for lane in T.vectorized(lanes):
+                            word: T.let = vector * T.int64(lanes) + lane
+                            terms[lane] = _bfloat16_even(x_words[r, word]) * dropout_factor_of(
+                                hashed_start + pair_steps[lane], p, acc_dtype)
+                            terms[lanes + lane] = _bfloat16_odd(x_words[r, word]) * dropout_factor_of(
+                                hashed_start + pair_steps[lanes + lane], p, acc_dtype)
+                            rounded[lane] = _bfloat16_pair(terms[lane], terms[lanes + lane])
+                            out_words[r, word] = rounded[lane]
+                            even_sum: T.let = T.int64(2) * vector * T.int64(lanes) + lane
+                            sums[chunk, even_sum] += _bfloat16_even(rounded[lane])
+                            sums[chunk, even_sum + T.int64(lanes)] += _bfloat16_odd(rounded[lane])
+                for vector in range(paired * T.int64(2) if pairs else T.int64(0), cols // T.int64(lanes)):
                     hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                     for lane in T.vectorized(lanes):
                         _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
@@ -145,5 +239,7 @@ def dropout_column_sums(dtype: str, isa: str):
                 for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
                     _store_rounded(dtype, out, r, c, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype), staged, 0)
                     sums[chunk, c] = sums[chunk, c] + T.Cast(acc_dtype, out[r, c])
+            if pairs:
+                _sums_from_pairs(sums, chunk, terms, paired, lanes)
 
     return main

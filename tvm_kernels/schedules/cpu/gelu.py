@@ -39,7 +39,9 @@ import math
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _exp, _one_plus_erf, _staging, _store_rounded
+from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
+                                                    _exp, _one_plus_erf, _pair_view, _paired_vectors, _staging,
+                                                    _store_rounded, _sums_from_pairs)
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -77,45 +79,6 @@ def _gelu_derivative(x, acc_dtype, half_results):
     return T.Select(x < T.float32(0), tail, T.float32(1) - tail) + x * T.float32(_INV_SQRT_2PI) * gauss
 
 
-def _bfloat16_even(words):
-    """The bfloat16 values at the even positions of 32-bit pairs (the low halves), as float32."""
-    return T.reinterpret("float32", T.shift_left(words, T.uint32(16)))
-
-
-def _bfloat16_odd(words):
-    """The bfloat16 values at the odd positions of 32-bit pairs (the high halves), as float32."""
-    return T.reinterpret("float32", T.bitwise_and(words, T.uint32(0xFFFF0000)))
-
-
-def _rounded_nearest_even(bits):
-    """float32 ``bits`` rounded to bfloat16's 16 high bits (nearest, ties to even), still in the high
-    half. No NaN guard (microkernels.py's ``_rounded`` has one): a NaN whose low half carries into its
-    exponent must have low bits set, and this kernel's NaNs are its bfloat16 inputs' (low half zero,
-    payload kept by x86's arithmetic) or the default NaN 0xffc00000."""
-    return bits + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(bits, T.uint32(16)), T.uint32(1))
-
-
-def _bfloat16_pair(even, odd):
-    """float32 ``even`` and ``odd`` rounded to bfloat16 as one 32-bit pair (``even`` the low half)."""
-    return T.bitwise_or(T.bitwise_and(_rounded_nearest_even(T.reinterpret("uint32", odd)), T.uint32(0xFFFF0000)),
-                        T.shift_right(_rounded_nearest_even(T.reinterpret("uint32", even)), T.uint32(16)))
-
-
-def _pair_view(tensor, pairs: bool):
-    """A bfloat16 tensor's bit patterns as 32-bit pairs of values (its last axis halved); ``()``
-    without ``pairs``. Meaningful where that axis is even: :func:`_paired_vectors`."""
-    if not pairs:
-        return ()
-    return T.decl_buffer(tuple(tensor.shape[:-1]) + (tensor.shape[-1] // T.int64(2),), "uint32", data=tensor.data,
-                         align=2)
-
-
-def _paired_vectors(cols, lanes: int):
-    """Vectors of pairs a row of ``cols`` values holds whole (``T.let``): none where ``cols`` is odd
-    (its rows would start inside a pair); the columns after them go one value at a time."""
-    return T.if_then_else(cols % T.int64(2) == T.int64(0), cols // T.int64(2 * lanes), T.int64(0))
-
-
 def bias_gelu(dtype: str, isa: str):
     """``out[r, c] = gelu(h[r, c] + bias[c])``, the sum and the GELU in the accumulation dtype,
     rounded once. Arguments: h ``[rows, cols]``, bias ``[cols]``, out ``[rows, cols]`` (may be h:
@@ -124,7 +87,7 @@ def bias_gelu(dtype: str, isa: str):
     lanes = accumulation_lanes(dtype, isa)
     half = _half_results(dtype)
     # bfloat16, where the ISA asks for it (tiles.py): pairs, two passes per run (the module docstring).
-    pairs = tiles_for(isa).bfloat16_gelu_pairs and dtype == "bfloat16"
+    pairs = tiles_for(isa).pairs_for(dtype)
     # Buffers aligned to their element only: a contiguous tensor (a slice of rows, a bias read from
     # a checkpoint file) may start anywhere, and with TVM's default 64-byte alignment the bias's
     # vector loads, at offsets that are multiples of a vector, are emitted as aligned loads (a fault).
@@ -188,7 +151,7 @@ def bias_gelu_backward(dtype: str, isa: str):
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
     half = _half_results(dtype)
-    pairs = tiles_for(isa).bfloat16_gelu_pairs and dtype == "bfloat16"  # see bias_gelu
+    pairs = tiles_for(isa).pairs_for(dtype)  # see bias_gelu
     element_bytes = _BITS[dtype] // 8  # see bias_gelu
 
     @T.prim_func
@@ -245,11 +208,6 @@ def bias_gelu_backward(dtype: str, isa: str):
                                    * _gelu_derivative(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype, half), staged, 0)
                     sums[chunk, c] = sums[chunk, c] + T.Cast(acc_dtype, grad_h[r, c])
             if pairs:
-                for vector in range(paired):  # the pairs' sums back in column order
-                    for lane in range(2 * lanes):
-                        terms[lane] = sums[chunk, vector * T.int64(2 * lanes) + lane]
-                    for lane in range(lanes):
-                        sums[chunk, vector * T.int64(2 * lanes) + T.int64(2 * lane)] = terms[lane]
-                        sums[chunk, vector * T.int64(2 * lanes) + T.int64(2 * lane + 1)] = terms[lanes + lane]
+                _sums_from_pairs(sums, chunk, terms, paired, lanes)
 
     return main

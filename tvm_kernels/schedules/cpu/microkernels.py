@@ -54,6 +54,61 @@ def _store_rounded(dtype, out, row, column, value, staged, lane):
         out[row, column] = _rounded(dtype, value)
 
 
+# bfloat16 as 32-bit pairs of values (the elementwise kernels on AVX2, Tiles.bfloat16_pairs; gelu.py's
+# docstring): a pair widens to two float32 vectors, even columns and odd, with a shift and a mask,
+# and two rounded vectors pack back into pairs in the same lanes.
+def _bfloat16_even(words):
+    """The bfloat16 values at the even positions of 32-bit pairs (the low halves), as float32."""
+    return T.reinterpret("float32", T.shift_left(words, T.uint32(16)))
+
+
+def _bfloat16_odd(words):
+    """The bfloat16 values at the odd positions of 32-bit pairs (the high halves), as float32."""
+    return T.reinterpret("float32", T.bitwise_and(words, T.uint32(0xFFFF0000)))
+
+
+def _rounded_nearest_even(bits):
+    """float32 ``bits`` rounded to bfloat16's 16 high bits (nearest, ties to even), still in the high
+    half. No NaN guard (:func:`_rounded` has one): a NaN whose low half carries into its exponent
+    must have low bits set, and the NaNs of the kernels that use this are their bfloat16 inputs'
+    (low half zero, payload kept by x86's arithmetic) or the default NaN 0xffc00000."""
+    return bits + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(bits, T.uint32(16)), T.uint32(1))
+
+
+def _bfloat16_pair(even, odd):
+    """float32 ``even`` and ``odd`` rounded to bfloat16 as one 32-bit pair (``even`` the low half)."""
+    return T.bitwise_or(T.bitwise_and(_rounded_nearest_even(T.reinterpret("uint32", odd)), T.uint32(0xFFFF0000)),
+                        T.shift_right(_rounded_nearest_even(T.reinterpret("uint32", even)), T.uint32(16)))
+
+
+def _pair_view(tensor, pairs: bool):
+    """A bfloat16 tensor's bit patterns as 32-bit pairs of values (its last axis halved); ``()``
+    without ``pairs``. Meaningful where that axis is even: :func:`_paired_vectors`."""
+    if not pairs:
+        return ()
+    return T.decl_buffer(tuple(tensor.shape[:-1]) + (tensor.shape[-1] // T.int64(2),), "uint32", data=tensor.data,
+                         align=2)
+
+
+def _paired_vectors(cols, lanes: int):
+    """Vectors of pairs a row of ``cols`` values holds whole (``T.let``): none where ``cols`` is odd
+    (its rows would start inside a pair); the columns after them go one value at a time."""
+    return T.if_then_else(cols % T.int64(2) == T.int64(0), cols // T.int64(2 * lanes), T.int64(0))
+
+
+@T.macro
+def _sums_from_pairs(sums, chunk, scratch, paired, lanes):
+    """Column sums kept per vector of pairs as even columns, then odd (``sums[chunk, 2 lanes v + l]``
+    for column ``2 lanes v + 2 l``, ``+ lanes`` for the odd one) put back in column order;
+    ``scratch``: ``2 * lanes`` values."""
+    for vector in range(paired):
+        for lane in range(2 * lanes):
+            scratch[lane] = sums[chunk, vector * T.int64(2 * lanes) + lane]
+        for lane in range(lanes):
+            sums[chunk, vector * T.int64(2 * lanes) + T.int64(2 * lane)] = scratch[lane]
+            sums[chunk, vector * T.int64(2 * lanes) + T.int64(2 * lane + 1)] = scratch[lanes + lane]
+
+
 # The kernels' parallel loops take (batch, head, run) tasks: a (batch, head) split into ``runs`` runs
 # of consecutive query tiles, each with its own packed operands, so that more threads than batch x
 # heads have work (a static split of 12 heads over 8 threads keeps 6 busy); the caller picks

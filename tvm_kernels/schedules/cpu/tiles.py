@@ -36,11 +36,15 @@ class Tiles:
     # bfloat16 band products (Q.K^T, probs.V, transposed) and fused attention through the CPU's
     # bfloat16 dot product (bf16_dot.py) instead of FMAs.
     bf16_dot: bool = False
-    # bfloat16's GELU kernels on 32-bit pairs of values, the forward in two passes per run of vectors
-    # (computed, then rounded), where widening and rounding one value at a time cost more than the
-    # arithmetic and the register file cannot hold the GELU's constants and the rounding's at once
-    # (schedules/cpu/gelu.py).
-    bfloat16_gelu_pairs: bool = False
+    # bfloat16's elementwise kernels (GELU, dropout) on 32-bit pairs of values, where widening and
+    # rounding one value at a time cost more than the arithmetic; the GELU forward in two passes per
+    # run of vectors (computed, then rounded), where the register file cannot hold the GELU's
+    # constants and the rounding's at once (schedules/cpu/gelu.py).
+    bfloat16_pairs: bool = False
+
+    def pairs_for(self, dtype: str) -> bool:
+        """Whether ``dtype``'s elementwise kernels take their values as 32-bit pairs (bfloat16 where set)."""
+        return self.bfloat16_pairs and dtype == "bfloat16"
 
     def dot_product_for(self, dtype: str) -> bool:
         """Whether ``dtype``'s kernels run on the bfloat16 dot product (bfloat16 where the ISA has it)."""
@@ -63,7 +67,7 @@ AVX512 = Tiles(vector_bits=512, qk_rows=16, qk_vectors=1, band_rows=8, wide_half
 # its dK/dV update then loads and stores its 4 x 2 accumulators once per 96 FMAs instead of 48
 # (backward 3-6% faster at n = 4096; AVX-512's float32 keeps 16: 32 was 1-4% slower).
 AVX2 = Tiles(vector_bits=256, qk_rows=6, qk_vectors=2, band_rows=6, wide_half_tile=False, chunk_steps=32,
-             stage_half_weights=True, key_update_rows=4, backward_tile_rows=12, bfloat16_gelu_pairs=True)
+             stage_half_weights=True, key_update_rows=4, backward_tile_rows=12, bfloat16_pairs=True)
 
 
 # AVX-512 with AVX512-BF16 (AMD Zen 4 and later, Intel since Cooper Lake): AVX-512's tiles, and the
