@@ -15,8 +15,9 @@ from longformer_ops.layer_norm import LayerNorm, layer_norm
 ops = torch.ops.longformer_ops
 
 # Odd widths (vector tails), widths under one vector, a 1-D tensor, the encoder's hidden width,
-# rows of 1 (a constant row: variance 0, rstd = 1 / sqrt(eps)).
-SHAPES = [(1,), (7,), (3, 5), (2, 37, 19), (4, 16), (2, 3, 65), (70, 768)]
+# rows of 1 (a constant row: variance 0, rstd = 1 / sqrt(eps)), and 190 (AVX2's bfloat16 forward
+# on pairs: 11 vectors of 16, one vector of 8, a tail of 6; microkernels.py).
+SHAPES = [(1,), (7,), (3, 5), (2, 37, 19), (4, 16), (2, 3, 65), (3, 190), (70, 768)]
 EPS = 1e-5
 
 
@@ -159,8 +160,11 @@ def test_falls_back_to_torch(monkeypatch, case):
     assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
-def test_inputs_at_any_address_and_empty():
-    x, weight, bias, grad = _inputs(torch.float32, (3, 64))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_inputs_at_any_address_and_empty(dtype):
+    """Tensors one element into their storage: the kernels may not assume vector-aligned data, nor
+    (bfloat16 on pairs) 4-byte-aligned data; and no rows."""
+    x, weight, bias, grad = _inputs(dtype, (3, 64))
 
     def shifted(t):
         storage = torch.empty(t.numel() + 1, dtype=t.dtype)
@@ -174,7 +178,7 @@ def test_inputs_at_any_address_and_empty():
     for got, want in zip(ops.layer_norm_backward(shifted(grad), shifted(x), shifted(weight), *expected[1:]),
                          ops.layer_norm_backward(grad, x, weight, *expected[1:]), strict=True):
         assert torch.equal(got, want)
-    empty = torch.empty(0, 64, requires_grad=True)
+    empty = torch.empty(0, 64, dtype=dtype, requires_grad=True)
     out = layer_norm(empty, weight, bias)
     assert out.shape == (0, 64)
     out.sum().backward()

@@ -222,6 +222,24 @@ def test_dropout_kernels_carry_nan(cpu_library, dtype):
     assert torch.equal(ops.bias_dropout_add(x, bias, residual, seed, 0.5).isnan(), x.isnan() | residual.isnan())
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_layer_norm_carries_nan(cpu_library, dtype):
+    """A NaN of x, whatever its bits and wherever in the row (every path of the kernels), makes its
+    row's statistics and outputs NaN and no other row's."""
+    generator = torch.Generator().manual_seed(stable_seed(str(dtype), "layer-norm-nan"))
+    x = torch.randn(len(NAN_COLUMNS) + 1, 190, generator=generator, dtype=torch.float64).to(dtype)
+    weight, bias = (torch.randn(190, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2))
+    for row, (bits, column) in enumerate(zip(NAN_BITS, NAN_COLUMNS, strict=True)):
+        if dtype == torch.bfloat16:
+            x.view(torch.int16)[row, column] = bits
+        else:
+            x[row, column] = torch.tensor(bits, dtype=torch.int16).view(torch.bfloat16).item()
+    out, mean, rstd = ops.layer_norm(x, weight, bias, 1e-5)
+    nan_rows = torch.arange(len(NAN_COLUMNS) + 1) < len(NAN_COLUMNS)
+    assert torch.equal(out.isnan().all(-1), nan_rows) and torch.equal(out.isnan().any(-1), nan_rows)
+    assert torch.equal(mean.isnan(), nan_rows) and torch.equal(rstd.isnan(), nan_rows)
+
+
 @pytest.mark.parametrize("globals_", [[], [(0, 3)]], ids=["local", "a-global-token"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_layer_carries_a_nan_hidden_state(dtype, globals_):

@@ -8,6 +8,12 @@ rows, as dropout.dropout_column_sums sums), not by more passes.
 
 Statistics and arithmetic in the accumulation dtype (float32 for the half types), the variance
 from the deviations (two passes over the row, as torch's), results rounded once.
+
+On AVX2 bfloat16's forward takes its values as 32-bit pairs, as the GELU and dropout kernels do
+(microkernels.py; gelu.py's docstring says why): a vector of pairs is a vector of even columns and
+one of odd, both summed into the same partial sums (so its statistics sum in another order than
+the other dtypes' and libraries', as exact), the results rounded as pairs (bench/NOTES.md,
+"bfloat16's layer norm on pairs").
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _rounded
-from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
+from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
+                                                    _pair_view, _paired_vectors, _rounded)
+from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 
 
@@ -41,6 +48,7 @@ def layer_norm(dtype: str, isa: str):
     mean, rstd."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
+    pairs = tiles_for(isa).pairs_for(dtype)
     # Buffers aligned to their element only (see gelu.bias_gelu): parameters read from a checkpoint,
     # a slice of rows, may start anywhere.
     element_bytes = _BITS[dtype] // 8
@@ -58,11 +66,23 @@ def layer_norm(dtype: str, isa: str):
         mean = T.match_buffer(mean_handle, (rows,), acc_dtype)
         rstd = T.match_buffer(rstd_handle, (rows,), acc_dtype)
         vectors = cols // T.int64(lanes)
+        x_words = _pair_view(x, pairs)
+        weight_words = _pair_view(weight, pairs)
+        bias_words = _pair_view(bias, pairs)
+        out_words = _pair_view(out, pairs)
+        if pairs:  # (a binding only then: the other libraries' code stays as it was)
+            paired: T.let = _paired_vectors(cols, lanes)
         for r in T.parallel(rows):
             partial = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
             total = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            terms = T.alloc_local((2 * lanes,), acc_dtype, annotations=_ON_STACK) if pairs else ()
             _zero(partial, lanes, acc_dtype)
-            for vector in range(vectors):
+            if pairs:
+                for vector in range(paired):
+                    for lane in T.vectorized(lanes):
+                        partial[lane] = (partial[lane] + _bfloat16_even(x_words[r, vector * T.int64(lanes) + lane])
+                                         + _bfloat16_odd(x_words[r, vector * T.int64(lanes) + lane]))
+            for vector in range(paired * T.int64(2) if pairs else T.int64(0), vectors):
                 for lane in T.vectorized(lanes):
                     partial[lane] = partial[lane] + T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
             total[0] = T.Cast(acc_dtype, 0)
@@ -71,7 +91,16 @@ def layer_norm(dtype: str, isa: str):
                 total[0] = total[0] + T.Cast(acc_dtype, x[r, c])
             row_mean: T.let = total[0] / T.Cast(acc_dtype, cols)
             _zero(partial, lanes, acc_dtype)
-            for vector in range(vectors):
+            if pairs:
+                for vector in range(paired):
+                    for lane in T.vectorized(lanes):
+                        partial[lane] = (
+                            partial[lane]
+                            + (_bfloat16_even(x_words[r, vector * T.int64(lanes) + lane]) - row_mean)
+                            * (_bfloat16_even(x_words[r, vector * T.int64(lanes) + lane]) - row_mean)
+                            + (_bfloat16_odd(x_words[r, vector * T.int64(lanes) + lane]) - row_mean)
+                            * (_bfloat16_odd(x_words[r, vector * T.int64(lanes) + lane]) - row_mean))
+            for vector in range(paired * T.int64(2) if pairs else T.int64(0), vectors):
                 for lane in T.vectorized(lanes):
                     partial[lane] = partial[lane] + (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * (
                         T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean)
@@ -82,7 +111,16 @@ def layer_norm(dtype: str, isa: str):
             row_rstd: T.let = T.Cast(acc_dtype, 1) / T.sqrt(total[0] / T.Cast(acc_dtype, cols) + T.Cast(acc_dtype, eps))
             mean[r] = row_mean
             rstd[r] = row_rstd
-            for vector in range(vectors):
+            if pairs:
+                for vector in range(paired):
+                    for lane in T.vectorized(lanes):
+                        word: T.let = vector * T.int64(lanes) + lane
+                        terms[lane] = ((_bfloat16_even(x_words[r, word]) - row_mean) * row_rstd
+                                       * _bfloat16_even(weight_words[word]) + _bfloat16_even(bias_words[word]))
+                        terms[lanes + lane] = ((_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd
+                                               * _bfloat16_odd(weight_words[word]) + _bfloat16_odd(bias_words[word]))
+                        out_words[r, word] = _bfloat16_pair(terms[lane], terms[lanes + lane])
+            for vector in range(paired * T.int64(2) if pairs else T.int64(0), vectors):
                 for lane in T.vectorized(lanes):
                     out[r, vector * T.int64(lanes) + lane] = _rounded(dtype, (
                         T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd
