@@ -1,13 +1,14 @@
-"""The encoder's elementwise CPU kernels in the half types against float32, in one process:
+"""The encoder's elementwise CPU kernels and the band softmax in the half types against float32, in one process:
 
-    python -m bench.elementwise [--rows 4096] [--hidden 768] [--ffn 3072] [--globals 4] [--rounds 15]
+    python -m bench.elementwise [--rows 4096] [--hidden 768] [--ffn 3072] [--globals 4] [--window 256] [--rounds 15]
 
 Issue 22's part 2 asks that bfloat16 and float16 be never slower than float32, every op: this times
 each elementwise kernel of a base layer's shapes (``rows`` tokens; the FFN's GELU at ``ffn`` wide,
-the residual blocks, layer norms and the global-key merge at ``hidden``, 12 heads) in the three
-dtypes, one call of each per round in turn, and prints a markdown table of the medians and of each
-half type's median per-round ratio to float32 (under 1: faster). Kernels this machine's library
-lacks are left out with a note.
+the residual blocks, layer norms and the global-key merge at ``hidden``, 12 heads) and the original
+API's band softmax (``band_softmax_`` in place over ``[1, rows, 12, 2 window + 1]``, and its
+backward) in the three dtypes, one call of each per round in turn, and prints a markdown table of
+the medians and of each half type's median per-round ratio to float32 (under 1: faster). Kernels
+this machine's library lacks are left out with a note.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEADS = 12
 
 
-def _calls(dtype: torch.dtype, rows: int, hidden: int, ffn: int, globals_: int) -> dict:
+def _calls(dtype: torch.dtype, rows: int, hidden: int, ffn: int, globals_: int, window: int) -> dict:
     """Each kernel's call on fixed random inputs of ``dtype`` (argument-less), by name. Gradients are
     tensors of their own, as in a backward (with the forward's input passed as the gradient too,
     float32's memory-bound passes read half their memory: global_merge_backward 1.06 against 1.22 ms)."""
@@ -43,6 +44,10 @@ def _calls(dtype: torch.dtype, rows: int, hidden: int, ffn: int, globals_: int) 
     grad_merged = randn(1, rows, HEADS, head_dim)
     a = torch.rand(1, rows, HEADS, generator=generator)
     omega = torch.rand(1, rows, HEADS, globals_, generator=generator)
+    # The softmax runs in place on the same band every round: from the second call on, a softmax of
+    # probabilities, the same work.
+    band, grad_band = randn(1, rows, HEADS, 2 * window + 1), randn(1, rows, HEADS, 2 * window + 1)
+    grad_lse, dilation = torch.randn(1, rows, HEADS, generator=generator), [1] * HEADS
     device = torch.device("cpu")
     # The layer norm's backward takes its forward's row statistics (where the library has it).
     _, mean, rstd = kernels.layer_norm(x, weight, bias, 1e-5) if kernels.layer_norm_available(device, dtype) else (
@@ -62,14 +67,18 @@ def _calls(dtype: torch.dtype, rows: int, hidden: int, ffn: int, globals_: int) 
         kernels.global_merge_available: {
             "global_merge": lambda: kernels.global_merge(context, a, omega, values),
             "global_merge_backward": lambda: kernels.global_merge_backward(grad_merged, context, values, a)},
+        kernels.band_softmax_available: {
+            "band_softmax_": lambda: kernels.band_softmax_(band, None, window, dilation, False),
+            "band_softmax_backward": lambda: kernels.band_softmax_backward(band, grad_band, grad_lse, window, dilation,
+                                                                           False)},
     }
     return {name: call for available, calls in groups.items() if available(device, dtype)
             for name, call in calls.items()}
 
 
-def measure(rows: int, hidden: int, ffn: int, globals_: int, rounds: int) -> dict[str, dict]:
+def measure(rows: int, hidden: int, ffn: int, globals_: int, window: int, rounds: int) -> dict[str, dict]:
     """Per kernel: each dtype's median seconds and the half types' median per-round ratios to float32."""
-    calls = {dtype: _calls(dtype, rows, hidden, ffn, globals_) for dtype in DTYPES}
+    calls = {dtype: _calls(dtype, rows, hidden, ffn, globals_, window) for dtype in DTYPES}
     names = [name for name in calls[torch.float32] if all(name in calls[dtype] for dtype in DTYPES)]
     missing = sorted(set().union(*calls.values()) - set(names))
     if missing:
@@ -99,14 +108,17 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=768, help=f"hidden size ({HEADS} heads)")
     parser.add_argument("--ffn", type=int, default=3072, help="the FFN's width")
     parser.add_argument("--globals", type=int, default=4, dest="globals_", help="global tokens of the merge")
+    parser.add_argument("--window", type=int, default=256, help="the band softmax's w (rows of 2w + 1)")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
     if args.hidden % HEADS:
         parser.error(f"--hidden must be a multiple of {HEADS} heads, got {args.hidden}")
-    results = measure(args.rows, args.hidden, args.ffn, args.globals_, args.rounds)
+    if args.window < 0:
+        parser.error(f"--window must be >= 0, got {args.window}")
+    results = measure(args.rows, args.hidden, args.ffn, args.globals_, args.window, args.rounds)
     print(f"Elementwise kernels, {args.rows} rows, hidden {args.hidden}, FFN {args.ffn}, {args.globals_} global "
-          f"tokens, {torch.get_num_threads()} threads (medians of {args.rounds} rounds; in brackets the median "
-          f"per-round ratio to float32):\n")
+          f"tokens, band softmax w = {args.window}, {torch.get_num_threads()} threads (medians of {args.rounds} "
+          f"rounds; in brackets the median per-round ratio to float32):\n")
     print("| kernel | float32 ms | bfloat16 ms | float16 ms |\n|---|---:|---:|---:|")
     for name, by_dtype in results.items():
         cells = [f"{by_dtype[torch.float32][0] * 1e3:.2f}"]

@@ -462,12 +462,14 @@ def test_elementwise_bench_times_every_kernel_in_three_dtypes(capsys):
     by name."""
     from bench import elementwise
 
-    assert elementwise.main(["--rows", "40", "--hidden", "48", "--ffn", "70", "--globals", "2", "--rounds", "1"]) == 0
+    assert elementwise.main(["--rows", "40", "--hidden", "48", "--ffn", "70", "--globals", "2", "--window", "9",
+                             "--rounds", "1"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and "kernel" not in line]
     assert [cells[0].strip() for cells in rows] == [
         "bias_gelu", "bias_gelu_backward", "dropout (ffn wide)", "dropout_column_sums", "bias_dropout_add",
-        "layer_norm", "layer_norm_backward", "global_merge", "global_merge_backward"]
+        "layer_norm", "layer_norm_backward", "global_merge", "global_merge_backward", "band_softmax_",
+        "band_softmax_backward"]
     for cells in rows:
         assert float(cells[1]) > 0
         for cell in cells[2:]:
@@ -476,3 +478,6 @@ def test_elementwise_bench_times_every_kernel_in_three_dtypes(capsys):
     with pytest.raises(SystemExit):
         elementwise.main(["--hidden", "50"])
     assert "--hidden must be a multiple of 12" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        elementwise.main(["--window", "-1"])
+    assert "--window must be >= 0, got -1" in capsys.readouterr().err

@@ -14,8 +14,11 @@ from longformer_ops import layer as layer_module
 ops = torch.ops.longformer_ops
 
 # (b, n, h, d, g): features not a multiple of a vector (7, 40) and under one vector, odd lengths,
-# one slot and several (the backward takes the slots four at a time, then the 1-3 left in one pass).
-SIZES = [(1, 1, 1, 7, 1), (2, 37, 3, 40, 2), (1, 19, 12, 64, 1), (2, 5, 2, 16, 4), (2, 4, 3, 9, 5), (1, 6, 2, 24, 7)]
+# one slot and several (the backward takes the slots four at a time, then the 1-3 left in one pass);
+# 190 and 18 for AVX2's bfloat16 forward on pairs (microkernels.py): 11 vectors of pairs, a vector
+# of 8 and a tail of 6; one vector of pairs and a tail of 2.
+SIZES = [(1, 1, 1, 7, 1), (2, 37, 3, 40, 2), (1, 19, 12, 64, 1), (2, 5, 2, 16, 4), (2, 4, 3, 9, 5), (1, 6, 2, 24, 7),
+         (1, 3, 2, 190, 5), (2, 5, 3, 18, 3)]
 
 
 def _inputs(dtype, size, *parts):
@@ -73,6 +76,28 @@ def test_kernels_match_float64(cpu_library, dtype, size):
     in_place = context.clone()
     ops.global_merge_(in_place, a, omega, values)
     assert torch.equal(in_place, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_inputs_at_any_address(cpu_library, dtype):
+    """Tensors one element into their storage: the kernels may not assume vector-aligned data, nor
+    (bfloat16 on pairs) 4-byte-aligned data."""
+    context, a, omega, values, grad = _inputs(dtype, (2, 5, 3, 64, 3))
+
+    def shifted(t):
+        storage = torch.empty(t.numel() + 1, dtype=t.dtype)
+        view = storage[1:].view(t.shape)
+        assert view.data_ptr() % 8 != 0
+        return view.copy_(t)
+
+    expected = ops.global_merge(context, a, omega, values)
+    assert torch.equal(ops.global_merge(shifted(context), a, omega, shifted(values)), expected)
+    in_place = shifted(context)
+    ops.global_merge_(in_place, a, omega, shifted(values))
+    assert torch.equal(in_place, expected)
+    for got, want in zip(ops.global_merge_backward(shifted(grad), shifted(context), shifted(values), a),
+                         ops.global_merge_backward(grad, context, values, a), strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("fault", ["one-percent-off", "slot-dropped", "negated"])

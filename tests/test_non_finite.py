@@ -149,6 +149,29 @@ def test_band_softmax_carries_a_nan_score(cpu_library, dtype):
     assert torch.equal(lse.isnan(), expected), _described(lse.isnan())
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_band_softmax_carries_nan_on_every_path(cpu_library, dtype):
+    """NaN scores of six bit patterns, each in a row of its own and on another path of the kernel
+    (w = 20, rows of 41 that start inside a 32-bit pair every other row, as AVX2's bfloat16 takes them:
+    the lone value before the first pair, vectors of pairs, the vector of values after them, the
+    tail): that row's probabilities and log-sum-exp NaN, every other row's finite."""
+    generator = torch.Generator().manual_seed(stable_seed("band softmax nan paths", str(dtype)))
+    n, heads, w = 60, 2, 20
+    scores = (3 * torch.randn(1, n, heads, 2 * w + 1, generator=generator, dtype=torch.float64)).to(dtype)
+    expected = torch.zeros(1, n, heads, dtype=torch.bool)
+    for k, (bits, column) in enumerate(zip(NAN_BITS, [0, 1, 16, 34, 40, 33], strict=True)):
+        row, head = 20 + k, (k + 1) % 2  # (head 1's rows start inside a pair: column 0 is the lone value)
+        if dtype == torch.bfloat16:
+            scores.view(torch.int16)[0, row, head, column] = bits
+        else:
+            scores[0, row, head, column] = float("nan")
+        expected[0, row, head] = True
+    probs, lse = band_softmax_(scores, w, 1, return_lse=True)
+    assert torch.equal(probs.isnan().all(-1), expected) and torch.equal(probs.isnan().any(-1), expected), \
+        _described(probs.isnan().any(-1) ^ expected)
+    assert torch.equal(lse.isnan(), expected), _described(lse.isnan() ^ expected)
+
+
 # Far tails of x, each representable in every CPU dtype (float16's largest is 65504).
 TAILS = [-6e4, -1e3, -40.0, -20.0, -9.0, -6.0, -5.7, 5.7, 9.0, 40.0, 6e4]
 
@@ -238,6 +261,8 @@ def test_layer_norm_carries_nan(cpu_library, dtype):
     nan_rows = torch.arange(len(NAN_COLUMNS) + 1) < len(NAN_COLUMNS)
     assert torch.equal(out.isnan().all(-1), nan_rows) and torch.equal(out.isnan().any(-1), nan_rows)
     assert torch.equal(mean.isnan(), nan_rows) and torch.equal(rstd.isnan(), nan_rows)
+    grad_x = ops.layer_norm_backward(torch.ones_like(x), x, weight, mean, rstd)[0]
+    assert torch.equal(grad_x.isnan().all(-1), nan_rows) and torch.equal(grad_x.isnan().any(-1), nan_rows)
 
 
 @pytest.mark.parametrize("globals_", [[], [(0, 3)]], ids=["local", "a-global-token"])
@@ -260,13 +285,18 @@ def test_layer_carries_a_nan_hidden_state(dtype, globals_):
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
 def test_bfloat16_outputs_keep_any_nan(cpu_library, dtype):
     """A float32 NaN of any bit pattern reaches a bfloat16 output as NaN (the global-key merge's
-    float32 weights into a bfloat16 result, forward and the context's gradient): 0x7fffffff and
-    0xffffffff came out -0 and 0."""
+    float32 weights into a bfloat16 result, forward and the context's gradient; the layer norm
+    backward's rstd), on every path of a row of 190 (AVX2's pairs, a vector, a tail): 0x7fffffff
+    and 0xffffffff came out -0 and 0."""
     a = _float32_nans(NAN_PATTERNS).view(1, len(NAN_PATTERNS), 1)
-    context = torch.ones(1, len(NAN_PATTERNS), 1, 16, dtype=dtype)
-    values = torch.ones(1, 1, 1, 16, dtype=dtype)
+    context = torch.ones(1, len(NAN_PATTERNS), 1, 190, dtype=dtype)
+    values = torch.ones(1, 1, 1, 190, dtype=dtype)
     out = ops.global_merge(context, a, torch.zeros(1, len(NAN_PATTERNS), 1, 1), values)
     grad_context = ops.global_merge_backward(torch.ones_like(context), context, values, a)[0]
-    for name, x in (("output", out), ("context gradient", grad_context)):
+    rows = context.view(len(NAN_PATTERNS), 190)
+    grad_x = ops.layer_norm_backward(torch.ones_like(rows), rows, torch.ones(190, dtype=dtype),
+                                     torch.zeros(len(NAN_PATTERNS)), a.view(-1))[0]
+    for name, x in (("output", out), ("context gradient", grad_context), ("layer norm's input gradient", grad_x)):
+        per_pattern = x.reshape(len(NAN_PATTERNS), -1)
         assert x.isnan().all(), \
-            f"finite {name} for the NaNs {[hex(p) for p, row in zip(NAN_PATTERNS, x[0]) if not row.isnan().all()]}"
+            f"finite {name} for the NaNs {[hex(p) for p, row in zip(NAN_PATTERNS, per_pattern) if not row.isnan().all()]}"

@@ -48,6 +48,15 @@ def pair_column_steps(steps, lanes):
         steps[lanes + lane] = column_step(T.int64(2) * lane + T.int64(1))
 
 
+@T.macro
+def _dropped_pair(terms, lane, words, hashed_start, pair_steps, p, lanes, acc_dtype):
+    """With pairs: ``terms[lane]`` and ``terms[lanes + lane]`` the even and odd values of the pair
+    ``words`` times their dropout factors (``hashed_start`` the vector's hash input,
+    :func:`pair_column_steps` its columns' terms), unrounded."""
+    terms[lane] = _bfloat16_even(words) * dropout_factor_of(hashed_start + pair_steps[lane], p, acc_dtype)
+    terms[lanes + lane] = _bfloat16_odd(words) * dropout_factor_of(hashed_start + pair_steps[lanes + lane], p, acc_dtype)
+
+
 def _pair_steps(lanes: int, pairs: bool):
     """:func:`pair_column_steps`'s buffer with pairs, none otherwise (call it inside the PrimFunc)."""
     return T.alloc_local((2 * lanes,), "uint32", annotations=_ON_STACK) if pairs else ()
@@ -93,10 +102,7 @@ def dropout(dtype: str, isa: str):
                     hashed_start: T.let = key + column_step(vector * T.int64(2 * lanes))
                     for lane in T.vectorized(lanes):
                         word: T.let = vector * T.int64(lanes) + lane
-                        terms[lane] = _bfloat16_even(x_words[r, word]) * dropout_factor_of(
-                            hashed_start + pair_steps[lane], p, acc_dtype)
-                        terms[lanes + lane] = _bfloat16_odd(x_words[r, word]) * dropout_factor_of(
-                            hashed_start + pair_steps[lanes + lane], p, acc_dtype)
+                        _dropped_pair(terms, lane, x_words[r, word], hashed_start, pair_steps, p, lanes, acc_dtype)
                         out_words[r, word] = _bfloat16_pair(terms[lane], terms[lanes + lane])
             for vector in range(paired * T.int64(2) if pairs else T.int64(0), cols // T.int64(lanes)):
                 hashed_start: T.let = key + column_step(vector * T.int64(lanes))
@@ -220,10 +226,7 @@ def dropout_column_sums(dtype: str, isa: str):
                         hashed_start: T.let = key + column_step(vector * T.int64(2 * lanes))
                         for lane in T.vectorized(lanes):
                             word: T.let = vector * T.int64(lanes) + lane
-                            terms[lane] = _bfloat16_even(x_words[r, word]) * dropout_factor_of(
-                                hashed_start + pair_steps[lane], p, acc_dtype)
-                            terms[lanes + lane] = _bfloat16_odd(x_words[r, word]) * dropout_factor_of(
-                                hashed_start + pair_steps[lanes + lane], p, acc_dtype)
+                            _dropped_pair(terms, lane, x_words[r, word], hashed_start, pair_steps, p, lanes, acc_dtype)
                             rounded[lane] = _bfloat16_pair(terms[lane], terms[lanes + lane])
                             out_words[r, word] = rounded[lane]
                             even_sum: T.let = T.int64(2) * vector * T.int64(lanes) + lane

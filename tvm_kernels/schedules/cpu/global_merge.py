@@ -8,6 +8,11 @@ The fused attention returns each row's band context ``C`` (normalised) and log-s
 matmul, a mixed-dtype ``addcmul`` and a conversion forward (each a pass over ``[b, n, h, d]``, the
 half-type operands converted whole), and as many backward; here one pass each, in the accumulation
 dtype, rounded once.
+
+On AVX2 bfloat16's forward takes its values as 32-bit pairs, as the GELU does (microkernels.py;
+gelu.py's docstring says why): each output the same sum in the same order, bit for bit, rounded
+as pairs with the NaN guard (the weights are float32 of any bit pattern: bench/NOTES.md,
+"bfloat16's layer norm backward and global merge on pairs").
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _rounded
-from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
+from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
+                                                    _pair_view, _paired_vectors, _rounded)
+from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 
 
@@ -27,6 +33,7 @@ def global_merge(dtype: str, isa: str):
     context: each element is read before it is written, by the same lane)."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
+    pairs = tiles_for(isa).pairs_for(dtype)
     # Buffers aligned to their element only (see gelu.py): views may start anywhere.
     element, acc_element = _BITS[dtype] // 8, _BITS[acc_dtype] // 8
 
@@ -44,12 +51,33 @@ def global_merge(dtype: str, isa: str):
         omega = T.match_buffer(omega_handle, (batch, n, heads, slots), acc_dtype, align=acc_element)
         values = T.match_buffer(values_handle, (batch, slots, heads, d), dtype, align=element)
         out = T.match_buffer(out_handle, (batch, n, heads, d), dtype, align=element)
+        context_words = _pair_view(context, pairs)
+        values_words = _pair_view(values, pairs)
+        out_words = _pair_view(out, pairs)
+        if pairs:  # (a binding only then: the other libraries' code stays as it was)
+            paired: T.let = _paired_vectors(d, lanes)
         for row in T.parallel(batch * n):
             b: T.let = row // n
             r: T.let = row % n
-            merged = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            merged = T.alloc_local((2 * lanes if pairs else lanes,), acc_dtype, annotations=_ON_STACK)
             for h in range(heads):
-                for vector in range(d // T.int64(lanes)):
+                if pairs:
+                    # Even columns in merged[:lanes], odd in merged[lanes:]; each value's sum in the order below.
+                    for vector in range(paired):
+                        for lane in T.vectorized(lanes):
+                            word: T.let = vector * T.int64(lanes) + lane
+                            merged[lane] = a[b, r, h] * _bfloat16_even(context_words[b, r, h, word])
+                            merged[lanes + lane] = a[b, r, h] * _bfloat16_odd(context_words[b, r, h, word])
+                        for g in range(slots):
+                            for lane in T.vectorized(lanes):
+                                word: T.let = vector * T.int64(lanes) + lane
+                                merged[lane] = merged[lane] + omega[b, r, h, g] * _bfloat16_even(values_words[b, g, h, word])
+                                merged[lanes + lane] = merged[lanes + lane] + omega[b, r, h, g] * _bfloat16_odd(
+                                    values_words[b, g, h, word])
+                        for lane in T.vectorized(lanes):
+                            out_words[b, r, h, vector * T.int64(lanes) + lane] = _bfloat16_pair(
+                                merged[lane], merged[lanes + lane], nan_guard=True)
+                for vector in range(paired * T.int64(2) if pairs else T.int64(0), d // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
                         merged[lane] = a[b, r, h] * T.Cast(acc_dtype, context[b, r, h, vector * T.int64(lanes) + lane])
                     for g in range(slots):

@@ -9,11 +9,12 @@ rows, as dropout.dropout_column_sums sums), not by more passes.
 Statistics and arithmetic in the accumulation dtype (float32 for the half types), the variance
 from the deviations (two passes over the row, as torch's), results rounded once.
 
-On AVX2 bfloat16's forward takes its values as 32-bit pairs, as the GELU and dropout kernels do
+On AVX2 bfloat16 takes its values as 32-bit pairs, as the GELU and dropout kernels do
 (microkernels.py; gelu.py's docstring says why): a vector of pairs is a vector of even columns and
-one of odd, both summed into the same partial sums (so its statistics sum in another order than
-the other dtypes' and libraries', as exact), the results rounded as pairs (bench/NOTES.md,
-"bfloat16's layer norm on pairs").
+one of odd, both summed into the same partial sums (so the forward's statistics and the backward's
+row sums run in another order than the other dtypes' and libraries', as exact), the results rounded
+as pairs (bench/NOTES.md, "bfloat16's layer norm on pairs" and "bfloat16's layer norm backward and
+global merge on pairs").
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
 from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
-                                                    _pair_view, _paired_vectors, _rounded)
+                                                    _pair_view, _paired_vectors, _rounded, _sums_from_pairs)
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 
@@ -138,9 +139,15 @@ def layer_norm_backward(dtype: str, isa: str):
     (rounded once); ``sums_weight[k, c]`` and ``sums_bias[k, c]`` the sums of ``grad * xhat`` and
     ``grad`` over chunk k's rows (as dropout.dropout_column_sums chunks them), unrounded terms in
     the accumulation dtype. Arguments: grad, x ``[rows, cols]``, weight ``[cols]``, mean, rstd
-    ``[rows]``, grad_x ``[rows, cols]`` (may be grad), sums_weight, sums_bias ``[chunks, cols]``."""
+    ``[rows]``, grad_x ``[rows, cols]`` (may be grad), sums_weight, sums_bias ``[chunks, cols]``.
+
+    With pairs (bfloat16 on AVX2) the row sums take both halves of a vector of pairs, as the
+    forward's statistics do; the column sums are kept even columns first until the chunk's last
+    row, as dropout_column_sums keeps them (so they are the other dtypes' sums, bit for bit); the
+    results round as pairs with the NaN guard (mean and rstd are float32 of any bit pattern)."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
+    pairs = tiles_for(isa).pairs_for(dtype)
     element_bytes = _BITS[dtype] // 8
 
     @T.prim_func
@@ -159,6 +166,12 @@ def layer_norm_backward(dtype: str, isa: str):
         sums_weight = T.match_buffer(sums_weight_handle, (chunks, cols), acc_dtype)
         sums_bias = T.match_buffer(sums_bias_handle, (chunks, cols), acc_dtype)
         vectors = cols // T.int64(lanes)
+        grad_words = _pair_view(grad, pairs)
+        x_words = _pair_view(x, pairs)
+        weight_words = _pair_view(weight, pairs)
+        grad_x_words = _pair_view(grad_x, pairs)
+        if pairs:  # (a binding only then: the other libraries' code stays as it was)
+            paired: T.let = _paired_vectors(cols, lanes)
         for chunk in T.parallel(chunks):
             size: T.let = (rows + chunks - T.int64(1)) // chunks
             for c in range(cols):
@@ -168,12 +181,26 @@ def layer_norm_backward(dtype: str, isa: str):
             partial_gwx = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
             total_gw = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
             total_gwx = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
+            terms = T.alloc_local((2 * lanes,), acc_dtype, annotations=_ON_STACK) if pairs else ()
             for r in range(chunk * size, T.min(rows, chunk * size + size)):
                 row_mean: T.let = mean[r]
                 row_rstd: T.let = rstd[r]
                 _zero(partial_gw, lanes, acc_dtype)
                 _zero(partial_gwx, lanes, acc_dtype)
-                for vector in range(vectors):
+                if pairs:
+                    for vector in range(paired):
+                        for lane in T.vectorized(lanes):
+                            word: T.let = vector * T.int64(lanes) + lane
+                            partial_gw[lane] = (partial_gw[lane]
+                                                + _bfloat16_even(grad_words[r, word]) * _bfloat16_even(weight_words[word])
+                                                + _bfloat16_odd(grad_words[r, word]) * _bfloat16_odd(weight_words[word]))
+                            partial_gwx[lane] = (
+                                partial_gwx[lane]
+                                + _bfloat16_even(grad_words[r, word]) * _bfloat16_even(weight_words[word])
+                                * ((_bfloat16_even(x_words[r, word]) - row_mean) * row_rstd)
+                                + _bfloat16_odd(grad_words[r, word]) * _bfloat16_odd(weight_words[word])
+                                * ((_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd))
+                for vector in range(paired * T.int64(2) if pairs else T.int64(0), vectors):
                     for lane in T.vectorized(lanes):
                         partial_gw[lane] = partial_gw[lane] + T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * T.Cast(
                             acc_dtype, weight[vector * T.int64(lanes) + lane])
@@ -190,7 +217,26 @@ def layer_norm_backward(dtype: str, isa: str):
                         (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd)
                 mean_gw: T.let = total_gw[0] / T.Cast(acc_dtype, cols)
                 mean_gwx: T.let = total_gwx[0] / T.Cast(acc_dtype, cols)
-                for vector in range(vectors):
+                if pairs:
+                    # The column sums of a vector's 2 x lanes columns kept even columns first, odd second.
+                    for vector in range(paired):
+                        for lane in T.vectorized(lanes):
+                            word: T.let = vector * T.int64(lanes) + lane
+                            even_sum: T.let = T.int64(2) * vector * T.int64(lanes) + lane
+                            sums_weight[chunk, even_sum] += _bfloat16_even(grad_words[r, word]) * (
+                                (_bfloat16_even(x_words[r, word]) - row_mean) * row_rstd)
+                            sums_weight[chunk, even_sum + T.int64(lanes)] += _bfloat16_odd(grad_words[r, word]) * (
+                                (_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd)
+                            sums_bias[chunk, even_sum] += _bfloat16_even(grad_words[r, word])
+                            sums_bias[chunk, even_sum + T.int64(lanes)] += _bfloat16_odd(grad_words[r, word])
+                            terms[lane] = row_rstd * (
+                                _bfloat16_even(grad_words[r, word]) * _bfloat16_even(weight_words[word]) - mean_gw
+                                - (_bfloat16_even(x_words[r, word]) - row_mean) * row_rstd * mean_gwx)
+                            terms[lanes + lane] = row_rstd * (
+                                _bfloat16_odd(grad_words[r, word]) * _bfloat16_odd(weight_words[word]) - mean_gw
+                                - (_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd * mean_gwx)
+                            grad_x_words[r, word] = _bfloat16_pair(terms[lane], terms[lanes + lane], nan_guard=True)
+                for vector in range(paired * T.int64(2) if pairs else T.int64(0), vectors):
                     for lane in T.vectorized(lanes):
                         sums_weight[chunk, vector * T.int64(lanes) + lane] = sums_weight[chunk, vector * T.int64(lanes) + lane] + T.Cast(
                             acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * (
@@ -207,5 +253,8 @@ def layer_norm_backward(dtype: str, isa: str):
                     sums_bias[chunk, c] = sums_bias[chunk, c] + T.Cast(acc_dtype, grad[r, c])
                     grad_x[r, c] = _rounded(dtype, row_rstd * (T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c]) - mean_gw
                                                              - (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd * mean_gwx))
+            if pairs:
+                _sums_from_pairs(sums_weight, chunk, terms, paired, lanes)
+                _sums_from_pairs(sums_bias, chunk, terms, paired, lanes)
 
     return main

@@ -75,10 +75,19 @@ def _rounded_nearest_even(bits):
     return bits + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(bits, T.uint32(16)), T.uint32(1))
 
 
-def _bfloat16_pair(even, odd):
-    """float32 ``even`` and ``odd`` rounded to bfloat16 as one 32-bit pair (``even`` the low half)."""
-    return T.bitwise_or(T.bitwise_and(_rounded_nearest_even(T.reinterpret("uint32", odd)), T.uint32(0xFFFF0000)),
-                        T.shift_right(_rounded_nearest_even(T.reinterpret("uint32", even)), T.uint32(16)))
+def _quieted(bits):
+    """float32 ``bits`` with a NaN of any payload replaced by the quiet NaN 0x7fc00000 (:func:`_rounded`'s
+    guard), for :func:`_rounded_nearest_even` where NaNs of any bit pattern can arrive."""
+    return T.Select(T.bitwise_and(bits, T.uint32(0x7FFFFFFF)) > T.uint32(0x7F800000), T.uint32(0x7FC00000), bits)
+
+
+def _bfloat16_pair(even, odd, nan_guard: bool = False):
+    """float32 ``even`` and ``odd`` rounded to bfloat16 as one 32-bit pair (``even`` the low half); with
+    ``nan_guard``, NaNs of any bit pattern quieted first (:func:`_quieted`)."""
+    guard = _quieted if nan_guard else (lambda bits: bits)
+    return T.bitwise_or(
+        T.bitwise_and(_rounded_nearest_even(guard(T.reinterpret("uint32", odd))), T.uint32(0xFFFF0000)),
+        T.shift_right(_rounded_nearest_even(guard(T.reinterpret("uint32", even))), T.uint32(16)))
 
 
 def _pair_view(tensor, pairs: bool):
@@ -88,6 +97,17 @@ def _pair_view(tensor, pairs: bool):
         return ()
     return T.decl_buffer(tuple(tensor.shape[:-1]) + (tensor.shape[-1] // T.int64(2),), "uint32", data=tensor.data,
                          align=2)
+
+
+def _flat_pair_view(tensor, pairs: bool):
+    """A bfloat16 tensor's bit patterns as one flat run of 32-bit pairs (word k: flat elements 2k and
+    2k + 1), for rows of odd length, which start inside a pair every other row; ``()`` without ``pairs``."""
+    if not pairs:
+        return ()
+    size = T.int64(1)
+    for extent in tensor.shape:
+        size = size * extent
+    return T.decl_buffer((size // T.int64(2),), "uint32", data=tensor.data, align=2)
 
 
 def _paired_vectors(cols, lanes: int):

@@ -6,7 +6,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _ON_STACK, _exp, _rounded
+from tvm_kernels.schedules.cpu.microkernels import (_ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair, _exp,
+                                                    _flat_pair_view, _rounded)
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
@@ -28,6 +29,85 @@ def _row_vectors(first, stop, lanes):
     return (stop - first) // T.int64(lanes), first + (stop - first) // T.int64(lanes) * T.int64(lanes)
 
 
+@T.macro
+def _row_on_pairs(scores, words, exps, lead_exp, partial, row_max, total, lse, b, i, h, first, stop, row_start, lanes,
+                  acc_dtype, dtype, minus_inf):
+    """:func:`softmax`'s max, exp and scaling passes over a row's span ``[first, stop)`` in bfloat16 on
+    pairs (``words``: the band's flat pair view, ``row_start``: the row's flat index): a lone value
+    where the span starts inside a pair (rows of 2w + 1 values do every other row), then vectors of
+    pairs, vectors of values and single values; a vector of pairs' exponentials kept in ``exps`` even
+    columns first; results rounded as pairs without the NaN guard. Its NaNs: a bfloat16 score's (low
+    half zero; the biased scores were rounded with the guard), which x86's arithmetic carries, and
+    whose exp's scale factor (its bits shifted left by 23) has a zero exponent, so is no NaN of its
+    own; or the default NaN 0xffc00000 (inf - inf)."""
+    lead: T.let = T.min((row_start + first[0]) % T.int64(2), stop[0] - first[0])
+    word0: T.let = (row_start + first[0] + lead) // T.int64(2)
+    paired: T.let = (stop[0] - first[0] - lead) // T.int64(2 * lanes)
+    values_start: T.let = first[0] + lead + paired * T.int64(2 * lanes)  # (their exps from exps[paired * 2 lanes] on)
+    vectors: T.let = (stop[0] - values_start) // T.int64(lanes)
+    tail: T.let = values_start + vectors * T.int64(lanes)
+    for lane in T.vectorized(lanes):
+        partial[lane] = minus_inf
+    for vector in range(paired):
+        for lane in T.vectorized(lanes):
+            partial[lane] = T.max(partial[lane], T.max(_bfloat16_even(words[word0 + vector * T.int64(lanes) + lane]),
+                                                       _bfloat16_odd(words[word0 + vector * T.int64(lanes) + lane])))
+    for vector in range(vectors):
+        for lane in T.vectorized(lanes):
+            partial[lane] = T.max(partial[lane], T.Cast(acc_dtype, scores[b, i, h, values_start + vector * T.int64(lanes) + lane]))
+    row_max[0] = minus_inf
+    for lane in range(lanes):
+        row_max[0] = T.max(row_max[0], partial[lane])
+    for j in range(first[0], first[0] + lead):
+        row_max[0] = T.max(row_max[0], T.Cast(acc_dtype, scores[b, i, h, j]))
+    for j in range(tail, stop[0]):
+        row_max[0] = T.max(row_max[0], T.Cast(acc_dtype, scores[b, i, h, j]))
+    if row_max[0] == minus_inf:  # no key left: exp gives 0 everywhere, no NaN from -inf - -inf
+        row_max[0] = T.Cast(acc_dtype, 0)
+    for lane in T.vectorized(lanes):
+        partial[lane] = T.Cast(acc_dtype, 0)
+    for vector in range(paired):
+        for lane in T.vectorized(lanes):
+            exps[vector * T.int64(2 * lanes) + lane] = _exp(
+                _bfloat16_even(words[word0 + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
+            exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane] = _exp(
+                _bfloat16_odd(words[word0 + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
+            partial[lane] = (partial[lane] + exps[vector * T.int64(2 * lanes) + lane]
+                             + exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane])
+    for vector in range(vectors):
+        for lane in T.vectorized(lanes):
+            exps[paired * T.int64(2 * lanes) + vector * T.int64(lanes) + lane] = _exp(
+                T.Cast(acc_dtype, scores[b, i, h, values_start + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
+            partial[lane] = partial[lane] + exps[paired * T.int64(2 * lanes) + vector * T.int64(lanes) + lane]
+    total[0] = T.Cast(acc_dtype, 0)
+    for lane in range(lanes):
+        total[0] = total[0] + partial[lane]
+    lead_exp[0] = T.Cast(acc_dtype, 0)
+    for j in range(first[0], first[0] + lead):
+        lead_exp[0] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype)
+        total[0] = total[0] + lead_exp[0]
+    for j in range(tail, stop[0]):
+        exps[j - first[0] - lead] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype)
+        total[0] = total[0] + exps[j - first[0] - lead]
+    lse[b, i, h] = row_max[0] + T.log(total[0])  # log(0) = -inf: a row with no key
+    total[0] = T.Select(total[0] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / total[0])
+    for vector in range(paired):
+        for lane in T.vectorized(lanes):
+            exps[vector * T.int64(2 * lanes) + lane] = exps[vector * T.int64(2 * lanes) + lane] * total[0]
+            exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane] = (
+                exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane] * total[0])
+            words[word0 + vector * T.int64(lanes) + lane] = _bfloat16_pair(
+                exps[vector * T.int64(2 * lanes) + lane], exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane])
+    for vector in range(vectors):
+        for lane in T.vectorized(lanes):
+            scores[b, i, h, values_start + vector * T.int64(lanes) + lane] = _rounded(
+                dtype, exps[paired * T.int64(2 * lanes) + vector * T.int64(lanes) + lane] * total[0])
+    for j in range(first[0], first[0] + lead):
+        scores[b, i, h, j] = _rounded(dtype, lead_exp[0] * total[0])
+    for j in range(tail, stop[0]):
+        scores[b, i, h, j] = _rounded(dtype, exps[j - first[0] - lead] * total[0])
+
+
 def softmax(dtype: str, autoregressive: bool, isa: str):
     """In place: each row of ``band [b, n, h, c]`` becomes the softmax of its scores over the row's
     valid keys (exactly 0 at the others), and ``lse [b, n, h]`` (accumulation dtype) gets the row's
@@ -38,10 +118,12 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
     it, and a pass scaling by 1 / sum. Half types keep the exponentials in a row of the accumulation
     dtype instead of the band, so that they round once with one exp per score, as float32 (they used
     to recompute them in the last pass: bench/NOTES.md, "The band softmax in the half types"; a row
-    stays in L1 either way).
+    stays in L1 either way). bfloat16 on AVX2 takes its scores as 32-bit pairs (:func:`_row_on_pairs`),
+    its sum in another order than the other libraries' (as exact).
     """
     acc_dtype = accumulation_dtype(dtype)
     lanes = tiles_for(isa).vector_bits // (64 if acc_dtype == "float64" else 32)
+    pairs = tiles_for(isa).pairs_for(dtype)
     causal = 1 if autoregressive else 0
     minus_inf = tirx.const(float("-inf"), acc_dtype)
     store_exp = dtype == acc_dtype
@@ -58,6 +140,7 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
         key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
+        words = _flat_pair_view(scores, pairs)
         w: T.let = T.int64(causal) * (width - T.int64(1)) + T.int64(1 - causal) * ((width - T.int64(1)) // T.int64(2))
         for bi in T.parallel(batch * n):
             b: T.let = bi // n
@@ -67,6 +150,7 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
             total = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
             first = T.alloc_local((1,), "int64", annotations=_ON_STACK)
             stop = T.alloc_local((1,), "int64", annotations=_ON_STACK)
+            lead_exp = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK) if pairs else ()
             # Half types: the row's exponentials in the accumulation dtype (a workspace of TVM's pool,
             # per row: a runtime size cannot live on the stack).
             exps = () if store_exp else T.decl_buffer((width,), acc_dtype)
@@ -76,60 +160,64 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
                 if with_bias != T.int64(0):
                     for j in range(first[0], stop[0]):
                         scores[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, scores[b, i, h, j]) + key_bias[b, i + d * (j - w)])
-                vectors, tail = _row_vectors(first[0], stop[0], lanes)
-                for lane in T.vectorized(lanes):
-                    partial[lane] = minus_inf
-                for vector in range(vectors):
+                if pairs:
+                    _row_on_pairs(scores, words, exps, lead_exp, partial, row_max, total, lse, b, i, h, first, stop,
+                                  ((b * n + i) * heads + h) * width, lanes, acc_dtype, dtype, minus_inf)
+                else:
+                    vectors, tail = _row_vectors(first[0], stop[0], lanes)
                     for lane in T.vectorized(lanes):
-                        partial[lane] = T.max(partial[lane], T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]))
-                row_max[0] = minus_inf
-                for lane in range(lanes):
-                    row_max[0] = T.max(row_max[0], partial[lane])
-                for j in range(tail, stop[0]):
-                    row_max[0] = T.max(row_max[0], T.Cast(acc_dtype, scores[b, i, h, j]))
-                if row_max[0] == minus_inf:  # no key left: exp gives 0 everywhere, no NaN from -inf - -inf
-                    row_max[0] = T.Cast(acc_dtype, 0)
-                for lane in T.vectorized(lanes):
-                    partial[lane] = T.Cast(acc_dtype, 0)
-                if store_exp:  # the band holds the accumulation dtype: keep each exp, rescale it below
+                        partial[lane] = minus_inf
                     for vector in range(vectors):
                         for lane in T.vectorized(lanes):
-                            scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _exp(
-                                scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] - row_max[0], acc_dtype)
-                            partial[lane] = partial[lane] + scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]
-                else:
-                    for vector in range(vectors):
-                        for lane in T.vectorized(lanes):
-                            exps[vector * T.int64(lanes) + lane] = _exp(
-                                T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
-                            partial[lane] = partial[lane] + exps[vector * T.int64(lanes) + lane]
-                total[0] = T.Cast(acc_dtype, 0)
-                for lane in range(lanes):
-                    total[0] = total[0] + partial[lane]
-                for j in range(tail, stop[0]):
-                    if store_exp:
-                        scores[b, i, h, j] = _exp(scores[b, i, h, j] - row_max[0], acc_dtype)
-                        total[0] = total[0] + scores[b, i, h, j]
+                            partial[lane] = T.max(partial[lane], T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]))
+                    row_max[0] = minus_inf
+                    for lane in range(lanes):
+                        row_max[0] = T.max(row_max[0], partial[lane])
+                    for j in range(tail, stop[0]):
+                        row_max[0] = T.max(row_max[0], T.Cast(acc_dtype, scores[b, i, h, j]))
+                    if row_max[0] == minus_inf:  # no key left: exp gives 0 everywhere, no NaN from -inf - -inf
+                        row_max[0] = T.Cast(acc_dtype, 0)
+                    for lane in T.vectorized(lanes):
+                        partial[lane] = T.Cast(acc_dtype, 0)
+                    if store_exp:  # the band holds the accumulation dtype: keep each exp, rescale it below
+                        for vector in range(vectors):
+                            for lane in T.vectorized(lanes):
+                                scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _exp(
+                                    scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] - row_max[0], acc_dtype)
+                                partial[lane] = partial[lane] + scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]
                     else:
-                        exps[j - first[0]] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype)
-                        total[0] = total[0] + exps[j - first[0]]
-                lse[b, i, h] = row_max[0] + T.log(total[0])  # log(0) = -inf: a row with no key
-                # 1 / sum, 0 for a row with no key; a NaN sum (a NaN score) stays NaN, so the whole row is NaN.
-                total[0] = T.Select(total[0] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / total[0])
-                if store_exp:
-                    for vector in range(vectors):
-                        for lane in T.vectorized(lanes):
-                            scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = \
-                                scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] * total[0]
+                        for vector in range(vectors):
+                            for lane in T.vectorized(lanes):
+                                exps[vector * T.int64(lanes) + lane] = _exp(
+                                    T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
+                                partial[lane] = partial[lane] + exps[vector * T.int64(lanes) + lane]
+                    total[0] = T.Cast(acc_dtype, 0)
+                    for lane in range(lanes):
+                        total[0] = total[0] + partial[lane]
                     for j in range(tail, stop[0]):
-                        scores[b, i, h, j] = scores[b, i, h, j] * total[0]
-                else:
-                    for vector in range(vectors):
-                        for lane in T.vectorized(lanes):
-                            scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _rounded(
-                                dtype, exps[vector * T.int64(lanes) + lane] * total[0])
-                    for j in range(tail, stop[0]):
-                        scores[b, i, h, j] = _rounded(dtype, exps[j - first[0]] * total[0])
+                        if store_exp:
+                            scores[b, i, h, j] = _exp(scores[b, i, h, j] - row_max[0], acc_dtype)
+                            total[0] = total[0] + scores[b, i, h, j]
+                        else:
+                            exps[j - first[0]] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype)
+                            total[0] = total[0] + exps[j - first[0]]
+                    lse[b, i, h] = row_max[0] + T.log(total[0])  # log(0) = -inf: a row with no key
+                    # 1 / sum, 0 for a row with no key; a NaN sum (a NaN score) stays NaN, so the whole row is NaN.
+                    total[0] = T.Select(total[0] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / total[0])
+                    if store_exp:
+                        for vector in range(vectors):
+                            for lane in T.vectorized(lanes):
+                                scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = \
+                                    scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] * total[0]
+                        for j in range(tail, stop[0]):
+                            scores[b, i, h, j] = scores[b, i, h, j] * total[0]
+                    else:
+                        for vector in range(vectors):
+                            for lane in T.vectorized(lanes):
+                                scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _rounded(
+                                    dtype, exps[vector * T.int64(lanes) + lane] * total[0])
+                        for j in range(tail, stop[0]):
+                            scores[b, i, h, j] = _rounded(dtype, exps[j - first[0]] * total[0])
                 for j in range(first[0]):
                     scores[b, i, h, j] = T.Cast(dtype, 0)
                 for j in range(stop[0], width):

@@ -36,10 +36,10 @@ class Tiles:
     # bfloat16 band products (Q.K^T, probs.V, transposed) and fused attention through the CPU's
     # bfloat16 dot product (bf16_dot.py) instead of FMAs.
     bf16_dot: bool = False
-    # bfloat16's elementwise kernels (GELU, dropout) on 32-bit pairs of values, where widening and
-    # rounding one value at a time cost more than the arithmetic; the GELU forward in two passes per
-    # run of vectors (computed, then rounded), where the register file cannot hold the GELU's
-    # constants and the rounding's at once (schedules/cpu/gelu.py).
+    # bfloat16's elementwise kernels (GELU, dropout, layer norm, global merge) on 32-bit pairs of
+    # values, where widening and rounding one value at a time cost more than the arithmetic; the GELU
+    # forward in two passes per run of vectors (computed, then rounded), where the register file
+    # cannot hold the GELU's constants and the rounding's at once (schedules/cpu/gelu.py).
     bfloat16_pairs: bool = False
 
     def pairs_for(self, dtype: str) -> bool:
