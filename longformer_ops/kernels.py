@@ -709,6 +709,20 @@ bias_gelu.register_autograd(_bias_gelu_autograd, setup_context=_save_bias_gelu)
 
 
 # ----------------------------------------------------------------------------- the layer's global-key merge
+def _slots(x: Tensor) -> Tensor:
+    """A global-slot operand (``omega``, ``values``, ``t``) contiguous, and where it has no elements (no
+    global tokens) with the row-major strides TVM checks its arguments against, which torch does not
+    give it (``[1, 5, 2, 0]``: torch's strides ``(10, 2, 1, 1)``, TVM's ``(0, 0, 0, 1)``)."""
+    x = x.contiguous()
+    if x.numel():
+        return x
+    strides, step = [], 1
+    for size in reversed(x.shape):
+        strides.insert(0, step)
+        step *= size
+    return x.as_strided(x.shape, strides)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::global_merge", mutates_args=())
 def global_merge(context: Tensor, a: Tensor, omega: Tensor, values: Tensor) -> Tensor:
     """``a[..., None] context + sum_g omega[..., g, None] values[:, g]`` over ``context [b, n, h, d]``,
@@ -717,8 +731,8 @@ def global_merge(context: Tensor, a: Tensor, omega: Tensor, values: Tensor) -> T
     out = new_output(context, context.shape)
     if out.numel():
         with _on_device(context):
-            _library(context).function(GLOBAL_MERGE)(context.contiguous(), a.contiguous(), omega.contiguous(),
-                                                     values.contiguous(), out)
+            _library(context).function(GLOBAL_MERGE)(context.contiguous(), a.contiguous(), _slots(omega), _slots(values),
+                                                     out)
     return out
 
 
@@ -733,8 +747,7 @@ def global_merge_(context: Tensor, a: Tensor, omega: Tensor, values: Tensor) -> 
     _check_contiguous("context", context)
     if context.numel():
         with _on_device(context):
-            _library(context).function(GLOBAL_MERGE)(context, a.contiguous(), omega.contiguous(), values.contiguous(),
-                                                     context)
+            _library(context).function(GLOBAL_MERGE)(context, a.contiguous(), _slots(omega), _slots(values), context)
 
 
 @global_merge_.register_fake
@@ -752,8 +765,8 @@ def global_merge_backward(grad: Tensor, context: Tensor, values: Tensor, a: Tens
     t = a.new_empty((*a.shape, values.shape[1]))
     if grad_context.numel():
         with _on_device(context):
-            _library(context).function(GLOBAL_MERGE_BACKWARD)(grad.contiguous(), context.contiguous(),
-                                                              values.contiguous(), a.contiguous(), grad_context, u, t)
+            _library(context).function(GLOBAL_MERGE_BACKWARD)(grad.contiguous(), context.contiguous(), _slots(values),
+                                                              a.contiguous(), grad_context, u, _slots(t))
     else:
         u.zero_()
         t.zero_()

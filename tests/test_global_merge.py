@@ -16,9 +16,9 @@ ops = torch.ops.longformer_ops
 # (b, n, h, d, g): features not a multiple of a vector (7, 40) and under one vector, odd lengths,
 # one slot and several (the backward takes the slots four at a time, then the 1-3 left in one pass);
 # 190 and 18 for AVX2's bfloat16 forward on pairs (microkernels.py): 11 vectors of pairs, a vector
-# of 8 and a tail of 6; one vector of pairs and a tail of 2.
+# of 8 and a tail of 6; one vector of pairs and a tail of 2; and no slots at all (no global tokens).
 SIZES = [(1, 1, 1, 7, 1), (2, 37, 3, 40, 2), (1, 19, 12, 64, 1), (2, 5, 2, 16, 4), (2, 4, 3, 9, 5), (1, 6, 2, 24, 7),
-         (1, 3, 2, 190, 5), (2, 5, 3, 18, 3)]
+         (1, 3, 2, 190, 5), (2, 5, 3, 18, 3), (2, 5, 3, 16, 0)]
 
 
 def _inputs(dtype, size, *parts):
