@@ -40,6 +40,15 @@ CPU_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 NORMWISE_UNITS = {torch.float64: (16, 64), torch.float32: (32, 64), torch.float16: (1.5, 8), torch.bfloat16: (1.5, 8)}
 
 
+def unaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` one element into a storage of its own: not vector-aligned, and for the 16-bit
+    types not 4-byte aligned either (the kernels that view bfloat16 as 32-bit pairs)."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = storage[1:].view(t.shape)
+    assert view.data_ptr() % 8 != 0
+    return view.copy_(t)
+
+
 def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CPU_DTYPES, stable_seed, unit_roundoff
+from conftest import CPU_DTYPES, stable_seed, unaligned, unit_roundoff
 from longformer_ops import kernels
 from longformer_ops import layer as layer_module
 
@@ -84,18 +84,12 @@ def test_inputs_at_any_address(cpu_library, dtype):
     (bfloat16 on pairs) 4-byte-aligned data."""
     context, a, omega, values, grad = _inputs(dtype, (2, 5, 3, 64, 3))
 
-    def shifted(t):
-        storage = torch.empty(t.numel() + 1, dtype=t.dtype)
-        view = storage[1:].view(t.shape)
-        assert view.data_ptr() % 8 != 0
-        return view.copy_(t)
-
     expected = ops.global_merge(context, a, omega, values)
-    assert torch.equal(ops.global_merge(shifted(context), a, omega, shifted(values)), expected)
-    in_place = shifted(context)
-    ops.global_merge_(in_place, a, omega, shifted(values))
+    assert torch.equal(ops.global_merge(unaligned(context), a, omega, unaligned(values)), expected)
+    in_place = unaligned(context)
+    ops.global_merge_(in_place, a, omega, unaligned(values))
     assert torch.equal(in_place, expected)
-    for got, want in zip(ops.global_merge_backward(shifted(grad), shifted(context), shifted(values), a),
+    for got, want in zip(ops.global_merge_backward(unaligned(grad), unaligned(context), unaligned(values), a),
                          ops.global_merge_backward(grad, context, values, a), strict=True):
         assert torch.equal(got, want)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import CPU_DTYPES, stable_seed, unit_roundoff
+from conftest import CPU_DTYPES, stable_seed, unaligned, unit_roundoff
 from longformer_ops import kernels
 from longformer_ops.layer_norm import LayerNorm, layer_norm
 
@@ -166,16 +166,10 @@ def test_inputs_at_any_address_and_empty(dtype):
     (bfloat16 on pairs) 4-byte-aligned data; and no rows."""
     x, weight, bias, grad = _inputs(dtype, (3, 64))
 
-    def shifted(t):
-        storage = torch.empty(t.numel() + 1, dtype=t.dtype)
-        view = storage[1:].view(t.shape)
-        assert view.data_ptr() % 8 != 0
-        return view.copy_(t)
-
     expected = ops.layer_norm(x, weight, bias, EPS)
-    for got, want in zip(ops.layer_norm(shifted(x), shifted(weight), shifted(bias), EPS), expected, strict=True):
+    for got, want in zip(ops.layer_norm(unaligned(x), unaligned(weight), unaligned(bias), EPS), expected, strict=True):
         assert torch.equal(got, want)
-    for got, want in zip(ops.layer_norm_backward(shifted(grad), shifted(x), shifted(weight), *expected[1:]),
+    for got, want in zip(ops.layer_norm_backward(unaligned(grad), unaligned(x), unaligned(weight), *expected[1:]),
                          ops.layer_norm_backward(grad, x, weight, *expected[1:]), strict=True):
         assert torch.equal(got, want)
     empty = torch.empty(0, 64, dtype=dtype, requires_grad=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import CPU_DTYPES, stable_seed, unit_roundoff
+from conftest import CPU_DTYPES, stable_seed, unaligned, unit_roundoff
 from longformer_ops import kernels
 from longformer_ops.dropout import Dropout, dropout
 from longformer_ops.reference import dropout_factor_reference
@@ -190,18 +190,12 @@ def test_inputs_at_any_address(dtype):
     h, bias, residual, grad, seed = _inputs(dtype, (3, 64))
     seed = torch.tensor(seed)
 
-    def shifted(t):
-        storage = torch.empty(t.numel() + 1, dtype=t.dtype)
-        view = storage[1:].view(t.shape)
-        assert view.data_ptr() % 8 != 0
-        return view.copy_(t)
-
     expected = ops.bias_dropout_add(h, bias, residual, seed, 0.5)
-    assert torch.equal(ops.bias_dropout_add(shifted(h), shifted(bias), shifted(residual), seed, 0.5), expected)
-    in_place = shifted(h)
-    ops.bias_dropout_add_(in_place, shifted(bias), shifted(residual), seed, 0.5)
+    assert torch.equal(ops.bias_dropout_add(unaligned(h), unaligned(bias), unaligned(residual), seed, 0.5), expected)
+    in_place = unaligned(h)
+    ops.bias_dropout_add_(in_place, unaligned(bias), unaligned(residual), seed, 0.5)
     assert torch.equal(in_place, expected)
-    for got, want in zip(ops.dropout_column_sums(shifted(grad), seed, 0.5), ops.dropout_column_sums(grad, seed, 0.5)):
+    for got, want in zip(ops.dropout_column_sums(unaligned(grad), seed, 0.5), ops.dropout_column_sums(grad, seed, 0.5)):
         assert torch.equal(got, want)
 
 
