@@ -69,25 +69,26 @@ def _row_on_pairs(scores, words, exps, lead_exp, partial, row_max, total, lse, b
     for vector in range(paired):
         for lane in T.vectorized(lanes):
             exps[vector * T.int64(2 * lanes) + lane] = _exp(
-                _bfloat16_even(words[word0 + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
+                _bfloat16_even(words[word0 + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype, half_results=True)
             exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane] = _exp(
-                _bfloat16_odd(words[word0 + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
+                _bfloat16_odd(words[word0 + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype, half_results=True)
             partial[lane] = (partial[lane] + exps[vector * T.int64(2 * lanes) + lane]
                              + exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane])
     for vector in range(vectors):
         for lane in T.vectorized(lanes):
             exps[paired * T.int64(2 * lanes) + vector * T.int64(lanes) + lane] = _exp(
-                T.Cast(acc_dtype, scores[b, i, h, values_start + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
+                T.Cast(acc_dtype, scores[b, i, h, values_start + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype,
+                half_results=True)
             partial[lane] = partial[lane] + exps[paired * T.int64(2 * lanes) + vector * T.int64(lanes) + lane]
     total[0] = T.Cast(acc_dtype, 0)
     for lane in range(lanes):
         total[0] = total[0] + partial[lane]
     lead_exp[0] = T.Cast(acc_dtype, 0)
     for j in range(first[0], first[0] + lead):
-        lead_exp[0] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype)
+        lead_exp[0] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype, half_results=True)
         total[0] = total[0] + lead_exp[0]
     for j in range(tail, stop[0]):
-        exps[j - first[0] - lead] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype)
+        exps[j - first[0] - lead] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype, half_results=True)
         total[0] = total[0] + exps[j - first[0] - lead]
     lse[b, i, h] = row_max[0] + T.log(total[0])  # log(0) = -inf: a row with no key
     total[0] = T.Select(total[0] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / total[0])
@@ -118,8 +119,11 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
     it, and a pass scaling by 1 / sum. Half types keep the exponentials in a row of the accumulation
     dtype instead of the band, so that they round once with one exp per score, as float32 (they used
     to recompute them in the last pass: bench/NOTES.md, "The band softmax in the half types"; a row
-    stays in L1 either way). bfloat16 on AVX2 takes its scores as 32-bit pairs (:func:`_row_on_pairs`),
-    its sum in another order than the other libraries' (as exact).
+    stays in L1 either way), and take exp's cheaper polynomial for results rounded to a half type
+    (microkernels._EXP_HALF, 2.7e-6 relative: 1/180 of float16's unit roundoff; the log-sum-exp,
+    float32, is within that of the exact one, where float32's is within a few units of 2^-24).
+    bfloat16 on AVX2 takes its scores as 32-bit pairs (:func:`_row_on_pairs`), its sum in another
+    order than the other libraries' (as exact).
     """
     acc_dtype = accumulation_dtype(dtype)
     lanes = tiles_for(isa).vector_bits // (64 if acc_dtype == "float64" else 32)
@@ -189,7 +193,8 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
                         for vector in range(vectors):
                             for lane in T.vectorized(lanes):
                                 exps[vector * T.int64(lanes) + lane] = _exp(
-                                    T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype)
+                                    T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype,
+                                    half_results=True)
                                 partial[lane] = partial[lane] + exps[vector * T.int64(lanes) + lane]
                     total[0] = T.Cast(acc_dtype, 0)
                     for lane in range(lanes):
@@ -199,7 +204,7 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
                             scores[b, i, h, j] = _exp(scores[b, i, h, j] - row_max[0], acc_dtype)
                             total[0] = total[0] + scores[b, i, h, j]
                         else:
-                            exps[j - first[0]] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype)
+                            exps[j - first[0]] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype, half_results=True)
                             total[0] = total[0] + exps[j - first[0]]
                     lse[b, i, h] = row_max[0] + T.log(total[0])  # log(0) = -inf: a row with no key
                     # 1 / sum, 0 for a row with no key; a NaN sum (a NaN score) stays NaN, so the whole row is NaN.
