@@ -172,6 +172,28 @@ def test_band_softmax_carries_nan_on_every_path(cpu_library, dtype):
     assert torch.equal(lse.isnan(), expected), _described(lse.isnan() ^ expected)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_band_softmax_gradient_carries_a_nan_lse_gradient(cpu_library, dtype):
+    """A NaN lse gradient of each of six bit patterns (float32; a caller's merge with global attention
+    gives it), each in a row of its own, half of them in rows that start inside a 32-bit pair (w = 20,
+    rows of 41, as AVX2's bfloat16 takes them): that row's score gradient NaN at every key, as the
+    float64 definition's (P * NaN), every other row's finite."""
+    generator = torch.Generator().manual_seed(stable_seed("band softmax lse gradient", str(dtype)))
+    n, heads, w = 60, 2, 20
+    scores = (3 * torch.randn(1, n, heads, 2 * w + 1, generator=generator, dtype=torch.float64)).to(dtype)
+    grad_lse = torch.zeros(1, n, heads, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    expected = torch.zeros(1, n, heads, dtype=torch.bool)
+    for k, pattern in enumerate(NAN_PATTERNS):
+        row, head = 20 + k, k % 2  # rows 20..25, all of whose keys are in the sequence
+        grad_lse[0, row, head] = _float32_nans([pattern])[0].to(grad_lse.dtype)
+        expected[0, row, head] = True
+    leaf = scores.clone().requires_grad_()
+    probs, lse = band_softmax_(leaf.clone(), w, 1, return_lse=True)
+    (got,) = torch.autograd.grad([probs, lse], leaf, [torch.randn(probs.shape, generator=generator).to(dtype), grad_lse])
+    wrong = (got.isnan().all(-1) ^ expected) | (got.isnan().any(-1) ^ expected)
+    assert not wrong.any(), f"{dtype}: score gradients NaN in part or in the wrong rows: {_described(wrong)}"
+
+
 # Far tails of x, each representable in every CPU dtype (float16's largest is 65504).
 TAILS = [-6e4, -1e3, -40.0, -20.0, -9.0, -6.0, -5.7, 5.7, 9.0, 40.0, 6e4]
 

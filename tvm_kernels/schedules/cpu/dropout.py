@@ -57,15 +57,16 @@ def _dropped_pair(terms, lane, words, hashed_start, pair_steps, p, lanes, acc_dt
     terms[lanes + lane] = _bfloat16_odd(words) * dropout_factor_of(hashed_start + pair_steps[lanes + lane], p, acc_dtype)
 
 
-def _pair_steps(lanes: int, pairs: bool):
-    """:func:`pair_column_steps`'s buffer with pairs, none otherwise (call it inside the PrimFunc)."""
-    return T.alloc_local((2 * lanes,), "uint32", annotations=_ON_STACK) if pairs else ()
-
-
-def _pair_terms(lanes: int, pairs: bool):
-    """With pairs, a vector of pairs' values before their rounding (even, then odd): the rounding
-    reads each twice, so it takes them from here, not from the expressions (as ``_store_rounded``)."""
-    return T.alloc_local((2 * lanes,), "float32", annotations=_ON_STACK) if pairs else ()
+def _hash_buffers(dtype: str, lanes: int, acc_dtype: str, pairs: bool):
+    """The dropout kernels' per-row buffers (call it inside the PrimFunc): :func:`lane_column_steps`'s,
+    ``_store_rounded``'s staging (bfloat16), and with pairs :func:`pair_column_steps`'s and a vector
+    of pairs' values before their rounding (even, then odd: the rounding reads each twice, so it
+    takes them from here, not from the expressions, as ``_store_rounded``)."""
+    lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
+    staged = _staging(dtype, lanes, acc_dtype)
+    pair_steps = T.alloc_local((2 * lanes,), "uint32", annotations=_ON_STACK) if pairs else ()
+    terms = T.alloc_local((2 * lanes,), "float32", annotations=_ON_STACK) if pairs else ()
+    return lane_steps, staged, pair_steps, terms
 
 
 def dropout(dtype: str, isa: str):
@@ -91,10 +92,7 @@ def dropout(dtype: str, isa: str):
             paired: T.let = _paired_vectors(cols, lanes)
         for r in T.parallel(rows):
             key: T.let = dropout_row_key(seed, T.int64(0), r)
-            lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
-            staged = _staging(dtype, lanes, acc_dtype)
-            pair_steps = _pair_steps(lanes, pairs)
-            terms = _pair_terms(lanes, pairs)
+            lane_steps, staged, pair_steps, terms = _hash_buffers(dtype, lanes, acc_dtype, pairs)
             lane_column_steps(lane_steps, lanes)
             if pairs:
                 pair_column_steps(pair_steps, lanes)
@@ -147,10 +145,7 @@ def bias_dropout_add(dtype: str, isa: str):
             paired: T.let = _paired_vectors(cols, lanes)
         for r in T.parallel(rows):
             key: T.let = dropout_row_key(seed, T.int64(0), r)
-            lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
-            staged = _staging(dtype, lanes, acc_dtype)
-            pair_steps = _pair_steps(lanes, pairs)
-            terms = _pair_terms(lanes, pairs)
+            lane_steps, staged, pair_steps, terms = _hash_buffers(dtype, lanes, acc_dtype, pairs)
             lane_column_steps(lane_steps, lanes)
             if pairs:
                 pair_column_steps(pair_steps, lanes)
@@ -209,10 +204,7 @@ def dropout_column_sums(dtype: str, isa: str):
             size: T.let = (rows + chunks - T.int64(1)) // chunks
             for c in range(cols):
                 sums[chunk, c] = T.Cast(acc_dtype, 0)
-            lane_steps = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK)
-            staged = _staging(dtype, lanes, acc_dtype)
-            pair_steps = _pair_steps(lanes, pairs)
-            terms = _pair_terms(lanes, pairs)
+            lane_steps, staged, pair_steps, terms = _hash_buffers(dtype, lanes, acc_dtype, pairs)
             rounded = T.alloc_local((lanes,), "uint32", annotations=_ON_STACK) if pairs else ()
             lane_column_steps(lane_steps, lanes)
             if pairs:

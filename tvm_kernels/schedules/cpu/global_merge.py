@@ -9,10 +9,13 @@ matmul, a mixed-dtype ``addcmul`` and a conversion forward (each a pass over ``[
 half-type operands converted whole), and as many backward; here one pass each, in the accumulation
 dtype, rounded once.
 
-On AVX2 bfloat16's forward takes its values as 32-bit pairs, as the GELU does (microkernels.py;
-gelu.py's docstring says why): each output the same sum in the same order, bit for bit, rounded
+On AVX2 bfloat16 takes its values as 32-bit pairs, as the GELU does (microkernels.py; gelu.py's
+docstring says why). The forward: each output the same sum in the same order, bit for bit, rounded
 as pairs with the NaN guard (the weights are float32 of any bit pattern: bench/NOTES.md,
-"bfloat16's layer norm backward and global merge on pairs").
+"bfloat16's layer norm backward and global merge on pairs"). The backward: the context's gradient
+bit for bit but for a NaN's bits, its dot products with a vector of pairs' even and odd products
+in the same partial sums (another order, as exact; bench/NOTES.md, "bfloat16's global-merge and
+band softmax backwards on pairs").
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
 from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
-                                                    _pair_view, _paired_vectors, _rounded)
+                                                    _pair_view, _paired_vectors, _quieted, _rounded)
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 
@@ -111,13 +114,28 @@ def _lanes_summed(result, at, partial, offset, total, lanes):
 
 
 @T.macro
-def _slots_pass(t, grad, values, b, r, h, first, count, d, widened, partial, total, lanes, acc_dtype):
+def _slots_pass(t, grad, values, grad_words, values_words, paired, b, r, h, first, count, d, widened, partial, total,
+                lanes, acc_dtype, pairs):
     """t[b, r, h, first + j] = <grad[b, r, h, :], values[b, first + j, h, :]> for j < count (a Python
-    int: the count's chains unrolled, in registers) in one pass over the features."""
+    int: the count's chains unrolled, in registers) in one pass over the features; with ``pairs``
+    the first ``paired`` vectors of pairs (``grad_words``, ``values_words``) each add their even and
+    odd products to the same partial sums."""
     for j in T.unroll(count):
         for lane in T.vectorized(lanes):
             partial[j * lanes + lane] = T.Cast(acc_dtype, 0)
-    for vector in range(d // T.int64(lanes)):
+    if pairs:
+        for vector in range(paired):
+            for lane in T.vectorized(lanes):
+                widened[lane] = _bfloat16_even(grad_words[b, r, h, vector * T.int64(lanes) + lane])
+                widened[lanes + lane] = _bfloat16_odd(grad_words[b, r, h, vector * T.int64(lanes) + lane])
+            for j in T.unroll(count):
+                for lane in T.vectorized(lanes):
+                    word: T.let = vector * T.int64(lanes) + lane
+                    partial[j * lanes + lane] = (
+                        partial[j * lanes + lane]
+                        + widened[lane] * _bfloat16_even(values_words[b, first + T.int64(j), h, word])
+                        + widened[lanes + lane] * _bfloat16_odd(values_words[b, first + T.int64(j), h, word]))
+    for vector in range(paired * T.int64(2) if pairs else T.int64(0), d // T.int64(lanes)):
         for lane in T.vectorized(lanes):
             widened[lane] = T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane])
         for j in T.unroll(count):
@@ -136,14 +154,16 @@ def global_merge_backward(dtype: str, isa: str):
     """From the output's gradient ``grad [b, n, h, d]``: ``grad_context = grad a`` (rounded once to
     the dtype), ``u[b, r, h] = <grad, context>`` and ``t[b, r, h, g] = <grad, values[b, g, h]>`` over
     ``d`` (accumulation dtype; products and sums in it, per lane over the vectors, the tail in lane 0,
-    then the lanes in order). Arguments: grad, context ``[b, n, h, d]``, values ``[b, g, h, d]``,
-    a ``[b, n, h]``, then the outputs grad_context ``[b, n, h, d]``, u ``[b, n, h]``, t ``[b, n, h, g]``.
+    then the lanes in order; with pairs each lane takes a vector of pairs' even product, then its odd
+    one). Arguments: grad, context ``[b, n, h, d]``, values ``[b, g, h, d]``, a ``[b, n, h]``, then
+    the outputs grad_context ``[b, n, h, d]``, u ``[b, n, h]``, t ``[b, n, h, g]``.
 
     Each pass over the features serves several outputs (the context's gradient and u, then the slots
     ``SLOT_GROUP`` at a time, then the one to three left), so the gradient is read and widened once
     per pass instead of once per dot product, and the dot products run as independent chains."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = accumulation_lanes(dtype, isa)
+    pairs = tiles_for(isa).pairs_for(dtype)
     element, acc_element = _BITS[dtype] // 8, _BITS[acc_dtype] // 8
     group = SLOT_GROUP
 
@@ -163,17 +183,36 @@ def global_merge_backward(dtype: str, isa: str):
         grad_context = T.match_buffer(grad_context_handle, (batch, n, heads, d), dtype, align=element)
         u = T.match_buffer(u_handle, (batch, n, heads), acc_dtype, align=acc_element)
         t = T.match_buffer(t_handle, (batch, n, heads, slots), acc_dtype, align=acc_element)
+        grad_words = _pair_view(grad, pairs)
+        context_words = _pair_view(context, pairs)
+        values_words = _pair_view(values, pairs)
+        grad_context_words = _pair_view(grad_context, pairs)
+        paired: T.let = _paired_vectors(d, lanes) if pairs else T.int64(0)
         for row in T.parallel(batch * n):
             b: T.let = row // n
             r: T.let = row % n
-            widened = T.alloc_local((lanes,), acc_dtype, annotations=_ON_STACK)
+            widened = T.alloc_local((2 * lanes if pairs else lanes,), acc_dtype, annotations=_ON_STACK)
             partial = T.alloc_local((group * lanes,), acc_dtype, annotations=_ON_STACK)
             total = T.alloc_local((1,), acc_dtype, annotations=_ON_STACK)
             for h in range(heads):
                 # The context's gradient and u in one pass.
                 for lane in T.vectorized(lanes):
                     partial[lane] = T.Cast(acc_dtype, 0)
-                for vector in range(d // T.int64(lanes)):
+                if pairs:
+                    # a, float32 of any bit pattern, with its NaNs quieted once (_quieted) in place of
+                    # the rounding's guard on every product: then each NaN product is a bfloat16 NaN
+                    # (low half zero) or x86's default NaN, which round without carrying (_bfloat16_pair).
+                    weight: T.let = T.reinterpret(acc_dtype, _quieted(T.reinterpret("uint32", a[b, r, h])))
+                    for vector in range(paired):
+                        for lane in T.vectorized(lanes):
+                            word: T.let = vector * T.int64(lanes) + lane
+                            widened[lane] = _bfloat16_even(grad_words[b, r, h, word])
+                            widened[lanes + lane] = _bfloat16_odd(grad_words[b, r, h, word])
+                            grad_context_words[b, r, h, word] = _bfloat16_pair(weight * widened[lane],
+                                                                               weight * widened[lanes + lane])
+                            partial[lane] = (partial[lane] + widened[lane] * _bfloat16_even(context_words[b, r, h, word])
+                                             + widened[lanes + lane] * _bfloat16_odd(context_words[b, r, h, word]))
+                for vector in range(paired * T.int64(2) if pairs else T.int64(0), d // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
                         widened[lane] = T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane])
                     for lane in T.vectorized(lanes):
@@ -188,16 +227,16 @@ def global_merge_backward(dtype: str, isa: str):
                 _lanes_summed(u, (b, r, h), partial, 0, total, lanes)
                 # The slots: groups of SLOT_GROUP, then those left in one pass (SLOT_GROUP - 1 cases).
                 for first in range(slots // T.int64(group)):
-                    _slots_pass(t, grad, values, b, r, h, first * T.int64(group), group, d, widened, partial, total,
-                                lanes, acc_dtype)
+                    _slots_pass(t, grad, values, grad_words, values_words, paired, b, r, h, first * T.int64(group),
+                                group, d, widened, partial, total, lanes, acc_dtype, pairs)
                 if slots % T.int64(group) == T.int64(1):
-                    _slots_pass(t, grad, values, b, r, h, slots - T.int64(1), 1, d, widened, partial, total, lanes,
-                                acc_dtype)
+                    _slots_pass(t, grad, values, grad_words, values_words, paired, b, r, h, slots - T.int64(1), 1, d,
+                                widened, partial, total, lanes, acc_dtype, pairs)
                 if slots % T.int64(group) == T.int64(2):
-                    _slots_pass(t, grad, values, b, r, h, slots - T.int64(2), 2, d, widened, partial, total, lanes,
-                                acc_dtype)
+                    _slots_pass(t, grad, values, grad_words, values_words, paired, b, r, h, slots - T.int64(2), 2, d,
+                                widened, partial, total, lanes, acc_dtype, pairs)
                 if slots % T.int64(group) == T.int64(3):
-                    _slots_pass(t, grad, values, b, r, h, slots - T.int64(3), 3, d, widened, partial, total, lanes,
-                                acc_dtype)
+                    _slots_pass(t, grad, values, grad_words, values_words, paired, b, r, h, slots - T.int64(3), 3, d,
+                                widened, partial, total, lanes, acc_dtype, pairs)
 
     return main

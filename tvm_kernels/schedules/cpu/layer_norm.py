@@ -22,8 +22,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
-                                                    _pair_view, _paired_vectors, _rounded, _sums_from_pairs)
+from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _add_lanes, _bfloat16_even, _bfloat16_odd,
+                                                    _bfloat16_pair, _pair_view, _paired_vectors, _rounded, _sums_from_pairs)
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 
@@ -32,13 +32,6 @@ from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 def _zero(partial, lanes, acc_dtype):
     for lane in T.vectorized(lanes):
         partial[lane] = T.Cast(acc_dtype, 0)
-
-
-@T.macro
-def _total(total, partial, lanes):
-    """total[0] += the lanes of ``partial``, in lane order."""
-    for lane in range(lanes):
-        total[0] = total[0] + partial[lane]
 
 
 def layer_norm(dtype: str, isa: str):
@@ -87,7 +80,7 @@ def layer_norm(dtype: str, isa: str):
                 for lane in T.vectorized(lanes):
                     partial[lane] = partial[lane] + T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
             total[0] = T.Cast(acc_dtype, 0)
-            _total(total, partial, lanes)
+            _add_lanes(total, partial, lanes)
             for c in range(vectors * T.int64(lanes), cols):
                 total[0] = total[0] + T.Cast(acc_dtype, x[r, c])
             row_mean: T.let = total[0] / T.Cast(acc_dtype, cols)
@@ -106,7 +99,7 @@ def layer_norm(dtype: str, isa: str):
                     partial[lane] = partial[lane] + (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * (
                         T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean)
             total[0] = T.Cast(acc_dtype, 0)
-            _total(total, partial, lanes)
+            _add_lanes(total, partial, lanes)
             for c in range(vectors * T.int64(lanes), cols):
                 total[0] = total[0] + (T.Cast(acc_dtype, x[r, c]) - row_mean) * (T.Cast(acc_dtype, x[r, c]) - row_mean)
             row_rstd: T.let = T.Cast(acc_dtype, 1) / T.sqrt(total[0] / T.Cast(acc_dtype, cols) + T.Cast(acc_dtype, eps))
@@ -209,8 +202,8 @@ def layer_norm_backward(dtype: str, isa: str):
                             (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd)
                 total_gw[0] = T.Cast(acc_dtype, 0)
                 total_gwx[0] = T.Cast(acc_dtype, 0)
-                _total(total_gw, partial_gw, lanes)
-                _total(total_gwx, partial_gwx, lanes)
+                _add_lanes(total_gw, partial_gw, lanes)
+                _add_lanes(total_gwx, partial_gwx, lanes)
                 for c in range(vectors * T.int64(lanes), cols):
                     total_gw[0] = total_gw[0] + T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c])
                     total_gwx[0] = total_gwx[0] + T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c]) * (

@@ -54,6 +54,13 @@ def _store_rounded(dtype, out, row, column, value, staged, lane):
         out[row, column] = _rounded(dtype, value)
 
 
+@T.macro
+def _add_lanes(total, partial, lanes):
+    """total[0] += the lanes of ``partial``, in lane order (a vector's partial sums into a row's)."""
+    for lane in range(lanes):
+        total[0] = total[0] + partial[lane]
+
+
 # bfloat16 as 32-bit pairs of values (the elementwise kernels on AVX2, Tiles.bfloat16_pairs; gelu.py's
 # docstring): a pair widens to two float32 vectors, even columns and odd, with a shift and a mask,
 # and two rounded vectors pack back into pairs in the same lanes.

@@ -6,8 +6,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import (_ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair, _exp,
-                                                    _flat_pair_view, _rounded)
+from tvm_kernels.schedules.cpu.microkernels import (_ON_STACK, _add_lanes, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
+                                                    _exp, _flat_pair_view, _quieted, _rounded)
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
@@ -81,8 +81,7 @@ def _row_on_pairs(scores, words, exps, lead_exp, partial, row_max, total, lse, b
                 half_results=True)
             partial[lane] = partial[lane] + exps[paired * T.int64(2 * lanes) + vector * T.int64(lanes) + lane]
     total[0] = T.Cast(acc_dtype, 0)
-    for lane in range(lanes):
-        total[0] = total[0] + partial[lane]
+    _add_lanes(total, partial, lanes)
     lead_exp[0] = T.Cast(acc_dtype, 0)
     for j in range(first[0], first[0] + lead):
         lead_exp[0] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype, half_results=True)
@@ -197,8 +196,7 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
                                     half_results=True)
                                 partial[lane] = partial[lane] + exps[vector * T.int64(lanes) + lane]
                     total[0] = T.Cast(acc_dtype, 0)
-                    for lane in range(lanes):
-                        total[0] = total[0] + partial[lane]
+                    _add_lanes(total, partial, lanes)
                     for j in range(tail, stop[0]):
                         if store_exp:
                             scores[b, i, h, j] = _exp(scores[b, i, h, j] - row_max[0], acc_dtype)
@@ -231,13 +229,71 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
     return main
 
 
+@T.macro
+def _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words, partial, shift, grad_lse, b, i, h, first,
+                           stop, row_start, lanes, acc_dtype, dtype):
+    """:func:`softmax_backward` over a row's span in bfloat16 on pairs, cut as :func:`_row_on_pairs`
+    cuts it (the three bands share their layout, so their flat pair views their word indices): the
+    row sum of ``P dP`` with a vector of pairs' even and odd products in the same partial sums (in
+    another order than the other libraries', as exact), then the results rounded as pairs. Without
+    the rounding's NaN guard: the shift, float32 from a caller's ``grad_lse`` of any bit pattern, has
+    its NaNs quieted once (:func:`_quieted`), and the other operands are bfloat16, so a NaN result is
+    one of theirs (low half zero) or x86's default NaN, neither of which carries when rounded."""
+    # The cut's six bindings as in _row_on_pairs: a helper returning them as a tuple binds no lets,
+    # and the forward ran at 2.2x its time so (the divisions recomputed in the loops).
+    lead: T.let = T.min((row_start + first[0]) % T.int64(2), stop[0] - first[0])
+    word0: T.let = (row_start + first[0] + lead) // T.int64(2)
+    paired: T.let = (stop[0] - first[0] - lead) // T.int64(2 * lanes)
+    values_start: T.let = first[0] + lead + paired * T.int64(2 * lanes)
+    vectors: T.let = (stop[0] - values_start) // T.int64(lanes)
+    tail: T.let = values_start + vectors * T.int64(lanes)
+    for lane in T.vectorized(lanes):
+        partial[lane] = T.Cast(acc_dtype, 0)
+    for vector in range(paired):
+        for lane in T.vectorized(lanes):
+            partial[lane] = (partial[lane] + _bfloat16_even(probs_words[word0 + vector * T.int64(lanes) + lane])
+                             * _bfloat16_even(grad_words[word0 + vector * T.int64(lanes) + lane])
+                             + _bfloat16_odd(probs_words[word0 + vector * T.int64(lanes) + lane])
+                             * _bfloat16_odd(grad_words[word0 + vector * T.int64(lanes) + lane]))
+    for vector in range(vectors):
+        for lane in T.vectorized(lanes):
+            partial[lane] = partial[lane] + T.Cast(acc_dtype, probs[b, i, h, values_start + vector * T.int64(lanes) + lane]) * T.Cast(
+                acc_dtype, grad[b, i, h, values_start + vector * T.int64(lanes) + lane])
+    shift[0] = T.Cast(acc_dtype, 0) - grad_lse[b, i, h]
+    _add_lanes(shift, partial, lanes)
+    for j in range(first[0], first[0] + lead):
+        shift[0] = shift[0] + T.Cast(acc_dtype, probs[b, i, h, j]) * T.Cast(acc_dtype, grad[b, i, h, j])
+    for j in range(tail, stop[0]):
+        shift[0] = shift[0] + T.Cast(acc_dtype, probs[b, i, h, j]) * T.Cast(acc_dtype, grad[b, i, h, j])
+    shift[0] = T.reinterpret(acc_dtype, _quieted(T.reinterpret("uint32", shift[0])))
+    for vector in range(paired):
+        for lane in T.vectorized(lanes):
+            out_words[word0 + vector * T.int64(lanes) + lane] = _bfloat16_pair(
+                _bfloat16_even(probs_words[word0 + vector * T.int64(lanes) + lane])
+                * (_bfloat16_even(grad_words[word0 + vector * T.int64(lanes) + lane]) - shift[0]),
+                _bfloat16_odd(probs_words[word0 + vector * T.int64(lanes) + lane])
+                * (_bfloat16_odd(grad_words[word0 + vector * T.int64(lanes) + lane]) - shift[0]))
+    for vector in range(vectors):
+        for lane in T.vectorized(lanes):
+            out[b, i, h, values_start + vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(
+                acc_dtype, probs[b, i, h, values_start + vector * T.int64(lanes) + lane]) * (T.Cast(
+                    acc_dtype, grad[b, i, h, values_start + vector * T.int64(lanes) + lane]) - shift[0]))
+    for j in range(first[0], first[0] + lead):
+        out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
+    for j in range(tail, stop[0]):
+        out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
+
+
 def softmax_backward(dtype: str, autoregressive: bool, isa: str):
     """The gradient of :func:`softmax`'s scores: ``out = P * (dP - rowsum(dP * P) + dlse)`` at each
     row's valid keys (d lse / d score = P), 0 at the others. Arguments: probs ``P`` and ``grad``
     ``dP`` ``[b, n, h, c]``, ``grad_lse [b, n, h]`` (accumulation dtype), dilation, out
-    ``[b, n, h, c]`` (not aliasing the others)."""
+    ``[b, n, h, c]`` (not aliasing the others). bfloat16 on AVX2 takes its bands as 32-bit pairs
+    (:func:`_gradient_row_on_pairs`; bench/NOTES.md, "bfloat16's global-merge and band softmax
+    backwards on pairs")."""
     acc_dtype = accumulation_dtype(dtype)
     lanes = tiles_for(isa).vector_bits // (64 if acc_dtype == "float64" else 32)
+    pairs = tiles_for(isa).pairs_for(dtype)
     causal = 1 if autoregressive else 0
 
     @T.prim_func
@@ -253,6 +309,9 @@ def softmax_backward(dtype: str, autoregressive: bool, isa: str):
         grad_lse = T.match_buffer(grad_lse_handle, (batch, n, heads), acc_dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, width), dtype)
+        probs_words = _flat_pair_view(probs, pairs)
+        grad_words = _flat_pair_view(grad, pairs)
+        out_words = _flat_pair_view(out, pairs)
         w: T.let = T.int64(causal) * (width - T.int64(1)) + T.int64(1 - causal) * ((width - T.int64(1)) // T.int64(2))
         for bi in T.parallel(batch * n):
             b: T.let = bi // n
@@ -264,25 +323,28 @@ def softmax_backward(dtype: str, autoregressive: bool, isa: str):
             for h in range(heads):
                 d: T.let = T.Cast("int64", dilation[h])
                 _row_span(first, stop, i, d, w, n, width)
-                vectors, tail = _row_vectors(first[0], stop[0], lanes)
-                for lane in T.vectorized(lanes):
-                    partial[lane] = T.Cast(acc_dtype, 0)
-                for vector in range(vectors):
+                if pairs:
+                    _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words, partial, shift, grad_lse, b,
+                                           i, h, first, stop, ((b * n + i) * heads + h) * width, lanes, acc_dtype, dtype)
+                else:
+                    vectors, tail = _row_vectors(first[0], stop[0], lanes)
                     for lane in T.vectorized(lanes):
-                        partial[lane] = partial[lane] + T.Cast(acc_dtype, probs[b, i, h, first[0] + vector * T.int64(lanes) + lane]) * T.Cast(
-                            acc_dtype, grad[b, i, h, first[0] + vector * T.int64(lanes) + lane])
-                shift[0] = T.Cast(acc_dtype, 0) - grad_lse[b, i, h]
-                for lane in range(lanes):
-                    shift[0] = shift[0] + partial[lane]
-                for j in range(tail, stop[0]):
-                    shift[0] = shift[0] + T.Cast(acc_dtype, probs[b, i, h, j]) * T.Cast(acc_dtype, grad[b, i, h, j])
-                for vector in range(vectors):
-                    for lane in T.vectorized(lanes):
-                        out[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(
-                            acc_dtype, probs[b, i, h, first[0] + vector * T.int64(lanes) + lane]) * (T.Cast(
-                                acc_dtype, grad[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - shift[0]))
-                for j in range(tail, stop[0]):
-                    out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
+                        partial[lane] = T.Cast(acc_dtype, 0)
+                    for vector in range(vectors):
+                        for lane in T.vectorized(lanes):
+                            partial[lane] = partial[lane] + T.Cast(acc_dtype, probs[b, i, h, first[0] + vector * T.int64(lanes) + lane]) * T.Cast(
+                                acc_dtype, grad[b, i, h, first[0] + vector * T.int64(lanes) + lane])
+                    shift[0] = T.Cast(acc_dtype, 0) - grad_lse[b, i, h]
+                    _add_lanes(shift, partial, lanes)
+                    for j in range(tail, stop[0]):
+                        shift[0] = shift[0] + T.Cast(acc_dtype, probs[b, i, h, j]) * T.Cast(acc_dtype, grad[b, i, h, j])
+                    for vector in range(vectors):
+                        for lane in T.vectorized(lanes):
+                            out[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(
+                                acc_dtype, probs[b, i, h, first[0] + vector * T.int64(lanes) + lane]) * (T.Cast(
+                                    acc_dtype, grad[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - shift[0]))
+                    for j in range(tail, stop[0]):
+                        out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
                 for j in range(first[0]):
                     out[b, i, h, j] = T.Cast(dtype, 0)
                 for j in range(stop[0], width):
