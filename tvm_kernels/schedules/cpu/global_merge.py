@@ -210,7 +210,8 @@ def global_merge_backward(dtype: str, isa: str):
                             widened[lanes + lane] = _bfloat16_odd(grad_words[b, r, h, word])
                             grad_context_words[b, r, h, word] = _bfloat16_pair(weight * widened[lane],
                                                                                weight * widened[lanes + lane])
-                            partial[lane] = (partial[lane] + widened[lane] * _bfloat16_even(context_words[b, r, h, word])
+                            partial[lane] = (partial[lane]
+                                             + widened[lane] * _bfloat16_even(context_words[b, r, h, word])
                                              + widened[lanes + lane] * _bfloat16_odd(context_words[b, r, h, word]))
                 for vector in range(paired * T.int64(2) if pairs else T.int64(0), d // T.int64(lanes)):
                     for lane in T.vectorized(lanes):

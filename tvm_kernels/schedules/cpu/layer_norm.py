@@ -23,7 +23,8 @@ from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
 from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _add_lanes, _bfloat16_even, _bfloat16_odd,
-                                                    _bfloat16_pair, _pair_view, _paired_vectors, _rounded, _sums_from_pairs)
+                                                    _bfloat16_pair, _pair_view, _paired_vectors, _rounded,
+                                                    _sums_from_pairs)
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 

@@ -6,8 +6,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import (_ON_STACK, _add_lanes, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
-                                                    _exp, _flat_pair_view, _quieted, _rounded)
+from tvm_kernels.schedules.cpu.microkernels import (_ON_STACK, _add_lanes, _bfloat16_even, _bfloat16_odd,
+                                                    _bfloat16_pair, _exp, _flat_pair_view, _quieted, _rounded)
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
@@ -230,8 +230,8 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
 
 
 @T.macro
-def _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words, partial, shift, grad_lse, b, i, h, first,
-                           stop, row_start, lanes, acc_dtype, dtype):
+def _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words, partial, shift, grad_lse, b, i, h,
+                           first, stop, row_start, lanes, acc_dtype, dtype):
     """:func:`softmax_backward` over a row's span in bfloat16 on pairs, cut as :func:`_row_on_pairs`
     cuts it (the three bands share their layout, so their flat pair views their word indices): the
     row sum of ``P dP`` with a vector of pairs' even and odd products in the same partial sums (in
@@ -239,8 +239,8 @@ def _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words,
     the rounding's NaN guard: the shift, float32 from a caller's ``grad_lse`` of any bit pattern, has
     its NaNs quieted once (:func:`_quieted`), and the other operands are bfloat16, so a NaN result is
     one of theirs (low half zero) or x86's default NaN, neither of which carries when rounded."""
-    # The cut's six bindings as in _row_on_pairs: a helper returning them as a tuple binds no lets,
-    # and the forward ran at 2.2x its time so (the divisions recomputed in the loops).
+    # The cut's six bindings as in _row_on_pairs: from a helper returning them as a tuple, each let
+    # carries the earlier ones' expressions inlined, and the forward took 2.2x its time so.
     lead: T.let = T.min((row_start + first[0]) % T.int64(2), stop[0] - first[0])
     word0: T.let = (row_start + first[0] + lead) // T.int64(2)
     paired: T.let = (stop[0] - first[0] - lead) // T.int64(2 * lanes)
@@ -257,8 +257,9 @@ def _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words,
                              * _bfloat16_odd(grad_words[word0 + vector * T.int64(lanes) + lane]))
     for vector in range(vectors):
         for lane in T.vectorized(lanes):
-            partial[lane] = partial[lane] + T.Cast(acc_dtype, probs[b, i, h, values_start + vector * T.int64(lanes) + lane]) * T.Cast(
-                acc_dtype, grad[b, i, h, values_start + vector * T.int64(lanes) + lane])
+            partial[lane] = partial[lane] + T.Cast(
+                acc_dtype, probs[b, i, h, values_start + vector * T.int64(lanes) + lane]) * T.Cast(
+                    acc_dtype, grad[b, i, h, values_start + vector * T.int64(lanes) + lane])
     shift[0] = T.Cast(acc_dtype, 0) - grad_lse[b, i, h]
     _add_lanes(shift, partial, lanes)
     for j in range(first[0], first[0] + lead):
@@ -279,9 +280,11 @@ def _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words,
                 acc_dtype, probs[b, i, h, values_start + vector * T.int64(lanes) + lane]) * (T.Cast(
                     acc_dtype, grad[b, i, h, values_start + vector * T.int64(lanes) + lane]) - shift[0]))
     for j in range(first[0], first[0] + lead):
-        out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
+        out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j])
+                                   * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
     for j in range(tail, stop[0]):
-        out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
+        out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j])
+                                   * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
 
 
 def softmax_backward(dtype: str, autoregressive: bool, isa: str):
@@ -324,8 +327,9 @@ def softmax_backward(dtype: str, autoregressive: bool, isa: str):
                 d: T.let = T.Cast("int64", dilation[h])
                 _row_span(first, stop, i, d, w, n, width)
                 if pairs:
-                    _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words, partial, shift, grad_lse, b,
-                                           i, h, first, stop, ((b * n + i) * heads + h) * width, lanes, acc_dtype, dtype)
+                    _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words, partial, shift,
+                                           grad_lse, b, i, h, first, stop, ((b * n + i) * heads + h) * width, lanes,
+                                           acc_dtype, dtype)
                 else:
                     vectors, tail = _row_vectors(first[0], stop[0], lanes)
                     for lane in T.vectorized(lanes):
