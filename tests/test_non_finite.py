@@ -16,7 +16,7 @@ import torch
 
 from conftest import CPU_DTYPES, stable_seed, unit_roundoff
 from test_layer import explicit_attention, layer_for, layer_inputs, tiny_config
-from longformer_ops import band_softmax_, sliding_window_attention
+from longformer_ops import band_softmax_, diagonaled_mm, sliding_window_attention
 from longformer_ops.reference import (diagonaled_mm_reference, sliding_window_attention_reference,
                                       sliding_window_lse_reference)
 
@@ -76,6 +76,39 @@ def test_attention_carries_non_finite_inputs(cpu_library, dtype, which, bad, d, 
             assert torch.equal(got, expected), f"{what}: non-finite rows {_described(got)}, expected {_described(expected)}"
             assert torch.equal(_diverged(lse), _diverged(ref_lse)), \
                 f"{what}: NaN or +inf lse at {_described(_diverged(lse))}, expected {_described(_diverged(ref_lse))}"
+
+
+# NaN and infinities in every dtype, and bfloat16's NaNs by their bits: quiet, negative, every payload
+# bit set, signalling (x86 quiets it, keeping the payload).
+SCORE_BAD_INPUTS = ([(dtype, bad) for dtype in CPU_DTYPES for bad in (float("nan"), float("inf"), -float("inf"))]
+                    + [(torch.bfloat16, bits) for bits in (0x7FC0, 0xFFC0, 0x7FFF, 0xFFFF, 0x7F81)])
+
+
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["two-sided", "autoregressive"])
+@pytest.mark.parametrize("d", [1, [1, 3]], ids=["undilated", "dilations-1-3"])
+@pytest.mark.parametrize("which", ["q", "k"])
+@pytest.mark.parametrize("dtype,bad", SCORE_BAD_INPUTS,
+                         ids=[f"{dtype}-{hex(bad) if isinstance(bad, int) else bad}" for dtype, bad in SCORE_BAD_INPUTS])
+def test_scores_carry_non_finite_inputs(cpu_library, dtype, bad, which, d, autoregressive):
+    """Q.K^T's band holds NaN, +inf and -inf exactly where the float64 reference on the same inputs
+    does. bfloat16 stores its scores rounded without the NaN guard of the other kernels' roundings
+    (qk.py says why that is safe): checked on the registers' direct path (a window of 40, wider than
+    a register tile's keys) and on the row buffer's (the band's ends)."""
+    n, heads, head_dim, w, row = 150, 2, 16, 40, 70
+    generator = torch.Generator().manual_seed(stable_seed(str(dtype), which, str(bad), str(d), autoregressive))
+    q, k = (torch.randn(1, n, heads, head_dim, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2))
+    target = dict(q=q, k=k)[which]
+    if isinstance(bad, int):
+        target.view(torch.int16)[0, row, 0, 3] = torch.tensor(bad, dtype=torch.int32).to(torch.int16)
+    else:
+        target[0, row, 0, 3] = bad
+    ref = diagonaled_mm_reference(q.double(), k.double(), w, d, False, 0.0, autoregressive)
+    got = diagonaled_mm(q, k, w, d, False, 0.0, autoregressive)
+    what = f"{which}[{row}] = {bad}, {dtype}, d = {d}, autoregressive {autoregressive}"
+    assert not torch.isfinite(ref).all(), f"{what}: the reference is finite (the test's premise)"
+    for name, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        assert torch.equal(test(got), test(ref)), \
+            f"{what}: {name} at {_described(test(got))}, expected at {_described(test(ref))}"
 
 
 @pytest.mark.parametrize("which", ["q", "k", "v"])

@@ -14,6 +14,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _BITS,
     _ON_STACK,
     _accumulate,
+    _add_lanes,
     _exp,
     _fill_residue_major,
     _fill_run,
@@ -258,8 +259,7 @@ def _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, 
                 partial[lane] = partial[lane] + grad_rows[r, vector * T.int64(lanes) + lane] * T.Cast(
                     acc_dtype, out[b, query[r], h, vector * T.int64(lanes) + lane])
         row_delta[r] = T.Cast(acc_dtype, 0) - grad_lse[b, query[r], h]
-        for lane in range(lanes):
-            row_delta[r] = row_delta[r] + partial[lane]
+        _add_lanes(row_delta, partial, lanes, r)
         if p0 + T.int64(r) >= n:
             row_delta[r] = T.Cast(acc_dtype, 0)
 

@@ -55,10 +55,10 @@ def _store_rounded(dtype, out, row, column, value, staged, lane):
 
 
 @T.macro
-def _add_lanes(total, partial, lanes):
-    """total[0] += the lanes of ``partial``, in lane order (a vector's partial sums into a row's)."""
+def _add_lanes(total, partial, lanes, at=0):
+    """total[at] += the lanes of ``partial``, in lane order (a vector's partial sums into a row's)."""
     for lane in range(lanes):
-        total[0] = total[0] + partial[lane]
+        total[at] = total[at] + partial[lane]
 
 
 # bfloat16 as 32-bit pairs of values (the elementwise kernels on AVX2, Tiles.bfloat16_pairs; gelu.py's

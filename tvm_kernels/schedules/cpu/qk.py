@@ -12,7 +12,6 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _copy_run,
     _fill_residue_major,
     _fill_run,
-    _rounded,
     _pack_operands,
     _rows_feature_major,
     _run_origin,
@@ -144,8 +143,13 @@ def qk(dtype: str, autoregressive: bool, isa: str):
                     for r in T.unroll(rows):
                         # Row r's band column j is packed column first + r + j.
                         if block >= direct_begin[r] and block < direct_end[r]:
+                            # Rounded without _rounded's NaN guard: a score is a sum of products of
+                            # the inputs' own values, so in bfloat16 its NaNs are the inputs' (quieted,
+                            # payload kept: low half zero) or x86's default NaN 0xffc00000, which
+                            # TVM's rounding keeps NaN. The guard took ~12% of bfloat16 Q.K^T's time on
+                            # AVX2 (bench/NOTES.md). The row buffer's runs keep it: they hold the padding.
                             for lane in T.vectorized(cols):
-                                out[b, query[r], h, block * T.int64(cols) - first - T.int64(r) + lane] = _rounded(dtype, acc[r, lane])
+                                out[b, query[r], h, block * T.int64(cols) - first - T.int64(r) + lane] = T.Cast(dtype, acc[r, lane])
                         else:
                             for lane in T.vectorized(cols):
                                 row_buffer[r, block * T.int64(cols) - first - T.int64(r) + T.int64(slack) + lane] = acc[r, lane]
