@@ -9,6 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 # Which kernel libraries `make kernels` (re)builds; default: CPU, plus CUDA when nvcc exists.
 TARGETS ?=
 DTYPES ?=
+# Worker processes compiling them (default: the machine's cores, at most 8).
+JOBS ?=
 # Extra arguments for the benchmark, e.g. BENCH_ARGS="--seq-lens 512,1024 --out /tmp/quick".
 BENCH_ARGS ?=
 
@@ -25,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 
 kernels: setup
 	cmake -S . -B build/cmake -DPython3_EXECUTABLE=$(abspath $(PY)) \
-		-DKERNEL_TARGETS="$(TARGETS)" -DKERNEL_DTYPES="$(DTYPES)" > /dev/null
+		-DKERNEL_TARGETS="$(TARGETS)" -DKERNEL_DTYPES="$(DTYPES)" -DKERNEL_JOBS="$(JOBS)" > /dev/null
 	cmake --build build/cmake --target kernels -- --no-print-directory
 
 # A worker per core (pytest-xdist; conftest gives each one intra-op thread).

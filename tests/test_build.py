@@ -13,23 +13,24 @@ import torch
 
 from longformer_ops import _loader, _manifest
 from longformer_ops.reference import diagonaled_mm_reference
-from tvm_kernels import variants
+from tvm_kernels import build, variants
 from tvm_kernels.cuda_toolchain import device_code_in
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
 def test_cmake_build_from_scratch_produces_working_kernels(tmp_path, monkeypatch):
     """Configure and build a CPU library into an empty directory, then run it against the reference."""
-    out, build = tmp_path / "prebuilt", tmp_path / "cmake"
+    out, build_dir = tmp_path / "prebuilt", tmp_path / "cmake"
     configure = subprocess.run(
-        ["cmake", "-S", str(_manifest.REPO_ROOT), "-B", str(build), f"-DPython3_EXECUTABLE={sys.executable}",
+        ["cmake", "-S", str(_manifest.REPO_ROOT), "-B", str(build_dir), f"-DPython3_EXECUTABLE={sys.executable}",
          f"-DPREBUILT_DIR={out}", "-DKERNEL_TARGETS=cpu-avx2", "-DKERNEL_DTYPES=float32"],
         capture_output=True, text=True)
     assert configure.returncode == 0, configure.stderr
-    first = subprocess.run(["cmake", "--build", str(build), "--target", "kernels"], capture_output=True, text=True)
+    first = subprocess.run(["cmake", "--build", str(build_dir), "--target", "kernels"], capture_output=True, text=True)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert "[1/1] cpu-avx2/longformer_float32.so: building" in first.stdout
-    second = subprocess.run(["cmake", "--build", str(build), "--target", "kernels"], capture_output=True, text=True)
+    assert (f"[1/1] cpu-avx2/longformer_float32.so: building 25 functions for {variants.TARGETS['cpu-avx2'].tvm_target} "
+            f"({build.CPU_LIBRARY_PIECES} pieces)") in first.stdout, first.stdout
+    second = subprocess.run(["cmake", "--build", str(build_dir), "--target", "kernels"], capture_output=True, text=True)
     assert "cpu-avx2/longformer_float32.so: up to date" in second.stdout, second.stdout
 
     manifest = _manifest.read(out)
@@ -43,6 +44,12 @@ def test_cmake_build_from_scratch_produces_working_kernels(tmp_path, monkeypatch
     dilation = torch.tensor([1, 3], dtype=torch.int32)
     library.function("qk_symmetric")(q, k, dilation, 0.0, scores, 1)  # (1: one run of queries per head)
     torch.testing.assert_close(scores, diagonaled_mm_reference(q, k, 3, dilation), rtol=1e-5, atol=1e-5)
+    # A function of the library's last piece (its objects are linked into one library).
+    assert [symbol for symbol, _, _ in build._pieces_of(variants.TARGETS["cpu-avx2"])[-1]][:1] == ["pv_causal"]
+    context = torch.empty(1, 40, 2, 16)
+    library.function("pv_causal")(scores[..., :4].contiguous(), k, dilation, context, 1)
+    torch.testing.assert_close(context, diagonaled_mm_reference(scores[..., :4], k, 3, dilation, True, autoregressive=True),
+                               rtol=1e-5, atol=1e-5)
 
 
 CUDA_LIBRARIES = sorted(n for n, e in _manifest.read(_manifest.DEFAULT_PREBUILT)["libraries"].items() if e["device"] == "cuda")
@@ -118,6 +125,45 @@ def test_exp_polynomials_are_accurate_for_their_data(data, bound):
         poly = poly * t + torch.tensor(c, dtype=torch.float32)
     relative = (poly.double() / t.double().exp() - 1).abs().max().item()
     assert relative <= bound, f"{data}: exp polynomial relative error {relative:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("target", variants.TARGETS)
+def test_a_library_is_compiled_in_pieces_that_hold_each_function_once(target):
+    """The pieces a library is compiled in hold its manifest's functions, each once; a CPU library's
+    band ops' two variants (which cost about the same to compile) in different pieces; CUDA whole."""
+    target = variants.TARGETS[target]
+    pieces = build._pieces_of(target)
+    symbols = [symbol for piece in pieces for symbol, _, _ in piece]
+    assert sorted(symbols) == sorted(name for op in target.ops for name in variants.function_names(op))
+    assert len(symbols) == len(set(symbols))
+    if target.device == "cuda":
+        assert len(pieces) == 1
+        return
+    assert len(pieces) == build.CPU_LIBRARY_PIECES and all(pieces)
+    piece_of = {symbol: index for index, piece in enumerate(pieces) for symbol, _, _ in piece}
+    for op in target.ops:
+        if op not in _manifest.UNBANDED_OPS:
+            assert piece_of[variants.function_name(op, False)] != piece_of[variants.function_name(op, True)], op
+
+
+def test_build_shows_a_failing_workers_message(tmp_path):
+    """A piece that fails in its worker process stops the build with the worker's message (library,
+    functions, error) on stderr and exit status 1, not a pickling error or a hang."""
+    code = ("import sys\n"
+            "from tvm_kernels import build\n"
+            "build._pieces_of = lambda target: [[('no_such_kernel', 'no_such_kernel', None)]]\n"
+            f"sys.exit(build.main(['--targets', 'cpu-avx2', '--dtypes', 'float32', '--out', {str(tmp_path)!r}, "
+            "'--jobs', '1']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=_manifest.REPO_ROOT,
+                         timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "cpu-avx2/longformer_float32.so (no_such_kernel): KeyError: 'no_such_kernel'" in run.stderr, run.stderr
+    assert "cpu-avx2/longformer_float32.so" not in (_manifest.read(tmp_path) or {}).get("libraries", {})
+
+
+def test_build_refuses_a_job_count_under_one():
+    with pytest.raises(SystemExit):
+        build.main(["--targets", "cpu-avx2", "--jobs", "0"])
 
 
 def test_build_shows_the_message_of_a_kernel_source_error():
