@@ -16,6 +16,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _accumulate,
     _add_lanes,
     _exp,
+    _feature_major,
     _fill_residue_major,
     _fill_run,
     _ROWS_AHEAD,
@@ -388,8 +389,7 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
     dot = tiles_for(isa).dot_product_for(dtype)
     features_per_step = 2 if dot else 1  # packed keys: features (FMA) or pairs of features (dot)
     packed_dtype = "int32" if dot else acc_dtype
-    # The tile's queries feature-major where the tile is a square of vectors (AVX-512's float kernels).
-    transposed = not dot and rows == lanes and lanes in (8, 16)
+    transposed = _feature_major(dot, rows, lanes)  # the tile's queries (microkernels.py)
 
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
@@ -532,7 +532,7 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
     packed_dtype = "int32" if dot else acc_dtype
     # Q and dO feature-major too for the two Q.K^T-shaped products (see attention); dK and dV read
     # them as rows.
-    transposed = not dot and rows == lanes and lanes in (8, 16)
+    transposed = _feature_major(dot, rows, lanes)
     blocked = products.feature_major_sums  # dK, dV sums as total[t // cols, f, t % cols] (TileProducts)
     if blocked and cols != lanes:
         raise ValueError(f"feature-major key sums need blocks of one vector of keys (cols {cols}, lanes {lanes})")

@@ -318,6 +318,13 @@ def _transpose_square(tile, scratch, size):
             tile[r, T.Ramp(0, 1, 8)] = scratch[r, T.Ramp(0, 1, 8)]
 
 
+def _feature_major(dot: bool, rows: int, lanes: int) -> bool:
+    """Whether a tile's rows (queries, or dO rows) go feature-major (:func:`_rows_feature_major`):
+    where the tile is a square of vectors (AVX-512's float kernels), never on the bfloat16 dot
+    product (its operands are pairs of features)."""
+    return not dot and rows == lanes and lanes in (8, 16)
+
+
 @T.macro
 def _rows_feature_major(rows_t, tile, scratch, t_rows, query, b, h, head_dim, scale, lanes, acc_dtype):
     """rows_t[f, r] = row ``query[r]`` of ``t_rows`` times ``scale``, for ``lanes`` rows (a tile of

@@ -11,6 +11,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _ON_STACK,
     _copy_run,
     _fill_residue_major,
+    _feature_major,
     _fill_run,
     _pack_operands,
     _rows_feature_major,
@@ -42,9 +43,8 @@ def qk(dtype: str, autoregressive: bool, isa: str):
     dot = tiles.dot_product_for(dtype)
     features_per_step = 2 if dot else 1  # packed keys: features (FMA) or pairs of features (dot)
     packed_dtype = "int32" if dot else acc_dtype
-    # The tile's queries feature-major where the tile is a square of vectors (AVX-512's float
-    # kernels): its micro-kernel then reads them at constant offsets (_rows_feature_major).
-    transposed = not dot and rows == lanes and lanes in (8, 16)
+    # The tile's queries feature-major: its micro-kernel then reads them at constant offsets.
+    transposed = _feature_major(dot, rows, lanes)
 
     @T.prim_func
     def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, padding: T.float64,
