@@ -161,9 +161,10 @@ def test_build_shows_a_failing_workers_message(tmp_path):
     assert "cpu-avx2/longformer_float32.so" not in (_manifest.read(tmp_path) or {}).get("libraries", {})
 
 
-def test_build_refuses_a_job_count_under_one():
+def test_build_refuses_a_job_count_under_one(capsys):
     with pytest.raises(SystemExit):
         build.main(["--targets", "cpu-avx2", "--jobs", "0"])
+    assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_build_shows_the_message_of_a_kernel_source_error():
