@@ -202,21 +202,22 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
 
         nvcc_version = cuda_toolchain.nvcc_version(cuda_toolchain.find_nvcc())
 
-    def up_to_date(target, dtype) -> bool:
-        entry, path = libraries.get(variants.library_name(target, dtype)), out / variants.library_name(target, dtype)
+    def up_to_date(name, target, dtype) -> bool:
+        entry, path = libraries.get(name), out / name
         return (not force and entry is not None and entry.get("inputs") == _inputs_of(target, dtype, nvcc_version)
                 and path.exists() and entry.get("sha256") == _manifest.file_sha256(path))
 
-    stale = []
+    stale = []  # (label, manifest key, target, dtype) of each library to build
     for index, (target, dtype) in enumerate(wanted, start=1):
-        label = f"[{index}/{len(wanted)}] {variants.library_name(target, dtype)}"
-        if up_to_date(target, dtype):
+        name = variants.library_name(target, dtype)
+        label = f"[{index}/{len(wanted)}] {name}"
+        if up_to_date(name, target, dtype):
             print(f"{label}: up to date", flush=True)
         else:
-            stale.append((label, target, dtype))
+            stale.append((label, name, target, dtype))
     if stale:
         jobs = jobs or default_jobs()
-        cuda_stale = [target.name for _, target, _ in stale if target.device == "cuda"]
+        cuda_stale = [target.name for _, _, target, _ in stale if target.device == "cuda"]
         started = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="longformer-kernels-") as scratch, \
                 concurrent.futures.ProcessPoolExecutor(
@@ -224,9 +225,10 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
                     initializer=_start_worker, initargs=(cuda_stale[0] if cuda_stale else None,)) as pool:
             pending = {}  # library index -> futures of its pieces, in order
             # CUDA's libraries first: each is one long piece (nvcc), which would otherwise end the build alone.
-            for index, (label, target, dtype) in sorted(enumerate(stale), key=lambda item: item[1][1].device != "cuda"):
+            stale.sort(key=lambda library: library[2].device != "cuda")
+            for index, (label, name, target, dtype) in enumerate(stale):
                 pieces = _pieces_of(target)
-                path = out / variants.library_name(target, dtype)
+                path = out / name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 destinations = ([path.with_name(path.name + ".tmp.so")] if target.device == "cuda"
                                 else [Path(scratch) / f"{index}-{piece}.o" for piece in range(len(pieces))])
@@ -244,14 +246,12 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
                         futures, destinations = pending[index]
                         if any(f in remaining for f in futures):
                             continue
-                        label, target, dtype = stale[index]
-                        path = out / variants.library_name(target, dtype)
+                        label, name, target, dtype = stale[index]
                         if target.device == "cuda":
-                            destinations[0].replace(path)
+                            destinations[0].replace(out / name)
                         else:
-                            _link(destinations, path)
-                        libraries[variants.library_name(target, dtype)] = _entry(target, dtype, path,
-                                                                                 _inputs_of(target, dtype, nvcc_version))
+                            _link(destinations, out / name)
+                        libraries[name] = _entry(target, dtype, out / name, _inputs_of(target, dtype, nvcc_version))
                         _write_manifest(out, manifest, libraries)  # keep progress if a later build fails
                         seconds = sum(f.result() for f in futures)
                         print(f"{label}: built ({seconds:.1f} s of compiling; {time.perf_counter() - started:.0f} s "

@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _staging, _store_rounded
+from tvm_kernels.schedules.cpu.microkernels import _BITS, _ON_STACK, _add_lanes, _staging, _store_rounded
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes
 
 # a @ b^T: keys per parallel task (a block of 256 keys of 64 features is 32 KiB in a half type), and
@@ -56,8 +56,7 @@ def few_rows_mm_nt(dtype: str, isa: str):
                         acc_dtype, bt[b, first + T.int64(u), vector * T.int64(lanes) + lane])
         for u in T.unroll(count):
             total[u] = T.Cast(acc_dtype, 0)
-            for lane in range(lanes):
-                total[u] = total[u] + partial[u, lane]
+            _add_lanes(total, partial, lanes, at=u, row=u)
             for k in range(vectors * T.int64(lanes), depth):
                 total[u] = total[u] + T.Cast(acc_dtype, a[b, r, k]) * T.Cast(acc_dtype, bt[b, first + T.int64(u), k])
             _store_rounded(dtype, out, b * rows + r, first + T.int64(u), total[u], staged, u)

@@ -55,10 +55,23 @@ def _store_rounded(dtype, out, row, column, value, staged, lane):
 
 
 @T.macro
-def _add_lanes(total, partial, lanes, at=0):
-    """total[at] += the lanes of ``partial``, in lane order (a vector's partial sums into a row's)."""
+def _add_lanes(total, partial, lanes, at=0, row=None):
+    """total[at] += the lanes of ``partial`` (of its row ``row`` where it holds several), in lane
+    order (a vector's partial sums into a row's)."""
     for lane in range(lanes):
-        total[at] = total[at] + partial[lane]
+        if row is None:
+            total[at] = total[at] + partial[lane]
+        else:
+            total[at] = total[at] + partial[row, lane]
+
+
+@T.macro
+def _max_of_lanes(result, partial, lanes, lowest):
+    """result[0] = the largest of ``partial``'s lanes, ``lowest`` where none is larger (a vector's
+    running maxima into a row's)."""
+    result[0] = lowest
+    for lane in range(lanes):
+        result[0] = T.max(result[0], partial[lane])
 
 
 # bfloat16 as 32-bit pairs of values (the elementwise kernels on AVX2, Tiles.bfloat16_pairs; gelu.py's

@@ -7,7 +7,8 @@ from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
 from tvm_kernels.schedules.cpu.microkernels import (_ON_STACK, _add_lanes, _bfloat16_even, _bfloat16_odd,
-                                                    _bfloat16_pair, _exp, _flat_pair_view, _quieted, _rounded)
+                                                    _bfloat16_pair, _exp, _flat_pair_view, _max_of_lanes, _quieted,
+                                                    _rounded)
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
@@ -55,9 +56,7 @@ def _row_on_pairs(scores, words, exps, lead_exp, partial, row_max, total, lse, b
     for vector in range(vectors):
         for lane in T.vectorized(lanes):
             partial[lane] = T.max(partial[lane], T.Cast(acc_dtype, scores[b, i, h, values_start + vector * T.int64(lanes) + lane]))
-    row_max[0] = minus_inf
-    for lane in range(lanes):
-        row_max[0] = T.max(row_max[0], partial[lane])
+    _max_of_lanes(row_max, partial, lanes, minus_inf)
     for j in range(first[0], first[0] + lead):
         row_max[0] = T.max(row_max[0], T.Cast(acc_dtype, scores[b, i, h, j]))
     for j in range(tail, stop[0]):
@@ -173,9 +172,7 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
                     for vector in range(vectors):
                         for lane in T.vectorized(lanes):
                             partial[lane] = T.max(partial[lane], T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]))
-                    row_max[0] = minus_inf
-                    for lane in range(lanes):
-                        row_max[0] = T.max(row_max[0], partial[lane])
+                    _max_of_lanes(row_max, partial, lanes, minus_inf)
                     for j in range(tail, stop[0]):
                         row_max[0] = T.max(row_max[0], T.Cast(acc_dtype, scores[b, i, h, j]))
                     if row_max[0] == minus_inf:  # no key left: exp gives 0 everywhere, no NaN from -inf - -inf
