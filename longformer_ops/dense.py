@@ -45,14 +45,15 @@ def _cpu_has_half_gemm(dtype: torch.dtype) -> bool:
         return True
 
 
-# Asked once, at import: a constant that torch.compile reads without tracing the query.
-_CPU_HAS_HALF_GEMM = {dtype: _cpu_has_half_gemm(dtype) for dtype in HALF_TYPES}
+# Asked once, at import: a constant that torch.compile reads without tracing the query. Read at each
+# call of computes_in_float32 (never bound elsewhere): the tests set it to force either path on any CPU.
+CPU_HAS_HALF_GEMM = {dtype: _cpu_has_half_gemm(dtype) for dtype in HALF_TYPES}
 
 
 def computes_in_float32(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether products in ``dtype`` on ``device`` run here in float32 (a half type on a CPU
     without torch's native GEMM for it)."""
-    return dtype in HALF_TYPES and torch.device(device).type == "cpu" and not _CPU_HAS_HALF_GEMM[dtype]
+    return dtype in HALF_TYPES and torch.device(device).type == "cpu" and not CPU_HAS_HALF_GEMM[dtype]
 
 
 def plain_linear(module: nn.Module) -> bool:

@@ -62,10 +62,10 @@ import warnings
 import torch
 from torch import nn
 
+from longformer_ops import dense
 from longformer_ops._loader import KernelNotAvailableError
 from longformer_ops.checks import KERNEL_DTYPES
 from longformer_ops.config import AttentionMode
-from longformer_ops.dense import Linear, computes_in_float32, float32_products, product_dtype
 from longformer_ops.dropout import Dropout
 from longformer_ops.gelu import linear_gelu
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
@@ -136,7 +136,7 @@ class _PatchedDropout(Dropout):
     """A transformers model's ``nn.Dropout`` switched by :func:`patch` (:func:`unpatch` switches it back)."""
 
 
-class _PatchedLinear(Linear):
+class _PatchedLinear(dense.Linear):
     """A transformers model's ``nn.Linear`` switched by :func:`patch` (:func:`unpatch` switches it back)."""
 
 
@@ -171,9 +171,10 @@ def _decoder_attention_forward(self, hidden_states, *args, **kwargs):
     of queries and keys, softmax, ``torch.bmm`` of probabilities and values), its own forward, with its
     products in :func:`longformer_ops.dense.float32_products` where they run in float32 (a half type
     on a CPU without a GEMM for it: torch's loops there take 8-85x float32's time for these)."""
-    if not computes_in_float32(product_dtype(hidden_states), hidden_states.device):
+    # (dense's function read at each call, not a name bound at import: the tests force both answers)
+    if not dense.computes_in_float32(dense.product_dtype(hidden_states), hidden_states.device):
         return self._original_class.forward(self, hidden_states, *args, **kwargs)
-    with float32_products():
+    with dense.float32_products():
         return self._original_class.forward(self, hidden_states, *args, **kwargs)
 
 

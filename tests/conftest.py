@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from longformer_ops import _loader
+from longformer_ops import _loader, dense
 
 CUDA = torch.cuda.is_available()
 
@@ -142,6 +142,31 @@ def cpu_library(request, monkeypatch):
         pytest.skip(f"{request.param} holds {sorted(held)} kernels only")
     monkeypatch.setenv(_loader.CPU_TARGET_ENV, request.param)
     return request.param
+
+
+# torch's native half-type GEMM (oneDNN: AVX-512 or AMX for bfloat16, AVX512-FP16 or AMX-FP16 for
+# float16) or dense.py's float32 products, as the CPU decides: every test that takes this fixture runs
+# both ways on every CPU, through the table dense.computes_in_float32 reads at each call.
+HALF_GEMMS = {"torch_half_gemm": True, "float32_products": False}
+
+
+def force_half_gemm(monkeypatch, native: bool) -> None:
+    """Make dense.py see (``native``) or not see torch's own half-type GEMMs on this CPU."""
+    for dtype in dense.HALF_TYPES:
+        monkeypatch.setitem(dense.CPU_HAS_HALF_GEMM, dtype, native)
+
+
+@pytest.fixture(params=list(HALF_GEMMS))
+def half_gemm(request, monkeypatch):
+    """Runs a test once with torch's half-type GEMMs and once with dense.py's float32 products."""
+    force_half_gemm(monkeypatch, HALF_GEMMS[request.param])
+    return request.param
+
+
+@pytest.fixture
+def float32_products(monkeypatch):
+    """Every CPU takes dense.py's float32 path for the half types, as an AVX2 CPU does."""
+    force_half_gemm(monkeypatch, False)
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):

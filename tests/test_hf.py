@@ -569,7 +569,7 @@ def test_checkpointing_replays_the_patched_dropouts():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_precision_model(dtype, kernel_calls):
+def test_half_precision_model(dtype, kernel_calls, half_gemm):
     """In a half type the patched model errs against float32 at most twice as much as transformers'
     own code in that type (plus a few units roundoff)."""
     model = _model("LongformerModel")

@@ -277,7 +277,7 @@ def test_gradients_match_full_mode(mode, dilation, autoregressive):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_tvm_layer(monkeypatch, dtype):
+def test_half_precision_tvm_layer(monkeypatch, dtype, half_gemm):
     """Half inputs (scores and probabilities in half, softmax accumulated in float32 by torch):
     close to the float32 result, no NaN/inf."""
     import longformer_ops.layer

@@ -190,7 +190,7 @@ def test_layer_is_level_one_plus_level_two(kind, autoregressive):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_layer_in_lower_precision(dtype):
+def test_layer_in_lower_precision(dtype, half_gemm):
     """In float32 and the half types the layer errs against float64 at most twice as much as the same
     computation through the dense references in that dtype (plus a few units roundoff)."""
     config = _layer_config("ldconv")
