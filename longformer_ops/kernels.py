@@ -86,6 +86,36 @@ FEW_ROWS_MM = "few_rows_mm"
 FEW_ROWS_MM_NT = "few_rows_mm_nt"
 
 
+# ----------------------------------------------------------------------------- op registration
+_library_fragment = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+
+def _custom_op(name: str, mutates_args: tuple[str, ...]):
+    """``torch.library.custom_op`` by its parts (``define`` and ``impl``, the schema inferred from the
+    function's annotations), returning the ``OpOverload``: custom_op wraps each implementation in
+    ``torch._disable_dynamo``, which imports ``torch._dynamo`` (about 1 s) at the first kernel call of
+    every process, compiling or not. Dynamo never traces the implementation: under ``torch.compile``
+    the op is one node of the graph and runs from the compiled code, as custom_op's does. As custom_op
+    does, an op that writes into an argument bumps that tensor's version counter (autograd's check that
+    a tensor saved for a backward was not modified since)."""
+    def register(fn):
+        _library_fragment.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        torch.library.impl(f"{NAMESPACE}::{name}", "CompositeExplicitAutograd", fn, lib=_library_fragment)
+        op = getattr(getattr(torch.ops, NAMESPACE), name).default
+        if mutates_args:
+            names = [argument.name for argument in op._schema.arguments]
+
+            def bump_versions(keyset, *args, **kwargs):
+                given = dict(zip(names, args)) | kwargs
+                for argument in mutates_args:
+                    torch.autograd.graph.increment_version(given[argument])
+                return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+
+            _library_fragment.impl(name, bump_versions, "ADInplaceOrView", with_keyset=True)
+        return op
+    return register
+
+
 # ----------------------------------------------------------------------------- helpers (eager only)
 def _library(x: Tensor):
     return library_for(x.device, str(x.dtype).removeprefix("torch."))
@@ -133,8 +163,17 @@ def has_kernels(device_type: str, dtype: torch.dtype, names: tuple[str, ...]) ->
     return all(library.has(function) for name in names for function in function_names(name))
 
 
-# Dynamo must not trace the loader (file reads, dlopen): it calls this once, eagerly, and keeps the answer.
-_kernels_decision = torch.compiler.assume_constant_result(has_kernels)
+def _constant_under_compilation(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without its import of ``torch._dynamo`` (0.9 s,
+    which every script importing this package would pay, compiling or not): the same mark on ``fn``,
+    which Dynamo reads when it traces a call (tests/test_compile.py checks it is the decorator's).
+    Dynamo must not trace the loader (file reads, dlopen): it calls ``fn`` once, eagerly, and keeps
+    the answer."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+_kernels_decision = _constant_under_compilation(has_kernels)
 
 
 def _kernels_available(device: torch.device, dtype: torch.dtype, names: tuple[str, ...]) -> bool:
@@ -160,7 +199,7 @@ def _has_optional_kernels(device_type: str, dtype: torch.dtype, names: tuple[str
         return False
 
 
-_optional_kernels_decision = torch.compiler.assume_constant_result(_has_optional_kernels)
+_optional_kernels_decision = _constant_under_compilation(_has_optional_kernels)
 
 
 def _optional_kernels_available(device: torch.device, dtype: torch.dtype, names: tuple[str, ...]) -> bool:
@@ -255,59 +294,59 @@ def _band_shape(rows: Tensor, w: int, autoregressive: bool) -> tuple[int, ...]:
 
 
 # ----------------------------------------------------------------------------- band products
-@torch.library.custom_op(f"{NAMESPACE}::band_qk", mutates_args=())
+@_custom_op("band_qk", mutates_args=())
 def band_qk(q: Tensor, k: Tensor, w: int, dilation: list[int], autoregressive: bool, padding: float) -> Tensor:
     """Scores ``[b, n, h, c]``: ``q . k`` of each query with the keys of its band; ``padding`` where invalid."""
     out = new_output(k, _band_shape(k, w, autoregressive))
     return _band_kernel("qk", q, k, w, tuple(dilation), autoregressive, padding, out)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::band_pv", mutates_args=())
+@_custom_op("band_pv", mutates_args=())
 def band_pv(band: Tensor, v: Tensor, w: int, dilation: list[int], autoregressive: bool) -> Tensor:
     """Rows ``[b, n, h, f]``: each query's band weights times the values of its keys (valid keys only)."""
     return _band_kernel("pv", band, v, w, tuple(dilation), autoregressive, 0.0, new_output(v, v.shape))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::band_transposed", mutates_args=())
+@_custom_op("band_transposed", mutates_args=())
 def band_transposed(band: Tensor, x: Tensor, w: int, dilation: list[int], autoregressive: bool) -> Tensor:
     """Rows ``[b, n, h, f]``: ``out[p] = sum of band[i, j] * x[i]`` over the (i, j) whose key is p."""
     return _band_kernel("transposed", band, x, w, tuple(dilation), autoregressive, 0.0, new_output(x, x.shape))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::band_qk_out", mutates_args=("out",))
+@_custom_op("band_qk_out", mutates_args=("out",))
 def band_qk_out(q: Tensor, k: Tensor, w: int, dilation: list[int], autoregressive: bool, padding: float,
                 out: Tensor) -> None:
     _band_kernel("qk", q, k, w, tuple(dilation), autoregressive, padding, out)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::band_pv_out", mutates_args=("out",))
+@_custom_op("band_pv_out", mutates_args=("out",))
 def band_pv_out(band: Tensor, v: Tensor, w: int, dilation: list[int], autoregressive: bool, out: Tensor) -> None:
     _band_kernel("pv", band, v, w, tuple(dilation), autoregressive, 0.0, out)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::band_transposed_out", mutates_args=("out",))
+@_custom_op("band_transposed_out", mutates_args=("out",))
 def band_transposed_out(band: Tensor, x: Tensor, w: int, dilation: list[int], autoregressive: bool,
                         out: Tensor) -> None:
     _band_kernel("transposed", band, x, w, tuple(dilation), autoregressive, 0.0, out)
 
 
-@band_qk.register_fake
+@torch.library.register_fake(band_qk)
 def _(q, k, w, dilation, autoregressive, padding):
     return k.new_empty(_band_shape(k, w, autoregressive))
 
 
-@band_pv.register_fake
+@torch.library.register_fake(band_pv)
 def _(band, v, w, dilation, autoregressive):
     return v.new_empty(v.shape)
 
 
-@band_transposed.register_fake
+@torch.library.register_fake(band_transposed)
 def _(band, x, w, dilation, autoregressive):
     return x.new_empty(x.shape)
 
 
 for _out_op in (band_qk_out, band_pv_out, band_transposed_out):
-    _out_op.register_fake(lambda *args: None)
+    torch.library.register_fake(_out_op)(lambda *args: None)
 
 
 # Autograd. S = qk(Q, K): dQ = pv(dS, K), dK = transposed(dS, Q).
@@ -347,9 +386,9 @@ def _band_transposed_backward(ctx, grad):
     return grad_band, grad_x, None, None, None
 
 
-band_qk.register_autograd(_band_qk_backward, setup_context=_save_band_inputs)
-band_transposed.register_autograd(_band_transposed_backward, setup_context=_save_band_inputs)
-band_pv.register_autograd(_band_pv_backward, setup_context=_save_band_inputs)
+torch.library.register_autograd(band_qk, _band_qk_backward, setup_context=_save_band_inputs)
+torch.library.register_autograd(band_transposed, _band_transposed_backward, setup_context=_save_band_inputs)
+torch.library.register_autograd(band_pv, _band_pv_backward, setup_context=_save_band_inputs)
 
 
 # ----------------------------------------------------------------------------- fused local attention
@@ -377,7 +416,7 @@ def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressi
     return lse
 
 
-@torch.library.custom_op(f"{NAMESPACE}::attention", mutates_args=())
+@_custom_op("attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], seed: Tensor, w: int,
               dilation: list[int], autoregressive: bool, scale: float, dropout_p: float) -> tuple[Tensor, Tensor]:
     """Fused local attention: ``(out [b, n, h, f], lse [b, n, h])``. ``seed`` (an int64 scalar tensor)
@@ -386,14 +425,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
     return out, _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::attention_out", mutates_args=("out",))
+@_custom_op("attention_out", mutates_args=("out",))
 def attention_out(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], seed: Tensor, w: int,
                   dilation: list[int], autoregressive: bool, scale: float, dropout_p: float, out: Tensor) -> Tensor:
     """:func:`attention` into ``out``; returns the log-sum-exp."""
     return _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::attention_backward", mutates_args=())
+@_custom_op("attention_backward", mutates_args=())
 def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
                        key_padding_mask: Optional[Tensor], seed: Tensor, out: Tensor, lse: Tensor, w: int,
                        dilation: list[int], autoregressive: bool, scale: float,
@@ -419,17 +458,17 @@ def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     return tuple(g[..., :f].contiguous() for g in grads) if grads[0].shape[-1] != f else grads
 
 
-@attention.register_fake
+@torch.library.register_fake(attention)
 def _(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
-@attention_out.register_fake
+@torch.library.register_fake(attention_out)
 def _(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out):
     return q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
-@attention_backward.register_fake
+@torch.library.register_fake(attention_backward)
 def _(grad, grad_lse, q, k, v, key_padding_mask, seed, out, lse, w, dilation, autoregressive, scale, dropout_p):
     return tuple(q.new_empty(q.shape) for _ in range(3))
 
@@ -449,11 +488,11 @@ def _attention_backward(ctx, grad, grad_lse):
             None, None, None, None, None, None, None)
 
 
-attention.register_autograd(_attention_backward, setup_context=_save_attention)
+torch.library.register_autograd(attention, _attention_backward, setup_context=_save_attention)
 
 
 # ----------------------------------------------------------------------------- band softmax
-@torch.library.custom_op(f"{NAMESPACE}::band_softmax_", mutates_args=("band",))
+@_custom_op("band_softmax_", mutates_args=("band",))
 def band_softmax_(band: Tensor, key_padding_mask: Optional[Tensor], w: int, dilation: list[int],
                   autoregressive: bool) -> Tensor:
     """In place: ``band`` (contiguous) becomes the softmax of each row over its valid keys (keys of
@@ -469,7 +508,7 @@ def band_softmax_(band: Tensor, key_padding_mask: Optional[Tensor], w: int, dila
     return lse
 
 
-@torch.library.custom_op(f"{NAMESPACE}::band_softmax_backward", mutates_args=())
+@_custom_op("band_softmax_backward", mutates_args=())
 def band_softmax_backward(probs: Tensor, grad: Tensor, grad_lse: Tensor, w: int, dilation: list[int],
                           autoregressive: bool) -> Tensor:
     """The scores' gradient ``P * (dP - rowsum(dP * P) + dlse)`` at valid keys, 0 elsewhere."""
@@ -482,12 +521,12 @@ def band_softmax_backward(probs: Tensor, grad: Tensor, grad_lse: Tensor, w: int,
     return out
 
 
-@band_softmax_.register_fake
+@torch.library.register_fake(band_softmax_)
 def _(band, key_padding_mask, w, dilation, autoregressive):
     return band.new_empty(band.shape[:3], dtype=accumulation_dtype(band.dtype))
 
 
-@band_softmax_backward.register_fake
+@torch.library.register_fake(band_softmax_backward)
 def _(probs, grad, grad_lse, w, dilation, autoregressive):
     return probs.new_empty(probs.shape)
 
@@ -514,7 +553,7 @@ class BandSoftmax(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- hidden dropout
-@torch.library.custom_op(f"{NAMESPACE}::dropout", mutates_args=())
+@_custom_op("dropout", mutates_args=())
 def dropout(x: Tensor, seed: Tensor, p: float) -> Tensor:
     """``x`` times a factor per element, ``1 / (1 - p)`` (kept) or 0 (dropped), from the fused
     attention's counter-based generator: ``x`` viewed as ``[rows, x.shape[-1]]``, element (r, c)
@@ -530,7 +569,7 @@ def dropout(x: Tensor, seed: Tensor, p: float) -> Tensor:
     return out
 
 
-@dropout.register_fake
+@torch.library.register_fake(dropout)
 def _(x, seed, p):
     return x.new_empty(x.shape)
 
@@ -546,10 +585,10 @@ def _dropout_backward(ctx, grad):
     return dropout(grad, seed, ctx.p), None, None
 
 
-dropout.register_autograd(_dropout_backward, setup_context=_save_dropout)
+torch.library.register_autograd(dropout, _dropout_backward, setup_context=_save_dropout)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::bias_dropout_add", mutates_args=())
+@_custom_op("bias_dropout_add", mutates_args=())
 def bias_dropout_add(h: Tensor, bias: Tensor, residual: Tensor, seed: Tensor, p: float) -> Tensor:
     """``dropout(h + bias, seed, p) + residual`` (:func:`dropout`'s mask for ``h`` of that shape),
     ``bias`` ``[h.shape[-1]]`` broadcast over the rows, ``residual`` of ``h``'s shape; in the
@@ -563,12 +602,12 @@ def bias_dropout_add(h: Tensor, bias: Tensor, residual: Tensor, seed: Tensor, p:
     return out
 
 
-@bias_dropout_add.register_fake
+@torch.library.register_fake(bias_dropout_add)
 def _(h, bias, residual, seed, p):
     return h.new_empty(h.shape)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::bias_dropout_add_", mutates_args=("h",))
+@_custom_op("bias_dropout_add_", mutates_args=("h",))
 def bias_dropout_add_(h: Tensor, bias: Tensor, residual: Tensor, seed: Tensor, p: float) -> None:
     """:func:`bias_dropout_add` in place, into ``h`` (contiguous); not differentiable."""
     _check_contiguous("h", h)
@@ -578,7 +617,7 @@ def bias_dropout_add_(h: Tensor, bias: Tensor, residual: Tensor, seed: Tensor, p
                                                    float(p), int(seed), h.view(-1, h.shape[-1]))
 
 
-@bias_dropout_add_.register_fake
+@torch.library.register_fake(bias_dropout_add_)
 def _(h, bias, residual, seed, p):
     return None
 
@@ -595,7 +634,7 @@ def _chunk_sums(x: Tensor) -> Tensor:
     return torch.empty(min(rows, _SUM_CHUNKS), x.shape[-1], dtype=accumulation_dtype(x.dtype), device=x.device)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::dropout_column_sums", mutates_args=())
+@_custom_op("dropout_column_sums", mutates_args=())
 def dropout_column_sums(x: Tensor, seed: Tensor, p: float) -> tuple[Tensor, Tensor]:
     """``(dropout(x, seed, p), its sums over all but the last dimension)``, the sums of the rounded
     elements in the accumulation dtype, rounded once to ``x``'s: the backward of
@@ -609,7 +648,7 @@ def dropout_column_sums(x: Tensor, seed: Tensor, p: float) -> tuple[Tensor, Tens
     return out, sums.sum(0).to(x.dtype)
 
 
-@dropout_column_sums.register_fake
+@torch.library.register_fake(dropout_column_sums)
 def _(x, seed, p):
     return x.new_empty(x.shape), x.new_empty(x.shape[-1:])
 
@@ -629,7 +668,7 @@ def _bias_dropout_add_autograd(ctx, grad):
     return grad_h, grad_bias, grad if ctx.needs_input_grad[2] else None, None, None
 
 
-bias_dropout_add.register_autograd(_bias_dropout_add_autograd, setup_context=_save_bias_dropout_add)
+torch.library.register_autograd(bias_dropout_add, _bias_dropout_add_autograd, setup_context=_save_bias_dropout_add)
 
 
 # ----------------------------------------------------------------------------- the FFN's bias and GELU
@@ -644,7 +683,7 @@ def _rows(x: Tensor) -> Tensor:
     return x.contiguous().view(-1, x.shape[-1])
 
 
-@torch.library.custom_op(f"{NAMESPACE}::bias_gelu", mutates_args=())
+@_custom_op("bias_gelu", mutates_args=())
 def bias_gelu(h: Tensor, bias: Tensor) -> Tensor:
     """``gelu(h + bias)``, the exact GELU, ``bias`` ``[h.shape[-1]]`` broadcast over the rows; the
     sum and the GELU in the accumulation dtype, rounded once."""
@@ -656,12 +695,12 @@ def bias_gelu(h: Tensor, bias: Tensor) -> Tensor:
     return out
 
 
-@bias_gelu.register_fake
+@torch.library.register_fake(bias_gelu)
 def _(h, bias):
     return h.new_empty(h.shape)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::bias_gelu_", mutates_args=("h",))
+@_custom_op("bias_gelu_", mutates_args=("h",))
 def bias_gelu_(h: Tensor, bias: Tensor) -> None:
     """:func:`bias_gelu` in place, into ``h`` (contiguous); not differentiable."""
     _check_contiguous("h", h)
@@ -670,12 +709,12 @@ def bias_gelu_(h: Tensor, bias: Tensor) -> None:
             _library(h).function(BIAS_GELU)(h.view(-1, h.shape[-1]), bias.contiguous(), h.view(-1, h.shape[-1]))
 
 
-@bias_gelu_.register_fake
+@torch.library.register_fake(bias_gelu_)
 def _(h, bias):
     return None
 
 
-@torch.library.custom_op(f"{NAMESPACE}::bias_gelu_backward", mutates_args=())
+@_custom_op("bias_gelu_backward", mutates_args=())
 def bias_gelu_backward(grad: Tensor, h: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """The gradients of :func:`bias_gelu`: ``grad * gelu'(h + bias)`` for ``h`` and its sums over
     all but the last dimension for ``bias`` (of the rounded elements, in the accumulation dtype,
@@ -690,7 +729,7 @@ def bias_gelu_backward(grad: Tensor, h: Tensor, bias: Tensor) -> tuple[Tensor, T
     return grad_h, sums.sum(0).to(h.dtype)
 
 
-@bias_gelu_backward.register_fake
+@torch.library.register_fake(bias_gelu_backward)
 def _(grad, h, bias):
     return h.new_empty(h.shape), h.new_empty(h.shape[-1:])
 
@@ -705,7 +744,7 @@ def _bias_gelu_autograd(ctx, grad):
     return grad_h, grad_bias if ctx.needs_input_grad[1] else None
 
 
-bias_gelu.register_autograd(_bias_gelu_autograd, setup_context=_save_bias_gelu)
+torch.library.register_autograd(bias_gelu, _bias_gelu_autograd, setup_context=_save_bias_gelu)
 
 
 # ----------------------------------------------------------------------------- the layer's global-key merge
@@ -723,7 +762,7 @@ def _slots(x: Tensor) -> Tensor:
     return x.as_strided(x.shape, strides)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::global_merge", mutates_args=())
+@_custom_op("global_merge", mutates_args=())
 def global_merge(context: Tensor, a: Tensor, omega: Tensor, values: Tensor) -> Tensor:
     """``a[..., None] context + sum_g omega[..., g, None] values[:, g]`` over ``context [b, n, h, d]``,
     ``a [b, n, h]``, ``omega [b, n, h, g]`` (both in the accumulation dtype) and ``values [b, g, h, d]``;
@@ -736,12 +775,12 @@ def global_merge(context: Tensor, a: Tensor, omega: Tensor, values: Tensor) -> T
     return out
 
 
-@global_merge.register_fake
+@torch.library.register_fake(global_merge)
 def _(context, a, omega, values):
     return context.new_empty(context.shape)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::global_merge_", mutates_args=("context",))
+@_custom_op("global_merge_", mutates_args=("context",))
 def global_merge_(context: Tensor, a: Tensor, omega: Tensor, values: Tensor) -> None:
     """:func:`global_merge` in place, into ``context`` (contiguous); not differentiable."""
     _check_contiguous("context", context)
@@ -750,12 +789,12 @@ def global_merge_(context: Tensor, a: Tensor, omega: Tensor, values: Tensor) -> 
             _library(context).function(GLOBAL_MERGE)(context, a.contiguous(), _slots(omega), _slots(values), context)
 
 
-@global_merge_.register_fake
+@torch.library.register_fake(global_merge_)
 def _(context, a, omega, values):
     return None
 
 
-@torch.library.custom_op(f"{NAMESPACE}::global_merge_backward", mutates_args=())
+@_custom_op("global_merge_backward", mutates_args=())
 def global_merge_backward(grad: Tensor, context: Tensor, values: Tensor, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """For :func:`global_merge`'s output gradient ``grad``: ``grad a`` (``context``'s dtype), and in
     ``a``'s dtype ``u [b, n, h] = <grad, context>`` and ``t [b, n, h, g] = <grad, values_g>`` over the
@@ -773,7 +812,7 @@ def global_merge_backward(grad: Tensor, context: Tensor, values: Tensor, a: Tens
     return grad_context, u, t
 
 
-@global_merge_backward.register_fake
+@torch.library.register_fake(global_merge_backward)
 def _(grad, context, values, a):
     return context.new_empty(context.shape), a.new_empty(a.shape), a.new_empty((*a.shape, values.shape[1]))
 
@@ -797,7 +836,7 @@ def autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
 
 
 # ----------------------------------------------------------------------------- layer norm
-@torch.library.custom_op(f"{NAMESPACE}::layer_norm", mutates_args=())
+@_custom_op("layer_norm", mutates_args=())
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last dimension (biased variance),
     with each row's mean and ``rstd = 1 / sqrt(var + eps)`` (accumulation dtype, ``x.shape[:-1]``)
@@ -812,13 +851,13 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Ten
     return out, mean, rstd
 
 
-@layer_norm.register_fake
+@torch.library.register_fake(layer_norm)
 def _(x, weight, bias, eps):
     stats = x.new_empty(x.shape[:-1], dtype=accumulation_dtype(x.dtype))
     return x.new_empty(x.shape), stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::layer_norm_backward", mutates_args=())
+@_custom_op("layer_norm_backward", mutates_args=())
 def layer_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`layer_norm` for ``x``, ``weight`` and ``bias`` from its ``mean`` and
     ``rstd``, in one pass (the parameters' sums over the rows on the way, unrounded terms in the
@@ -833,7 +872,7 @@ def layer_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, mean: Tensor, r
     return grad_x, sums_weight.sum(0).to(weight.dtype), sums_bias.sum(0).to(weight.dtype)
 
 
-@layer_norm_backward.register_fake
+@torch.library.register_fake(layer_norm_backward)
 def _(grad, x, weight, mean, rstd):
     return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
@@ -851,7 +890,7 @@ def _layer_norm_autograd(ctx, grad, grad_mean, grad_rstd):
     return grad_x, grad_weight, grad_bias, None
 
 
-layer_norm.register_autograd(_layer_norm_autograd, setup_context=_save_layer_norm)
+torch.library.register_autograd(layer_norm, _layer_norm_autograd, setup_context=_save_layer_norm)
 
 
 # ----------------------------------------------------------------------------- few-row products
@@ -874,25 +913,25 @@ def _few_rows_product(function: str, a: Tensor, b: Tensor) -> Tensor:
     return out
 
 
-@torch.library.custom_op(f"{NAMESPACE}::few_rows_mm", mutates_args=())
+@_custom_op("few_rows_mm", mutates_args=())
 def few_rows_mm(a: Tensor, b: Tensor) -> Tensor:
     """``torch.bmm(a, b)`` of ``a`` ``[batch, rows, inner]`` (a few rows) and ``b`` ``[batch, inner,
     cols]`` of the same dtype, sums in the accumulation dtype, rounded once; no autograd."""
     return _few_rows_product(FEW_ROWS_MM, a, b)
 
 
-@few_rows_mm.register_fake
+@torch.library.register_fake(few_rows_mm)
 def _(a, b):
     return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
 
 
-@torch.library.custom_op(f"{NAMESPACE}::few_rows_mm_nt", mutates_args=())
+@_custom_op("few_rows_mm_nt", mutates_args=())
 def few_rows_mm_nt(a: Tensor, bt: Tensor) -> Tensor:
     """``torch.bmm(a, bt.transpose(1, 2))`` of ``a`` ``[batch, rows, inner]`` (a few rows) and ``bt``
     ``[batch, cols, inner]`` (a key cache as it is stored) of the same dtype, as :func:`few_rows_mm`."""
     return _few_rows_product(FEW_ROWS_MM_NT, a, bt)
 
 
-@few_rows_mm_nt.register_fake
+@torch.library.register_fake(few_rows_mm_nt)
 def _(a, bt):
     return a.new_empty(a.shape[0], a.shape[1], bt.shape[1])

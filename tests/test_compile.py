@@ -15,6 +15,7 @@ from torch._inductor import config as inductor_config
 
 from longformer_ops import (LongformerConfig, LongformerForMaskedLM, LongformerModel, LongformerSelfAttention,
                             diagonaled_mm, mask_invalid_locations, sliding_window_attention)
+from longformer_ops import kernels
 from longformer_ops.kernels import accumulation_dtype
 
 ops = torch.ops.longformer_ops
@@ -57,6 +58,18 @@ def _values_and_grads(fn, inputs, *args, seed=0):
 def _assert_same(compiled, eager, atol):
     for name, a, e in zip(["out", "grad q", "grad k", "grad v"], compiled, eager):
         torch.testing.assert_close(a, e, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_kernel_decisions_carry_torchs_constant_mark():
+    """The availability decisions are marked for Dynamo without importing it (kernels.py): the mark
+    must be the one ``torch.compiler.assume_constant_result`` sets, or Dynamo would trace the loader."""
+    def decision():
+        return True
+
+    torch.compiler.assume_constant_result(decision)
+    assert vars(decision) == {"_dynamo_marked_constant": True}, vars(decision)
+    for marked in (kernels.has_kernels, kernels._has_optional_kernels):
+        assert {key: vars(marked)[key] for key in vars(decision)} == vars(decision)
 
 
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
