@@ -114,11 +114,21 @@ CUDA_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def cpu_targets() -> list[str]:
-    """The CPU libraries this machine can run (each is tested, not only the preferred one)."""
+    """Every CPU library of the manifest (each is tested where it runs, not only the preferred one)."""
     manifest = _loader._manifest_or_raise(_loader.prebuilt_dir())
-    flags = _loader.cpu_flags()
-    return sorted({e["target"] for e in manifest["libraries"].values()
-                   if e["device"] == "cpu" and _loader.runs_here(e, flags)})
+    return sorted({e["target"] for e in manifest["libraries"].values() if e["device"] == "cpu"})
+
+
+def _why_not_here(target: str) -> str | None:
+    """None where the CPU library ``target`` runs on this machine, else what it needs (a skip reason)."""
+    manifest = _loader._manifest_or_raise(_loader.prebuilt_dir())
+    entry = next(e for e in manifest["libraries"].values() if e["target"] == target)
+    missing = sorted(set(entry["cpu_flags"]) - _loader.cpu_flags())
+    if missing:
+        return f"{target} needs a CPU with {' '.join(missing)}, which this one lacks"
+    if not _loader.runs_here(entry, _loader.cpu_flags()):
+        return f"{target} needs the permission to use AMX tiles, which Linux refused this process"
+    return None
 
 
 def _target_dtypes() -> dict[str, set[str]]:
@@ -134,6 +144,9 @@ def cpu_library(request, monkeypatch):
     """Runs a test once per CPU library this machine can run (each forced in turn). A library
     that holds some dtypes only (cpu-avx512-bf16: bfloat16) is skipped for the others: a test's
     ``dtype`` parameter names its dtype; a test without one runs float32 or float64."""
+    not_here = _why_not_here(request.param)
+    if not_here:
+        pytest.skip(not_here)
     held = _target_dtypes()[request.param]
     params = getattr(request.node, "callspec", None)
     dtype = params.params.get("dtype") if params else None

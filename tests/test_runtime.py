@@ -278,15 +278,51 @@ def test_forced_cpu_target_is_used(monkeypatch):
         _loader.library_for(torch.device("cpu"), "float32")
 
 
-def test_info_lists_kernels():
-    result = subprocess.run([sys.executable, "-m", "longformer_ops.info"], capture_output=True, text=True, cwd=_manifest.REPO_ROOT)
+def _info(*args):
+    result = subprocess.run([sys.executable, "-m", "longformer_ops.info", *args], capture_output=True, text=True,
+                            cwd=_manifest.REPO_ROOT)
     assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_info_fits_one_screen():
+    """Per (device, dtype) the library chosen and why, then ops x (device, dtype): one screen."""
+    out = _info()
+    assert len(out.splitlines()) <= 40, out
     for dtype in ("float32", "float64", "float16", "bfloat16"):
-        assert re.search(rf"^qk_symmetric +cpu +{dtype} ", result.stdout, re.MULTILINE)
-        assert re.search(rf"^attention_backward_causal +cpu +{dtype} ", result.stdout, re.MULTILINE)
-    assert "transposed_causal" in result.stdout and "cuda" in result.stdout
+        assert re.search(rf"^cpu +{dtype} +cpu-[a-z0-9-]+/longformer_{dtype}\.so +best that runs here", out, re.MULTILINE)
+    assert re.search(r"^cuda +float32 +- +no CUDA device visible to torch", out, re.MULTILINE) or torch.cuda.is_available()
+    assert re.search(r"^qk +yes +yes +yes +yes ", out, re.MULTILINE), out
+    assert re.search(r"^layer_norm_backward +yes +yes +yes +yes +\. +\. +\.$", out, re.MULTILINE) \
+        or torch.cuda.is_available(), out
     if "amx_tile" in _loader.cpu_flags():  # whether the AMX library can run here, said up front
-        assert re.search(r"^CPU: .*amx_tile.*, AMX (permitted|refused by Linux)", result.stdout, re.MULTILINE)
+        assert re.search(r"^CPU: .*amx_tile.*, AMX (permitted|refused by Linux)", out, re.MULTILINE)
+
+
+def test_info_verbose_lists_every_kernel():
+    out = _info("--verbose")
+    for dtype in ("float32", "float64", "float16", "bfloat16"):
+        assert re.search(rf"^qk_symmetric +cpu +{dtype} ", out, re.MULTILINE)
+        assert re.search(rf"^attention_backward_causal +cpu +{dtype} ", out, re.MULTILINE)
+    assert "transposed_causal" in out and "cuda" in out
+
+
+def test_info_says_why_better_libraries_were_passed_over(monkeypatch):
+    """Each reason the loader has, whatever this CPU: missing instructions, another vendor's library,
+    AMX refused by Linux, a forced target."""
+    from longformer_ops import info
+
+    manifest = _loader._manifest_or_raise(_loader.prebuilt_dir())
+    monkeypatch.setattr(_loader, "cpu_flags", lambda: frozenset(_AVX2_FLAGS))
+    assert info._why(manifest, "cpu", "float32", "cpu-avx2") == \
+        "best that runs here (cpu-avx512 needs avx512bw avx512cd avx512dq avx512f avx512vl)"
+    monkeypatch.setattr(_loader, "cpu_flags", lambda: frozenset(_AMX_FLAGS))
+    monkeypatch.setattr(_loader, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(_loader, "amx_permitted", lambda: False)
+    assert info._why(manifest, "cpu", "bfloat16", "cpu-avx512") == \
+        "best that runs here (cpu-amx: Linux refused AMX; cpu-avx512-bf16 is for AuthenticAMD CPUs)"
+    monkeypatch.setenv(_loader.CPU_TARGET_ENV, "cpu-avx2")
+    assert info._why(manifest, "cpu", "bfloat16", "cpu-avx2") == f"forced by {_loader.CPU_TARGET_ENV}"
 
 
 def test_committed_prebuilt_matches_sources():
