@@ -47,7 +47,7 @@ def _calls(dtype: torch.dtype, rows: int, hidden: int, ffn: int, globals_: int, 
     # The softmax runs in place on the same band every round: from the second call on, a softmax of
     # probabilities, the same work.
     band, grad_band = randn(1, rows, HEADS, 2 * window + 1), randn(1, rows, HEADS, 2 * window + 1)
-    grad_lse, dilation = torch.randn(1, rows, HEADS, generator=generator), [1] * HEADS
+    grad_lse, dilation = torch.randn(1, rows, HEADS, generator=generator), kernels.dilation_argument((1,) * HEADS)
     device = torch.device("cpu")
     # The layer norm's backward takes its forward's row statistics (where the library has it).
     _, mean, rstd = kernels.layer_norm(x, weight, bias, 1e-5) if kernels.layer_norm_available(device, dtype) else (

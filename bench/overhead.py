@@ -71,17 +71,17 @@ def all_runners(size, device="cpu"):
     q, k, v, band, w, d = _inputs(size, device)
     c = band.shape[-1]
     seed = torch.zeros((), dtype=torch.int64)
-    dt = tuple(d)
+    dt = kernels.dilation_argument(tuple(d))  # (the ops and their kernels take the dilations as a tensor)
     runners = public_runners(size, device)
     runners.update({
         ("qk", "kernel"): lambda: kernels._band_kernel("qk", q, k, w, dt, False, float("-inf"),
                                                        new_output(k, (*k.shape[:3], c))),
-        ("qk", "custom op"): lambda: ops.band_qk(q, k, w, d, False, float("-inf")),
+        ("qk", "custom op"): lambda: ops.band_qk(q, k, w, dt, False, float("-inf")),
         ("pv", "kernel"): lambda: kernels._band_kernel("pv", band, v, w, dt, False, 0.0, new_output(v, v.shape)),
-        ("pv", "custom op"): lambda: ops.band_pv(band, v, w, d, False),
-        ("attention", "kernel"): lambda: kernels._attention_kernel(q, k, v, None, seed, w, d, False, 0.125, 0.0,
+        ("pv", "custom op"): lambda: ops.band_pv(band, v, w, dt, False),
+        ("attention", "kernel"): lambda: kernels._attention_kernel(q, k, v, None, seed, w, dt, False, 0.125, 0.0,
                                                                    new_output(q, q.shape)),
-        ("attention", "custom op"): lambda: ops.attention(q, k, v, None, seed, w, d, False, 0.125, 0.0),
+        ("attention", "custom op"): lambda: ops.attention(q, k, v, None, seed, w, dt, False, 0.125, 0.0),
     })
     compiled_qk = torch.compile(lambda: diagonaled_mm(q, k, w, d, False, float("-inf")), fullgraph=True)
     compiled_pv = torch.compile(lambda: diagonaled_mm(band, v, w, d, True), fullgraph=True)

@@ -34,8 +34,8 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ``q``, ``k``, ``v``: ``[batch, seq_len, heads, head_dim]``, one dtype and device (under
     ``torch.autocast``, float32 inputs run in autocast's dtype). Query ``i`` of head ``h`` attends
     to the keys ``i + d[h] * (j - w)`` for ``j = 0 .. 2w`` (``0 .. w`` when ``autoregressive``)
-    that fall inside the sequence; ``d`` an int or one dilation >= 1 per head (as in
-    :func:`diagonaled_mm`; a list, not a tensor, under ``torch.compile``). ``scale`` multiplies
+    that fall inside the sequence; ``d`` an int or one dilation >= 1 per head (a list or an
+    integer tensor, as in :func:`diagonaled_mm`). ``scale`` multiplies
     the scores (default ``1 / sqrt(head_dim)``). ``key_padding_mask``: optional bool
     ``[batch, seq_len]``, True for keys no query attends to (padding); a query left with no key
     gets 0. Returns ``[batch, seq_len, heads, head_dim]`` in the inputs' dtype.
@@ -65,7 +65,6 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """
     q, k, v = kernels.autocast_inputs(q, k, v)
     w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask)
-    w = _reachable_window(w, dilations, q.shape[1])
     dropout_p = checks.check_dropout_p(dropout_p)
     checks.check_bool("return_lse", return_lse)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
@@ -74,7 +73,9 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     # (head_dim 0: the three steps, whose band of zero scores gives each row's log-sum-exp.)
     if q.shape[-1] > 0 and kernels.fused_attention_available(q.device, q.dtype, backward=needs_grad):
         seed = dropout_seed() if dropout_p > 0 else torch.zeros((), dtype=torch.int64)
-        args = (q, k, v, key_padding_mask, seed, w, dilations, autoregressive, scale, dropout_p)
+        # (The op narrows w to the keys the dilations reach: kernels.reachable_window.)
+        args = (q, k, v, key_padding_mask, seed, w, kernels.dilation_argument(dilations), autoregressive, scale,
+                dropout_p)
         if out is None:
             result, lse = _ops.attention(*args)
         else:
@@ -85,22 +86,18 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return (result, lse) if return_lse else result
 
 
-def _reachable_window(w: int, dilations, n: int) -> int:
-    """The narrowest window with the same keys: offsets past (n - 1) // min(d) reach no key of any
-    head, and the kernels' scratch grows with w (w = 10^8 at n = 20 had asked for gigabytes). The
-    dropout mask is that of this window's band columns."""
-    return min(w, max(n - 1, 0) // min(dilations)) if dilations else w
-
-
 def _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p, out, return_lse,
                  needs_grad):
     """Band scores, softmax, band times values, on the band ops (arguments checked by the caller)."""
-    scores = _ops.band_qk(q * scale, k, w, dilations, autoregressive, float("-inf"))
+    if isinstance(dilations, tuple):  # (under torch.compile a dilation tensor's values are not known here)
+        w = kernels.reachable_window(w, dilations, q.shape[1])
+    dilation = kernels.dilation_argument(dilations)
+    scores = _ops.band_qk(q * scale, k, w, dilation, autoregressive, float("-inf"))
     probs, lse = band_softmax(scores, key_padding_mask, w, dilations, autoregressive, need_lse=return_lse)
     if dropout_p > 0:
         probs = torch.nn.functional.dropout(probs, dropout_p, training=True, inplace=not needs_grad)
     probs = probs.to(v.dtype)  # (CUDA autocast runs softmax in float32)
     if out is None:
-        return _ops.band_pv(probs, v, w, dilations, autoregressive), (lse if return_lse else None)
-    _ops.band_pv_out(probs, v, w, dilations, autoregressive, out)
+        return _ops.band_pv(probs, v, w, dilation, autoregressive), (lse if return_lse else None)
+    _ops.band_pv_out(probs, v, w, dilation, autoregressive, out)
     return out, (lse if return_lse else None)

@@ -28,17 +28,25 @@ def check_window(w) -> int:
     return int(w)
 
 
-def check_dilation(d, heads: int) -> tuple[int, ...]:
+def check_dilation(d, heads: int) -> tuple[int, ...] | torch.Tensor:
     """Per-head dilations as a tuple of Python ints, from an int or a 1-D integer tensor/sequence.
 
     A CUDA tensor is copied to the host to be checked (one synchronisation);
-    pass an int, a list or a CPU tensor to avoid it.
+    pass an int, a list or a CPU tensor to avoid it. Under ``torch.compile`` a tensor's values are
+    data the tracer cannot see: its dtype and shape are checked here and the tensor is returned, and
+    the ops check its values (this function again) when they run.
     """
     if isinstance(d, torch.Tensor):
         if d.dtype.is_floating_point or d.dtype.is_complex or d.dtype == torch.bool:
             raise TypeError(f"d (dilation) must be an integer tensor, got dtype={d.dtype}")
         if d.dim() != 1:
             raise ValueError(f"d (dilation) must be an int or a 1-D tensor with one value per head, got shape {tuple(d.shape)}")
+        if torch.compiler.is_compiling():
+            if d.shape[0] != heads:
+                raise ValueError(f"d (dilation) must have one value per head: expected length {heads}, got {d.shape[0]}")
+            # Checked where the compiled code runs (the ops check again, naming the values).
+            torch._assert_async(((d >= 1) & (d <= _MAX_INT32)).all(), f"d (dilation) values must be in [1, {_MAX_INT32}]")
+            return d
         values = tuple(int(v) for v in d.tolist())
     elif isinstance(d, (list, tuple)):
         if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in d):

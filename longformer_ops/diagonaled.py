@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from longformer_ops import checks, kernels
-from longformer_ops.reference import band_width, fill_invalid_locations_
+from longformer_ops.reference import band_width, fill_invalid_locations_, key_positions
 
 _ops = torch.ops.longformer_ops
 
@@ -32,8 +32,8 @@ def diagonaled_mm(t1: torch.Tensor, t2: torch.Tensor, w: int, d, is_t1_diagonale
       ``t2 = V [b, n, h, f]`` -> ``[b, n, h, f]``, summing over valid keys only.
 
     ``d`` is an int (all heads) or a 1-D integer tensor (or list) with one
-    dilation >= 1 per head; under ``torch.compile`` pass an int or a list (a tensor's
-    values are data the compiler cannot see). dtypes: float32, float64, float16, bfloat16
+    dilation >= 1 per head (under ``torch.compile`` too: a tensor's values are then checked
+    when the compiled code runs). dtypes: float32, float64, float16, bfloat16
     on CPU; float32, float16, bfloat16 on CUDA; half types accumulate in float32. Under
     ``torch.autocast``, float32 inputs run in autocast's dtype. Differentiable in ``t1`` and
     ``t2`` (twice: the backward is made of the same ops). Inputs need not be contiguous.
@@ -45,6 +45,7 @@ def diagonaled_mm(t1: torch.Tensor, t2: torch.Tensor, w: int, d, is_t1_diagonale
     """
     t1, t2 = kernels.autocast_inputs(t1, t2)
     w, dilations, band = checks.check_diagonaled_mm(t1, t2, w, d, is_t1_diagonaled, padding, autoregressive)
+    dilations = kernels.dilation_argument(dilations)
     if out is not None:
         checks.check_out(out, (*t2.shape[:3], t2.shape[3] if is_t1_diagonaled else band), {"t1": t1, "t2": t2})
         if is_t1_diagonaled:
@@ -69,6 +70,7 @@ def transposed_product(t1: torch.Tensor, t2: torch.Tensor, w: int, d, autoregres
     """
     t1, t2 = kernels.autocast_inputs(t1, t2)
     w, dilations, _ = checks.check_diagonaled_mm(t1, t2, w, d, True, 0, autoregressive)
+    dilations = kernels.dilation_argument(dilations)
     if out is None:
         return _ops.band_transposed(t1.detach(), t2.detach(), w, dilations, autoregressive)
     checks.check_out(out, tuple(t2.shape), {"t1": t1, "t2": t2}, differentiable=False)
@@ -115,9 +117,12 @@ def band_softmax(scores, key_padding_mask, w, dilations, autoregressive, need_ls
     """:func:`band_softmax_` on checked arguments: ``(probs, lse)``, in place where the library has the
     kernel (which gives lse for free); on torch ops lse is None unless ``need_lse`` (for half types it
     costs a float32 copy of the band)."""
-    if kernels.band_softmax_available(scores.device, scores.dtype):
-        return kernels.BandSoftmax.apply(scores, key_padding_mask, w, list(dilations), autoregressive)
     needs_grad = torch.is_grad_enabled() and scores.requires_grad
+    if kernels.band_softmax_available(scores.device, scores.dtype):
+        dilation = kernels.dilation_argument(dilations)
+        if not needs_grad:  # (the op alone: Dynamo traces an autograd.Function's mark_dirty only when it records)
+            return scores, torch.ops.longformer_ops.band_softmax_(scores, key_padding_mask, w, dilation, autoregressive)
+        return kernels.BandSoftmax.apply(scores, key_padding_mask, w, dilation, autoregressive)
     fill_invalid_locations_(scores, w, dilations, autoregressive, float("-inf"))
     no_key = None
     if key_padding_mask is not None:
@@ -150,6 +155,10 @@ def fill_band_at_keys_(band: torch.Tensor, flags: torch.Tensor, w: int, dilation
     not copy the band's gradient per in-place fill of a slice; its backward zeroes the same blocks
     of a copy of the incoming gradient (the gradient is the one band it allocates).
     """
+    if isinstance(dilation, torch.Tensor):  # under torch.compile, values unseen: one fill the compiler fuses
+        n = flags.shape[1]
+        keys = key_positions(n, w, dilation.to(band.device), autoregressive)
+        return band.masked_fill_(flags[:, keys.clamp(0, max(n - 1, 0))] & (keys >= 0) & (keys < n), value)
     if torch.is_grad_enabled() and band.requires_grad:
         return _FillAtKeys.apply(band, flags, w, tuple(dilation), autoregressive, value)
     return _fill_at_keys_in_blocks(band, flags, w, tuple(dilation), autoregressive, value)

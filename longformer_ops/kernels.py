@@ -7,7 +7,8 @@ backward passes made of these same ops (so a compiled backward traces too). What
 not see stays inside the ops: the loader (file reads, ``dlopen``), the output cache (``mmap``,
 finalisers) and the dropout seed's conversion to an int.
 
-Ops (``[b, n, h, f]`` rows, ``[b, n, h, c]`` bands; ``dilation`` one int per head; arguments
+Ops (``[b, n, h, f]`` rows, ``[b, n, h, c]`` bands; ``dilation`` an integer tensor of one value per
+head, :func:`dilation_argument`, its values checked by each op as it runs; arguments
 already checked by the public functions in :mod:`longformer_ops.diagonaled` and
 :mod:`longformer_ops.attention`):
 
@@ -58,6 +59,7 @@ from torch import Tensor
 from longformer_ops._loader import KernelNotAvailableError, library_for
 from longformer_ops._manifest import function_name, function_names
 from longformer_ops._output_cache import new_output
+from longformer_ops.checks import check_dilation
 from longformer_ops.reference import band_width, fill_invalid_locations_
 
 NAMESPACE = "longformer_ops"
@@ -139,6 +141,31 @@ def _fused_input(x: Tensor, multiple: int) -> Tensor:
 def _dilation_tensor(dilation: tuple[int, ...], device: torch.device) -> Tensor:
     # Cached so that a layer called every step does not copy its dilations to the GPU each time.
     return torch.tensor(dilation, dtype=torch.int32, device=device)
+
+
+def dilation_argument(dilations: tuple[int, ...] | Tensor) -> Tensor:
+    """The ops' ``dilation`` argument, one integer per head, from checked values (a tuple: a cached
+    int32 CPU tensor, or a constant of the graph under ``torch.compile``) or, under ``torch.compile``,
+    the caller's own tensor (:func:`longformer_ops.checks.check_dilation`), whose values the ops check
+    when they run: so a dilation tensor compiles into the graph with no break."""
+    if isinstance(dilations, Tensor):
+        return dilations
+    # (Under a FakeTensorMode, outside compilation too, the ops accept none of its real tensors.)
+    if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return torch.tensor(dilations, dtype=torch.int32)
+    return _dilation_tensor(tuple(dilations), torch.device("cpu"))
+
+
+def _dilation_values(dilation: Tensor, heads: int) -> tuple[int, ...]:
+    """An op's ``dilation`` tensor as Python ints, checked (with the public functions' messages)."""
+    return check_dilation(dilation, heads)
+
+
+def reachable_window(w: int, dilations: tuple[int, ...], n: int) -> int:
+    """The narrowest window with the same keys: offsets past (n - 1) // min(d) reach no key of any
+    head, and the kernels' scratch grows with w (w = 10^8 at n = 20 had asked for gigabytes). The
+    dropout mask is that of this window's band columns."""
+    return min(w, max(n - 1, 0) // min(dilations)) if dilations else w
 
 
 def _on_device(x: Tensor):
@@ -264,10 +291,11 @@ def _cpu_runs(x: Tensor, w: int) -> tuple:
     return (query_runs(x.shape[0] * x.shape[2], x.shape[1], w, torch.get_num_threads()),)
 
 
-def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: tuple[int, ...], autoregressive: bool,
+def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: Tensor, autoregressive: bool,
                  padding: float, out: Tensor) -> Tensor:
     """One banded product into ``out``: 'qk' (t1, t2 rows), 'pv' or 'transposed' (t1 the band)."""
     b, n, h, f = t2.shape
+    dilation = _dilation_values(dilation, h)
     if b * n * h == 0 or (op != "qk" and f == 0):  # the output is empty (or all zero: no features)
         return out.zero_()
     if op == "qk" and f == 0:  # empty dot products: 0 where the key is valid
@@ -295,39 +323,39 @@ def _band_shape(rows: Tensor, w: int, autoregressive: bool) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- band products
 @_custom_op("band_qk", mutates_args=())
-def band_qk(q: Tensor, k: Tensor, w: int, dilation: list[int], autoregressive: bool, padding: float) -> Tensor:
+def band_qk(q: Tensor, k: Tensor, w: int, dilation: Tensor, autoregressive: bool, padding: float) -> Tensor:
     """Scores ``[b, n, h, c]``: ``q . k`` of each query with the keys of its band; ``padding`` where invalid."""
     out = new_output(k, _band_shape(k, w, autoregressive))
-    return _band_kernel("qk", q, k, w, tuple(dilation), autoregressive, padding, out)
+    return _band_kernel("qk", q, k, w, dilation, autoregressive, padding, out)
 
 
 @_custom_op("band_pv", mutates_args=())
-def band_pv(band: Tensor, v: Tensor, w: int, dilation: list[int], autoregressive: bool) -> Tensor:
+def band_pv(band: Tensor, v: Tensor, w: int, dilation: Tensor, autoregressive: bool) -> Tensor:
     """Rows ``[b, n, h, f]``: each query's band weights times the values of its keys (valid keys only)."""
-    return _band_kernel("pv", band, v, w, tuple(dilation), autoregressive, 0.0, new_output(v, v.shape))
+    return _band_kernel("pv", band, v, w, dilation, autoregressive, 0.0, new_output(v, v.shape))
 
 
 @_custom_op("band_transposed", mutates_args=())
-def band_transposed(band: Tensor, x: Tensor, w: int, dilation: list[int], autoregressive: bool) -> Tensor:
+def band_transposed(band: Tensor, x: Tensor, w: int, dilation: Tensor, autoregressive: bool) -> Tensor:
     """Rows ``[b, n, h, f]``: ``out[p] = sum of band[i, j] * x[i]`` over the (i, j) whose key is p."""
-    return _band_kernel("transposed", band, x, w, tuple(dilation), autoregressive, 0.0, new_output(x, x.shape))
+    return _band_kernel("transposed", band, x, w, dilation, autoregressive, 0.0, new_output(x, x.shape))
 
 
 @_custom_op("band_qk_out", mutates_args=("out",))
-def band_qk_out(q: Tensor, k: Tensor, w: int, dilation: list[int], autoregressive: bool, padding: float,
+def band_qk_out(q: Tensor, k: Tensor, w: int, dilation: Tensor, autoregressive: bool, padding: float,
                 out: Tensor) -> None:
-    _band_kernel("qk", q, k, w, tuple(dilation), autoregressive, padding, out)
+    _band_kernel("qk", q, k, w, dilation, autoregressive, padding, out)
 
 
 @_custom_op("band_pv_out", mutates_args=("out",))
-def band_pv_out(band: Tensor, v: Tensor, w: int, dilation: list[int], autoregressive: bool, out: Tensor) -> None:
-    _band_kernel("pv", band, v, w, tuple(dilation), autoregressive, 0.0, out)
+def band_pv_out(band: Tensor, v: Tensor, w: int, dilation: Tensor, autoregressive: bool, out: Tensor) -> None:
+    _band_kernel("pv", band, v, w, dilation, autoregressive, 0.0, out)
 
 
 @_custom_op("band_transposed_out", mutates_args=("out",))
-def band_transposed_out(band: Tensor, x: Tensor, w: int, dilation: list[int], autoregressive: bool,
+def band_transposed_out(band: Tensor, x: Tensor, w: int, dilation: Tensor, autoregressive: bool,
                         out: Tensor) -> None:
-    _band_kernel("transposed", band, x, w, tuple(dilation), autoregressive, 0.0, out)
+    _band_kernel("transposed", band, x, w, dilation, autoregressive, 0.0, out)
 
 
 @torch.library.register_fake(band_qk)
@@ -355,13 +383,13 @@ for _out_op in (band_qk_out, band_pv_out, band_transposed_out):
 # Made of the ops themselves, so they are differentiable again (double backward) and traceable.
 def _save_band_inputs(ctx, inputs, output):
     t1, t2, w, dilation, autoregressive = inputs[:5]
-    ctx.save_for_backward(t1, t2)
-    ctx.band_config = (w, dilation, autoregressive)
+    ctx.save_for_backward(t1, t2, dilation)
+    ctx.band_config = (w, autoregressive)
 
 
 def _band_qk_backward(ctx, grad):
-    q, k = ctx.saved_tensors
-    w, dilation, autoregressive = ctx.band_config
+    q, k, dilation = ctx.saved_tensors
+    w, autoregressive = ctx.band_config
     grad = grad.contiguous()
     grad_q = band_pv(grad, k, w, dilation, autoregressive) if ctx.needs_input_grad[0] else None
     grad_k = band_transposed(grad, q, w, dilation, autoregressive) if ctx.needs_input_grad[1] else None
@@ -369,8 +397,8 @@ def _band_qk_backward(ctx, grad):
 
 
 def _band_pv_backward(ctx, grad):
-    band, v = ctx.saved_tensors
-    w, dilation, autoregressive = ctx.band_config
+    band, v, dilation = ctx.saved_tensors
+    w, autoregressive = ctx.band_config
     grad = grad.contiguous()
     grad_band = band_qk(grad, v, w, dilation, autoregressive, 0.0) if ctx.needs_input_grad[0] else None
     grad_v = band_transposed(band, grad, w, dilation, autoregressive) if ctx.needs_input_grad[1] else None
@@ -378,8 +406,8 @@ def _band_pv_backward(ctx, grad):
 
 
 def _band_transposed_backward(ctx, grad):
-    band, x = ctx.saved_tensors
-    w, dilation, autoregressive = ctx.band_config
+    band, x, dilation = ctx.saved_tensors
+    w, autoregressive = ctx.band_config
     grad = grad.contiguous()
     grad_band = band_qk(x, grad, w, dilation, autoregressive, 0.0) if ctx.needs_input_grad[0] else None
     grad_x = band_pv(band, grad, w, dilation, autoregressive) if ctx.needs_input_grad[1] else None
@@ -401,6 +429,8 @@ def _key_bias(key_padding_mask: Optional[Tensor], q: Tensor) -> Tensor:
 def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out):
     """The forward kernel into ``out`` (``[b, n, h, f]``); returns the rows' log-sum-exp."""
     lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+    dilation = _dilation_values(dilation, q.shape[2])
+    w = reachable_window(w, dilation, q.shape[1])
     if lse.numel() == 0:
         return lse
     library = _library(q)
@@ -409,7 +439,7 @@ def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressi
     q, k, v = (_fused_input(x, library.feature_multiple) for x in (q, k, v))
     kernel_out = out if q.shape[-1] == f else new_output(q, q.shape)
     library.function(function_name(FUSED, autoregressive))(
-        q, k, v, _key_bias(key_padding_mask, q), _dilation_tensor(tuple(dilation), q.device), w, scale,
+        q, k, v, _key_bias(key_padding_mask, q), _dilation_tensor(dilation, q.device), w, scale,
         dropout_p, int(seed), kernel_out, lse, *_cpu_runs(q, w))
     if kernel_out is not out:
         out.copy_(kernel_out[..., :f])
@@ -418,7 +448,7 @@ def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressi
 
 @_custom_op("attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], seed: Tensor, w: int,
-              dilation: list[int], autoregressive: bool, scale: float, dropout_p: float) -> tuple[Tensor, Tensor]:
+              dilation: Tensor, autoregressive: bool, scale: float, dropout_p: float) -> tuple[Tensor, Tensor]:
     """Fused local attention: ``(out [b, n, h, f], lse [b, n, h])``. ``seed`` (an int64 scalar tensor)
     seeds the dropout mask, which the backward regenerates from it."""
     out = new_output(q, q.shape)
@@ -427,7 +457,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
 
 @_custom_op("attention_out", mutates_args=("out",))
 def attention_out(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], seed: Tensor, w: int,
-                  dilation: list[int], autoregressive: bool, scale: float, dropout_p: float, out: Tensor) -> Tensor:
+                  dilation: Tensor, autoregressive: bool, scale: float, dropout_p: float, out: Tensor) -> Tensor:
     """:func:`attention` into ``out``; returns the log-sum-exp."""
     return _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out)
 
@@ -435,7 +465,7 @@ def attention_out(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Te
 @_custom_op("attention_backward", mutates_args=())
 def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
                        key_padding_mask: Optional[Tensor], seed: Tensor, out: Tensor, lse: Tensor, w: int,
-                       dilation: list[int], autoregressive: bool, scale: float,
+                       dilation: Tensor, autoregressive: bool, scale: float,
                        dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(dQ, dK, dV)`` in one kernel, FlashAttention-style: per tile it recomputes the scores and
     P = exp(score - lse), then dP = dO . V^T, dS = P * (dP - delta), dQ = scale * dS . K, and
@@ -444,6 +474,8 @@ def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     it joins dS there), computed per tile in the kernel. With dropout (mask Z regenerated from the
     seed) dP = (dO . V^T) * Z and dV += (P * Z)^T dO."""
     grads = tuple(new_output(q, q.shape) for _ in range(3))
+    dilation = _dilation_values(dilation, q.shape[2])
+    w = reachable_window(w, dilation, q.shape[1])
     if lse.numel() == 0:
         return grads
     library = _library(q)
@@ -454,7 +486,7 @@ def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     grad, q, k, v, out = padded
     library.function(function_name(FUSED_BACKWARD, autoregressive))(
         grad, q, k, v, _key_bias(key_padding_mask, q), out, lse, grad_lse.contiguous(),
-        _dilation_tensor(tuple(dilation), q.device), w, scale, dropout_p, int(seed), *grads, *_cpu_runs(q, w))
+        _dilation_tensor(dilation, q.device), w, scale, dropout_p, int(seed), *grads, *_cpu_runs(q, w))
     return tuple(g[..., :f].contiguous() for g in grads) if grads[0].shape[-1] != f else grads
 
 
@@ -474,15 +506,16 @@ def _(grad, grad_lse, q, k, v, key_padding_mask, seed, out, lse, w, dilation, au
 
 
 def _save_attention(ctx, inputs, output):
-    q, k, v, key_padding_mask, seed, *config = inputs
-    ctx.save_for_backward(q, k, v, key_padding_mask, seed, *output)
-    ctx.attention_config = config
+    q, k, v, key_padding_mask, seed, w, dilation, *config = inputs
+    ctx.save_for_backward(q, k, v, key_padding_mask, seed, dilation, *output)
+    ctx.attention_config = (w, *config)
 
 
 def _attention_backward(ctx, grad, grad_lse):
-    q, k, v, key_padding_mask, seed, out, lse = ctx.saved_tensors
-    grad_q, grad_k, grad_v = attention_backward(grad, grad_lse, q, k, v, key_padding_mask, seed, out, lse,
-                                                *ctx.attention_config)
+    q, k, v, key_padding_mask, seed, dilation, out, lse = ctx.saved_tensors
+    w, *config = ctx.attention_config
+    grad_q, grad_k, grad_v = attention_backward(grad, grad_lse, q, k, v, key_padding_mask, seed, out, lse, w,
+                                                dilation, *config)
     needs = ctx.needs_input_grad
     return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
             None, None, None, None, None, None, None)
@@ -493,7 +526,7 @@ torch.library.register_autograd(attention, _attention_backward, setup_context=_s
 
 # ----------------------------------------------------------------------------- band softmax
 @_custom_op("band_softmax_", mutates_args=("band",))
-def band_softmax_(band: Tensor, key_padding_mask: Optional[Tensor], w: int, dilation: list[int],
+def band_softmax_(band: Tensor, key_padding_mask: Optional[Tensor], w: int, dilation: Tensor,
                   autoregressive: bool) -> Tensor:
     """In place: ``band`` (contiguous) becomes the softmax of each row over its valid keys (keys of
     ``key_padding_mask`` removed; 0 at removed and invalid keys, a row with none left all 0). Returns
@@ -504,12 +537,12 @@ def band_softmax_(band: Tensor, key_padding_mask: Optional[Tensor], w: int, dila
     kernel = _library(band).function(function_name(BAND_SOFTMAX, autoregressive))
     with _on_device(band):
         kernel(band, _key_bias(key_padding_mask, band), int(key_padding_mask is not None),
-               _dilation_tensor(tuple(dilation), band.device), lse)
+               _dilation_tensor(_dilation_values(dilation, band.shape[2]), band.device), lse)
     return lse
 
 
 @_custom_op("band_softmax_backward", mutates_args=())
-def band_softmax_backward(probs: Tensor, grad: Tensor, grad_lse: Tensor, w: int, dilation: list[int],
+def band_softmax_backward(probs: Tensor, grad: Tensor, grad_lse: Tensor, w: int, dilation: Tensor,
                           autoregressive: bool) -> Tensor:
     """The scores' gradient ``P * (dP - rowsum(dP * P) + dlse)`` at valid keys, 0 elsewhere."""
     out = new_output(probs, probs.shape)
@@ -517,7 +550,8 @@ def band_softmax_backward(probs: Tensor, grad: Tensor, grad_lse: Tensor, w: int,
         return out
     kernel = _library(probs).function(function_name(BAND_SOFTMAX_BACKWARD, autoregressive))
     with _on_device(probs):
-        kernel(probs, grad.contiguous(), grad_lse.contiguous(), _dilation_tensor(tuple(dilation), probs.device), out)
+        kernel(probs, grad.contiguous(), grad_lse.contiguous(),
+               _dilation_tensor(_dilation_values(dilation, probs.shape[2]), probs.device), out)
     return out
 
 
@@ -541,14 +575,15 @@ class BandSoftmax(torch.autograd.Function):
     def forward(ctx, scores, key_padding_mask, w, dilation, autoregressive):
         lse = torch.ops.longformer_ops.band_softmax_(scores, key_padding_mask, w, dilation, autoregressive)
         ctx.mark_dirty(scores)
-        ctx.save_for_backward(scores)
-        ctx.band_config = (w, dilation, autoregressive)
+        ctx.save_for_backward(scores, dilation)
+        ctx.band_config = (w, autoregressive)
         return scores, lse
 
     @staticmethod
     def backward(ctx, grad, grad_lse):
-        (probs,) = ctx.saved_tensors
-        grad_scores = torch.ops.longformer_ops.band_softmax_backward(probs, grad, grad_lse, *ctx.band_config)
+        probs, dilation = ctx.saved_tensors
+        w, autoregressive = ctx.band_config
+        grad_scores = torch.ops.longformer_ops.band_softmax_backward(probs, grad, grad_lse, w, dilation, autoregressive)
         return grad_scores, None, None, None, None
 
 

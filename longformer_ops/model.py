@@ -284,6 +284,9 @@ class LongformerModel(_PreTrained):
             raise ValueError("give exactly one of input_ids [b, n] and inputs_embeds [b, n, hidden]")
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         device = input_ids.device if input_ids is not None else inputs_embeds.device
+        # Neither mask: no padding and no global token, which the layers take without looking at a mask
+        # (no host sync: under torch.compile the whole model is one graph).
+        unmasked = attention_mask is None and global_attention_mask is None
         if attention_mask is None:
             attention_mask = torch.ones(shape, dtype=torch.long, device=device)
         if global_attention_mask is None:
@@ -295,7 +298,7 @@ class LongformerModel(_PreTrained):
         if self.pooler is not None and len(shape) == 2 and shape[1] == 0:
             raise ValueError(f"the input has no token (shape {tuple(shape)}) and the pooler reads the first: give at "
                              "least one token, or build the model with add_pooling_layer=False")
-        mask = layer_attention_mask(attention_mask, global_attention_mask)  # [b, n]: -1 / 0 / 1
+        mask = None if unmasked else layer_attention_mask(attention_mask, global_attention_mask)  # [b, n]: -1 / 0 / 1
 
         x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # [b, n, hidden]
         out = self.encoder(x, mask, output_attentions, output_hidden_states)

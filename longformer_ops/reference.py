@@ -51,6 +51,8 @@ def fill_invalid_locations_(band: torch.Tensor, w: int, dilation: tuple[int, ...
     in-place fill of a slice costs autograd a copy of the band's gradient).
     """
     n = band.shape[1]
+    if isinstance(dilation, torch.Tensor):  # under torch.compile, values unseen: one fill the compiler fuses
+        return band.masked_fill_(invalid_locations(n, w, dilation.to(band.device), autoregressive), value)
     reach = min(n, w * max(dilation, default=1))  # rows farther from both ends see only valid keys
     if reach == 0:
         return band

@@ -184,7 +184,8 @@ def test_cpu_runs_the_fused_kernels_only(cpu_library, monkeypatch):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
         out = sliding_window_attention(q, k, v, 4, [1, 3])
-    assert sorted(saved) == sorted([()] + [(1, 50, 2)] + [(1, 50, 2, 32)] * 4), saved  # seed, lse, q, k, v, out
+    # seed, dilations (one int per head), lse, q, k, v, out
+    assert sorted(saved) == sorted([(), (2,), (1, 50, 2)] + [(1, 50, 2, 32)] * 4), saved
     out.sum().backward()
     assert all(x.grad is not None for x in (q, k, v))
 

@@ -14,7 +14,7 @@ import torch._dynamo.testing
 from torch._inductor import config as inductor_config
 
 from longformer_ops import (LongformerConfig, LongformerForMaskedLM, LongformerModel, LongformerSelfAttention,
-                            diagonaled_mm, mask_invalid_locations, sliding_window_attention)
+                            band_softmax_, diagonaled_mm, mask_invalid_locations, sliding_window_attention)
 from longformer_ops import kernels
 from longformer_ops.kernels import accumulation_dtype
 
@@ -34,11 +34,11 @@ def _inputs(seed, n, b=2, h=4, f=40, dtype=torch.float64, requires_grad=True):
     return [torch.randn(b, n, h, f, generator=g, dtype=dtype).requires_grad_(requires_grad) for _ in range(3)]
 
 
-def two_step(q, k, v, autoregressive=False):
+def two_step(q, k, v, autoregressive=False, d=DILATION):
     """The original API's attention: Q.K^T band, mask, softmax, probs.V."""
-    scores = diagonaled_mm(q, k, W, DILATION, False, 0.0, autoregressive)
-    mask_invalid_locations(scores, W, DILATION, autoregressive)
-    return diagonaled_mm(scores.softmax(-1), v, W, DILATION, True, 0.0, autoregressive)
+    scores = diagonaled_mm(q, k, W, d, False, 0.0, autoregressive)
+    mask_invalid_locations(scores, W, d, autoregressive)
+    return diagonaled_mm(scores.softmax(-1), v, W, d, True, 0.0, autoregressive)
 
 
 def local_attention(q, k, v, key_padding_mask, dropout_p=0.0, autoregressive=False):
@@ -85,6 +85,67 @@ def test_fullgraph_matches_eager(fn, autoregressive):
     assert explanation.graph_break_count == 0, explanation.break_reasons
     compiled = torch.compile(fn, fullgraph=True)
     _assert_same(_values_and_grads(compiled, (q, k, v), *args), _values_and_grads(fn, (q, k, v), *args), 1e-12)
+
+
+def _softmax_steps(q, k, v, d, autoregressive, key_padding_mask):
+    """Q.K^T band, the band softmax in place (keys of ``key_padding_mask`` removed), probs.V."""
+    scores = diagonaled_mm(q * 0.5, k, W, d, False, 0.0, autoregressive)
+    probs = band_softmax_(scores, W, d, autoregressive, key_padding_mask=key_padding_mask)
+    return diagonaled_mm(probs, v, W, d, True, 0.0, autoregressive)
+
+
+def _tensor_dilation_fns():
+    return {"two_step": lambda q, k, v, d, ar, mask: two_step(q, k, v, ar, d=d),
+            "band_softmax_": _softmax_steps,
+            "local_attention": lambda q, k, v, d, ar, mask: sliding_window_attention(q, k, v, W, d, ar,
+                                                                                      key_padding_mask=mask)}
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("softmax", ["kernel", "torch_ops"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("fn", ["two_step", "band_softmax_", "local_attention"])
+def test_dilations_as_a_tensor_compile_fullgraph(fn, autoregressive, softmax, index_dtype, monkeypatch):
+    """The original API's dilations, a tensor of one int per head: one graph, no break, dynamic shapes,
+    forward and backward those of eager; the values read where the compiled code runs (another tensor
+    needs no recompilation, and gives its own result). ``softmax``: the band softmax kernel, or torch's
+    ops where a library has none (as on CUDA)."""
+    if softmax == "torch_ops":
+        if fn == "two_step":
+            pytest.skip("two_step uses torch.softmax either way")
+        monkeypatch.setattr(kernels, "band_softmax_available", lambda device, dtype: False)
+        monkeypatch.setattr(kernels, "fused_attention_available", lambda device, dtype, backward: False)
+    q, k, v = _inputs(7, 41)
+    mask = torch.zeros(2, 41, dtype=torch.bool)
+    mask[1, 33:] = True
+    mask[0, 5] = True
+    function = _tensor_dilation_fns()[fn]
+    d = torch.tensor(DILATION, dtype=index_dtype)
+    explanation = torch._dynamo.explain(function)(q, k, v, d, autoregressive, mask)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(function, backend=counter, fullgraph=True, dynamic=True)
+    compilations = []
+    for dilations in (DILATION, [3, 1, 1, 2]):
+        d = torch.tensor(dilations, dtype=index_dtype)
+        _assert_same(_values_and_grads(compiled, (q, k, v), d, autoregressive, mask),
+                     _values_and_grads(function, (q, k, v), d, autoregressive, mask), 1e-12)
+        compilations.append(counter.frame_count)
+    assert compilations[1] == compilations[0], compilations
+
+
+@pytest.mark.parametrize("fn", ["two_step", "band_softmax_", "local_attention"])
+def test_compiled_tensor_dilations_are_checked_when_run(fn):
+    """A dilation tensor's values are data: checked where the compiled code runs, with the message of eager."""
+    q, k, v = _inputs(8, 30, requires_grad=False)
+    compiled = torch.compile(_tensor_dilation_fns()[fn], fullgraph=True)
+    compiled(q, k, v, torch.tensor(DILATION), False, None)
+    for bad in ([1, 0, 2, 1], [1, -3, 1, 1]):
+        with pytest.raises((ValueError, RuntimeError), match=r"d \(dilation\) values must be in \[1, 2147483647\]"):
+            compiled(q, k, v, torch.tensor(bad), False, None)
+    # (raised while tracing: under fullgraph Dynamo reports it as an exception of its own, with this message)
+    with pytest.raises((ValueError, RuntimeError), match=r"d \(dilation\) must have one value per head: expected length 4, got 3"):
+        compiled(q, k, v, torch.tensor([1, 2, 3]), False, None)
 
 
 def test_dynamic_lengths_compile_once():
@@ -142,6 +203,7 @@ def _opcheck_cases(dtype, device="cpu"):
         mask = torch.zeros(2, n, dtype=torch.bool, device=device)
         mask[1, n // 2:] = True
         seed = torch.tensor(1234)
+        DILATION = torch.tensor(globals()["DILATION"], dtype=torch.int32)  # (the ops take the dilations as a tensor)
         cases += [
             (ops.band_qk, (q, k, w, DILATION, autoregressive, -1.5)),
             (ops.band_pv, (band, v, w, DILATION, autoregressive)),
@@ -261,6 +323,29 @@ def test_compiled_model_matches_eager(cls, training):
              for frame in reason.user_stack[-1:]}
     assert where == {("layer.py", "from_mask", "g = int(counts.max()) if is_global.numel() else 0"),
                      ("layer.py", "forward", "any_padding = bool(is_padding.any())")}, where
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_model_without_mask_compiles_fullgraph(training):
+    """Per-head dilations in the config (the layers keep them as ints), no mask: one graph, eager's
+    results and gradients."""
+    torch.manual_seed(0)
+    model = LongformerForMaskedLM(_tiny()).double()
+    ids = torch.randint(0, 50, (2, 41), generator=torch.Generator().manual_seed(3))
+
+    def run(m):
+        m.train(training)
+        m.zero_grad()
+        logits = m(ids).logits
+        if training:
+            (logits * torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)).sum().backward()
+        return [logits.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    eager = run(model)
+    compiled = run(torch.compile(model, fullgraph=True))
+    assert len(compiled) == len(eager) > (10 if training else 0)
+    for i, (a, e) in enumerate(zip(compiled, eager)):
+        torch.testing.assert_close(a, e, atol=1e-10, rtol=0, msg=lambda m: f"output/grad {i}: {m}")
 
 
 def test_export_layer_without_global_tokens():

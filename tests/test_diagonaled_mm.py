@@ -178,7 +178,7 @@ def test_gradcheck_float64(is_t1_diagonaled, autoregressive):
 def test_gradgradcheck_float64(op, autoregressive):
     """Second derivatives: each op's backward is made of the band ops, whose own autograd then runs."""
     torch.manual_seed(3)
-    b, n, h, f, w, d = 1, 9, 2, 5, 2, [1, 3]
+    b, n, h, f, w, d = 1, 9, 2, 5, 2, torch.tensor([1, 3], dtype=torch.int32)
     c = w + (0 if autoregressive else w) + 1
     t1 = torch.randn(b, n, h, f if op == "qk" else c, dtype=torch.float64, requires_grad=True)
     t2 = torch.randn(b, n, h, f, dtype=torch.float64, requires_grad=True)
