@@ -481,3 +481,17 @@ def test_elementwise_bench_times_every_kernel_in_three_dtypes(capsys):
     with pytest.raises(SystemExit):
         elementwise.main(["--window", "-1"])
     assert "--window must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_startup_bench_times_both_setups(tmp_path, capsys):
+    """bench.startup writes one row per setup, each time positive; with the runtime's dependencies
+    alone a first call leaves neither torch's compiler nor ml_dtypes in the process."""
+    from bench import startup
+
+    assert startup.main(["--runs", "1", "--out", str(tmp_path)]) == 0
+    written = next(tmp_path.glob("*-startup.md")).read_text()
+    rows = {cells[1].strip(): cells[2:-1] for cells in (line.split("|") for line in written.splitlines())
+            if len(cells) > 3 and cells[1].strip() in startup.SETUPS}
+    assert set(rows) == set(startup.SETUPS), written
+    assert all(float(cell) > 0 for cells in rows.values() for cell in cells[:4])
+    assert rows["runtime dependencies"][-1].strip() == "tvm_ffi", written
