@@ -102,17 +102,16 @@ def _tensor_dilation_fns():
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
-@pytest.mark.parametrize("softmax", ["kernel", "torch_ops"])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
-@pytest.mark.parametrize("fn", ["two_step", "band_softmax_", "local_attention"])
-def test_dilations_as_a_tensor_compile_fullgraph(fn, autoregressive, softmax, index_dtype, monkeypatch):
+@pytest.mark.parametrize("fn, softmax", [("two_step", "torch.softmax"), ("band_softmax_", "kernel"),
+                                         ("band_softmax_", "torch_ops"), ("local_attention", "kernel"),
+                                         ("local_attention", "torch_ops")])
+def test_dilations_as_a_tensor_compile_fullgraph(fn, softmax, autoregressive, index_dtype, monkeypatch):
     """The original API's dilations, a tensor of one int per head: one graph, no break, dynamic shapes,
     forward and backward those of eager; the values read where the compiled code runs (another tensor
     needs no recompilation, and gives its own result). ``softmax``: the band softmax kernel, or torch's
     ops where a library has none (as on CUDA)."""
     if softmax == "torch_ops":
-        if fn == "two_step":
-            pytest.skip("two_step uses torch.softmax either way")
         monkeypatch.setattr(kernels, "band_softmax_available", lambda device, dtype: False)
         monkeypatch.setattr(kernels, "fused_attention_available", lambda device, dtype, backward: False)
     q, k, v = _inputs(7, 41)
