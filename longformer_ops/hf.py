@@ -1,10 +1,16 @@
-"""Run transformers' own Longformer and LED models on our kernels, in place.
+"""Run transformers' own Longformer and LED models on our kernels, in place; and, through
+transformers' attention interface, the sliding layers of every model that has them (ModernBERT,
+Mistral, Gemma, Qwen2, ...: :mod:`longformer_ops.hf_attention`).
 
     import longformer_ops.hf
     model = LongformerForSequenceClassification.from_pretrained(path)
     longformer_ops.hf.patch(model)      # its self-attention now runs on our kernels
     longformer_ops.hf.patch()           # or: every model built from now on (from_pretrained too)
     longformer_ops.hf.unpatch(model)    # / unpatch(): back to transformers' own code
+
+    longformer_ops.hf.register()        # attn_implementation="longformer_ops" for any model
+    model = AutoModelForMaskedLM.from_pretrained(path, attn_implementation="longformer_ops")
+    longformer_ops.hf.patch(model)      # (on a model with sliding layers: the same switch)
 
 Each ``LongformerSelfAttention`` (and LED's copy of it, ``LEDEncoderSelfAttention``) is switched to
 a subclass that keeps the module's own parameters and state-dict names (checkpoints, optimizers,
@@ -62,12 +68,13 @@ import warnings
 import torch
 from torch import nn
 
-from longformer_ops import dense
+from longformer_ops import dense, hf_attention
 from longformer_ops._loader import KernelNotAvailableError
 from longformer_ops.checks import KERNEL_DTYPES
 from longformer_ops.config import AttentionMode
 from longformer_ops.dropout import Dropout
 from longformer_ops.gelu import linear_gelu
+from longformer_ops.hf_attention import register  # (hf.register(): the sliding-window models' attention)
 from longformer_ops.layer import LongformerSelfAttention as _OurSelfAttention
 from longformer_ops.layer_norm import LayerNorm
 from longformer_ops.residual import linear_dropout_add
@@ -401,7 +408,23 @@ def patch(model=None):
     if any(isinstance(module, originals) for module in model.modules()):
         _swap_modules(model, ours=True)
     _unpad_models()
+    if _has_sliding_layers(model) and model.config._attn_implementation != hf_attention.NAME:
+        register()
+        model._attn_implementation_before_patch = model.config._attn_implementation
+        model.set_attn_implementation(hf_attention.NAME)
     return model
+
+
+def _has_sliding_layers(model) -> bool:
+    """Whether ``model`` (ModernBERT, Mistral, Gemma, ...) has layers with a sliding window, which
+    :mod:`longformer_ops.hf_attention` runs on our kernels through transformers' attention interface."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    return getattr(config, "sliding_window", None) is not None
 
 
 def unpatch(model=None):
@@ -424,6 +447,8 @@ def unpatch(model=None):
                 cls.post_init = own
         return None
     _swap_modules(model, ours=False)
+    if "_attn_implementation_before_patch" in vars(model):
+        model.set_attn_implementation(vars(model).pop("_attn_implementation_before_patch"))
     for module in model.modules():
         original = getattr(type(module), "_original_class", None)
         if original is not None:

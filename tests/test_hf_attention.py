@@ -1,0 +1,308 @@
+"""transformers' sliding-window models through ``attn_implementation="longformer_ops"``
+(:mod:`longformer_ops.hf_attention`), against transformers' own ``eager`` attention: tiny random
+configs, float64, padding on either side, every parameter's gradient, greedy generation."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from conftest import stable_seed
+from hf_helpers import single_thread  # noqa: F401  (one intra-op thread for these tiny models)
+
+transformers = pytest.importorskip("transformers")
+
+from longformer_ops import hf, hf_attention  # noqa: E402
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The windows the fused kernels ran with (one entry per sliding layer call)."""
+    calls = []
+    original = hf_attention.sliding_window_attention
+
+    def spy(q, k, v, w, *args, **kwargs):
+        calls.append(w)
+        return original(q, k, v, w, *args, **kwargs)
+
+    monkeypatch.setattr(hf_attention, "sliding_window_attention", spy)
+    return calls
+
+
+def _randomize(model, seed, std=0.2):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * std)
+    return model
+
+
+def _batch(seed, lengths, vocab, left_padding=False):
+    generator = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), n), generator=generator)
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        if left_padding:
+            mask[row, n - length:] = 1
+        else:
+            mask[row, :length] = 1
+    return ids, mask
+
+
+def _modernbert(name, local_attention=8, **kwargs):
+    config = transformers.ModernBertConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        global_attn_every_n_layers=3, local_attention=local_attention, max_position_embeddings=128, pad_token_id=0,
+        attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0, num_labels=3, **kwargs)
+    return getattr(transformers, name)(config)
+
+
+def _mistral(sliding_window=5):
+    config = transformers.MistralConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=sliding_window, max_position_embeddings=128, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    return transformers.MistralForCausalLM(config)
+
+
+def _outputs_and_grads(model, implementation, ids, mask, **inputs):
+    model.set_attn_implementation(implementation)
+    model.zero_grad()
+    out = model(input_ids=ids, attention_mask=mask, **inputs)
+    logits = out.logits
+    real = mask.bool()[..., None] if logits.dim() == 3 else torch.ones_like(logits, dtype=torch.bool)
+    weights = torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)
+    (logits * weights).masked_fill(~real, 0).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logits.masked_fill(~real, 0).detach(), grads
+
+
+def _assert_matches_eager(model, ids, mask, calls, **inputs):
+    """Ours in float32 errs against transformers' float64 (``sdpa``: its ``eager`` computes the softmax
+    in float32 whatever the dtype, and gives NaN in float64 where a mask is added) at most twice as
+    much as transformers' ``eager`` in float32, plus a few units roundoff: outputs and every gradient."""
+    hf.register()
+    model = _randomize(model.double(), stable_seed(type(model).__name__)).train(False)
+    exact, exact_grads = _outputs_and_grads(model, "sdpa", ids, mask, **inputs)
+    model = model.float()
+    theirs, their_grads = _outputs_and_grads(model, "eager", ids, mask, **inputs)
+    assert not calls
+    ours, our_grads = _outputs_and_grads(model, hf_attention.NAME, ids, mask, **inputs)
+    assert calls, "the kernels did not run"
+    assert our_grads.keys() == their_grads.keys() == exact_grads.keys()
+    unit = torch.finfo(torch.float32).eps / 2
+    # The roundoff term's scale: a gradient's own size says nothing of its terms' where they cancel
+    # (a key bias's gradient is 0 exactly: softmax ignores a constant per row), so all gradients' largest.
+    gradient_scale = max(grad.abs().max().item() for grad in exact_grads.values())
+    for name, got, bar, reference in [("output", ours, theirs, exact)] + [
+            (key, our_grads[key], their_grads[key], exact_grads[key]) for key in exact_grads]:
+        error, their_error = ((x.double() - reference).abs().max().item() for x in (got, bar))
+        bound = 2 * their_error + 8 * unit * (reference.abs().max().item() if name == "output" else gradient_scale)
+        assert error <= bound, f"{name}: error {error:.3e} > {bound:.3e} (eager's {their_error:.3e})"
+
+
+@pytest.mark.parametrize("left_padding", [False, True], ids=["right_padded", "left_padded"])
+@pytest.mark.parametrize("name", ["ModernBertModel", "ModernBertForMaskedLM", "ModernBertForSequenceClassification"])
+def test_modernbert_matches_eager(name, left_padding, kernel_calls):
+    """ModernBERT (bidirectional window 2 x 4 + 1, one full layer in three): outputs and every
+    parameter's gradient equal eager's, with the sliding layers on the kernels (w = 4)."""
+    model = _modernbert(name)
+    ids, mask = _batch(stable_seed(name, left_padding), [23, 15], 61, left_padding)
+    _assert_matches_eager(model if name != "ModernBertModel" else _LastHidden(model), ids, mask, kernel_calls)
+    assert set(kernel_calls) == {4}
+
+
+class _LastHidden(torch.nn.Module):
+    """A base model's last hidden state as ``.logits`` (for the comparisons above)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def set_attn_implementation(self, name):
+        self.model.set_attn_implementation(name)
+
+    def forward(self, **inputs):
+        return type("Out", (), {"logits": self.model(**inputs).last_hidden_state})()
+
+
+@pytest.mark.parametrize("left_padding", [False, True], ids=["right_padded", "left_padded"])
+def test_mistral_matches_eager_with_grouped_heads(left_padding, kernel_calls):
+    """Mistral (causal window 5, 4 query heads on 2 key/value heads): outputs and gradients equal eager's."""
+    ids, mask = _batch(stable_seed("mistral", left_padding), [21, 12], 61, left_padding)
+    _assert_matches_eager(_mistral(), ids, mask, kernel_calls)
+    assert set(kernel_calls) == {4}
+
+
+_CAUSAL_FAMILIES = {  # (config class, model class, options): each with sliding layers, most beside full ones
+    "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, max_window_layers=1)),
+    "Gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "Cohere2": ("Cohere2Config", "Cohere2ForCausalLM",
+                dict(layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "Starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
+    "Phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "Olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {}),
+}
+
+
+def _causal_lm(family, sliding_window=5):
+    config_class, model_class, options = _CAUSAL_FAMILIES[family]
+    config = getattr(transformers, config_class)(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=sliding_window, max_position_embeddings=128, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, **options)
+    return getattr(transformers, model_class)(config)
+
+
+@pytest.mark.parametrize("family", list(_CAUSAL_FAMILIES))
+def test_causal_families_match_eager(family, kernel_calls):
+    """Other families with causal sliding layers (grouped heads, left padding): outputs and every
+    gradient as eager's, their sliding layers on the kernels."""
+    ids, mask = _batch(stable_seed(family), [19, 11], 61, left_padding=True)
+    _assert_matches_eager(_causal_lm(family), ids, mask, kernel_calls)
+    assert set(kernel_calls) == {4}
+
+
+def test_a_window_one_off_fails_the_comparison(monkeypatch, kernel_calls):
+    """The comparisons above see a window one key too wide."""
+    monkeypatch.setattr(hf_attention, "one_sided_window", lambda sliding_window: sliding_window)
+    ids, mask = _batch(5, [23, 15], 61)
+    with pytest.raises(AssertionError, match=r"output: error .* > .* \(eager's"):
+        _assert_matches_eager(_modernbert("ModernBertForMaskedLM"), ids, mask, kernel_calls)
+
+
+def test_mistral_generates_eagers_tokens(kernel_calls):
+    """Greedy generation with a cache: the prefill on the kernels, the steps on sdpa over the window
+    (one warning), the same tokens as eager."""
+    hf.register()
+    model = _randomize(_mistral(sliding_window=4), 3, std=0.3).eval()  # (float32: eager gives NaN in float64)
+    ids, mask = _batch(8, [11, 7], 61, left_padding=True)
+    options = dict(attention_mask=mask, max_new_tokens=9, min_new_tokens=9, do_sample=False, num_beams=1,
+                   pad_token_id=0)
+    model.set_attn_implementation("eager")
+    expected = model.generate(ids, **options)
+    model.set_attn_implementation(hf_attention.NAME)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        got = model.generate(ids, **options)
+    assert kernel_calls
+    assert torch.equal(got, expected), (got, expected)
+
+
+def test_register_is_idempotent_and_import_stays_light():
+    hf.register()
+    hf.register()
+    assert transformers.AttentionInterface._global_mapping[hf_attention.NAME] is hf_attention.attention_forward
+    assert transformers.AttentionMaskInterface._global_mapping[hf_attention.NAME] is hf_attention.padding_mask
+
+
+def test_patch_switches_a_sliding_window_model_and_unpatch_switches_back(kernel_calls):
+    """``hf.patch`` on a model with sliding layers selects "longformer_ops" (registering it);
+    ``hf.unpatch`` restores the implementation it had."""
+    model = _mistral()
+    model.set_attn_implementation("sdpa")
+    assert hf.patch(model) is model and model.config._attn_implementation == hf_attention.NAME
+    ids, mask = _batch(2, [9, 6], 61)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert kernel_calls
+    assert hf.unpatch(model) is model and model.config._attn_implementation == "sdpa"
+
+
+def test_softcap_runs_the_models_eager_with_one_warning(kernel_calls):
+    """Gemma 2's logit soft-capping is not in the kernels: its sliding layers run the model's own
+    eager attention (one warning), with the results of eager."""
+    hf.register()
+    config = transformers.Gemma2Config(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=4, max_position_embeddings=64, pad_token_id=0,
+        attn_logit_softcapping=5.0, final_logit_softcapping=None)
+    model = _randomize(transformers.Gemma2ForCausalLM(config), 4).eval()
+    ids, mask = _batch(6, [13, 9], 61, left_padding=True)
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation(hf_attention.NAME)
+        hf_attention._warned.clear()
+        with pytest.warns(UserWarning, match="softcap") as caught:
+            got = model(input_ids=ids, attention_mask=mask).logits
+            model(input_ids=ids, attention_mask=mask)
+    assert sum("softcap" in str(w.message) for w in caught) == 1
+    assert not kernel_calls
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+def test_sinks_run_the_models_eager_with_one_warning(kernel_calls):
+    """gpt-oss's attention sinks (``s_aux``) are not in the kernels: its sliding layers run the
+    model's own eager attention (one warning), with eager's results."""
+    hf.register()
+    config = transformers.GptOssConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=4, num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64, pad_token_id=0)
+    model = _randomize(transformers.GptOssForCausalLM(config), 6).eval()
+    ids, mask = _batch(7, [13, 9], 61, left_padding=True)
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation(hf_attention.NAME)
+        hf_attention._warned.clear()
+        with pytest.warns(UserWarning, match="s_aux"):
+            got = model(input_ids=ids, attention_mask=mask).logits
+    assert not kernel_calls
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_modernbert_in_half_types_errs_as_sdpa(dtype, kernel_calls):
+    """ModernBERT in a half type on the kernels errs against float64 at most twice as much as
+    transformers' sdpa in that type (plus a few units roundoff)."""
+    hf.register()
+    model = _randomize(_modernbert("ModernBertForMaskedLM").double(), 9).eval()
+    ids, mask = _batch(10, [29, 17], 61)
+    real = mask.bool()
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        exact = model(input_ids=ids, attention_mask=mask).logits[real]
+        half = model.to(dtype)
+        theirs = half(input_ids=ids, attention_mask=mask).logits[real].double()
+        half.set_attn_implementation(hf_attention.NAME)
+        ours = half(input_ids=ids, attention_mask=mask).logits[real].double()
+    assert kernel_calls
+    error, their_error = ((x - exact).abs().max().item() for x in (ours, theirs))
+    assert error <= 2 * their_error + 4 * torch.finfo(dtype).eps / 2 * exact.abs().max().item(), (error, their_error)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("window", [None, 1, 3, 40], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("q_length", [11, 3, 1])
+def test_dense_mask_is_transformers_mask(causal, window, q_length):
+    """The mask the calls on transformers' own attention get (full layers, generation steps, the
+    fallbacks) is ``sdpa_mask``'s for the layer's window as the model passes it (``W`` to the
+    attention function; ``W - 1`` for a bidirectional layer's mask, as ModernBERT builds it), with
+    the queries the last of the keys and left padding."""
+    from transformers import masking_utils as masks
+
+    kv_length, batch = 11, 2
+    padding = torch.ones(batch, kv_length, dtype=torch.bool)
+    padding[1, :4] = False
+    function = masks.causal_mask_function if causal else masks.bidirectional_mask_function
+    if window is not None:
+        function = (masks.sliding_window_causal_mask_function(window) if causal
+                    else masks.sliding_window_bidirectional_mask_function(window - 1))
+    expected = masks.sdpa_mask(batch, q_length, kv_length, q_offset=kv_length - q_length, mask_function=function,
+                               attention_mask=padding, allow_is_causal_skip=False)
+    got = hf_attention.dense_mask(padding, batch, q_length, kv_length, causal, window, "cpu")
+    assert torch.equal(got.expand(expected.shape), expected)
+
+
+def test_dense_mask_leaves_out_a_static_caches_unwritten_slots():
+    """A padding mask shorter than the keys (a static cache's slots past the tokens seen) masks them."""
+    padding = torch.tensor([[True, True, False, True]])
+    got = hf_attention.dense_mask(padding, 1, 1, 6, True, None, "cpu")
+    assert got.tolist() == [[[[True, True, False, True, False, False]]]]
