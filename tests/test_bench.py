@@ -495,3 +495,18 @@ def test_startup_bench_times_both_setups(tmp_path, capsys):
     assert set(rows) == set(startup.SETUPS), written
     assert all(float(cell) > 0 for cells in rows.values() for cell in cells[:4])
     assert rows["runtime dependencies"][-1].strip() == "tvm_ffi", written
+
+
+def test_hf_attention_bench_times_three_implementations(tmp_path):
+    """bench.hf_attention writes a row per pass and length with the three implementations' times
+    (positive) and their ratios; an unknown pass is refused by name."""
+    from bench import hf_attention
+
+    assert hf_attention.main(["--seq-lens", "80", "--rounds", "1", "--layers", "2", "--no-memory",
+                              "--passes", "forward", "--out", str(tmp_path)]) == 0
+    written = next(tmp_path.glob("*-hf-modernbert.md")).read_text()
+    rows = [line.split("|")[1:-1] for line in written.splitlines() if line.startswith("| forward")]
+    assert len(rows) == 1 and rows[0][1].strip() == "80", written
+    assert all(float(cell) > 0 for cell in rows[0][2:7])
+    with pytest.raises(SystemExit):
+        hf_attention.main(["--passes", "generation"])

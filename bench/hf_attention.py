@@ -1,0 +1,200 @@
+"""transformers' ModernBERT on ``attn_implementation="longformer_ops"`` against ``sdpa`` and against a
+zero-cost stub: ``python -m bench.hf_attention [--seq-lens 1024,2048,4096,8192] [--rounds 3]
+[--dtype float32] [--passes forward] [--layers 22]``.
+
+``ModernBertModel`` at base size (transformers' defaults: 22 layers, hidden 768, 12 heads, local
+window 128, one full-attention layer in three), random weights, ``--dtype``, batch 1, no padding.
+Three attention implementations for the same weights:
+
+- ``sdpa``: transformers' own, as every model runs its sliding layers on a CPU: a dense ``n x n``
+  mask per sliding layer;
+- ``longformer_ops``: the sliding layers on our fused local-attention kernels
+  (:mod:`longformer_ops.hf_attention`), the full layers on sdpa;
+- ``stub``: the sliding layers' attention replaced by one that costs nothing (zeros of the output's
+  shape), the full layers on sdpa: every other cost unchanged, the lower bound for any kernel of the
+  sliding layers.
+
+Per length: the peak extra RSS of one call of each in a fresh process (after a warm-up call on 512
+tokens there), then times interleaved in shuffled rounds, medians. The passes: a forward in eval
+mode under ``no_grad``, and a training step (forward and backward of the output's mean square).
+Writes ``<out>/<cpu>-hf-modernbert[-<dtype>].{md,csv}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import gc
+import random
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+METHODS = ("sdpa", "longformer_ops", "stub")
+PASSES = {"forward": "forward", "training step": "forward+backward"}
+WARM_UP_TOKENS = 512
+
+
+def _stub_attention(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
+    """Zero-cost attention for the sliding layers (zeros of the output's shape); sdpa for the rest."""
+    if sliding_window is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        from longformer_ops.hf_attention import dense_mask
+
+        mask = None if attention_mask is None else dense_mask(attention_mask, query.shape[0], query.shape[2],
+                                                              key.shape[2], False, None, query.device)
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+
+
+def build(seq_len: int, layers: int, dtype: str):
+    """ModernBERT-base (``layers`` of them), random weights, and ``seq_len`` random token ids."""
+    import transformers
+
+    from longformer_ops import hf, hf_attention
+
+    hf.register()
+    transformers.AttentionInterface.register("stub", _stub_attention)
+    transformers.AttentionMaskInterface.register("stub", hf_attention.padding_mask)
+    torch.manual_seed(0)
+    config = transformers.ModernBertConfig(num_hidden_layers=layers, max_position_embeddings=max(seq_len, 8192))
+    model = transformers.ModernBertModel(config).to(getattr(torch, dtype))
+    ids = torch.randint(5, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def runner(model, method: str, inputs: dict, step: str):
+    def forward():
+        model.set_attn_implementation(method)
+        model.eval()
+        with torch.no_grad():
+            model(**inputs)
+
+    def training_step():
+        model.set_attn_implementation(method)
+        model.train()
+        model.zero_grad(set_to_none=True)
+        model(**inputs).last_hidden_state.float().square().mean().backward()
+
+    return forward if step == "forward" else training_step
+
+
+def _peak_child(seq_len: int, layers: int, dtype: str, method: str, step: str, connection) -> None:
+    from bench.measure import _rss_kib
+
+    try:
+        model, inputs = build(seq_len, layers, dtype)
+        runner(model, method, {key: value[:, :WARM_UP_TOKENS] for key, value in inputs.items()}, step)()
+        import longformer_ops
+
+        model.zero_grad(set_to_none=True)
+        longformer_ops.empty_cache()
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as handle:  # reset VmHWM to the current RSS
+            handle.write("5")
+        before = _rss_kib("VmRSS")
+        runner(model, method, inputs, step)()
+        connection.send((_rss_kib("VmHWM") - before) / 1024)
+    except BaseException as error:  # reported to the parent, which records the reason
+        connection.send(f"{type(error).__name__}: {str(error)[:200]}")
+
+
+def peak_mib(seq_len: int, layers: int, dtype: str, method: str, step: str) -> float | str:
+    """Peak extra RSS (MiB) of one call in a fresh process, or why it could not be measured."""
+    from bench.measure import _fresh_process_context
+
+    context = _fresh_process_context()
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_peak_child, args=(seq_len, layers, dtype, method, step, sender))
+    process.start()
+    sender.close()
+    try:
+        return receiver.recv()
+    except EOFError:
+        process.join()
+        return f"the process died (exit code {process.exitcode})"
+    finally:
+        process.join()
+
+
+def time_rounds(seq_len: int, layers: int, dtype: str, step: str, rounds: int) -> dict[str, float]:
+    """Median seconds of each method's call, over ``rounds`` shuffled rounds on the same weights."""
+    model, inputs = build(seq_len, layers, dtype)
+    calls = {method: runner(model, method, inputs, step) for method in METHODS}
+    for method in METHODS:  # warm-up on a short prefix: libraries load
+        runner(model, method, {key: value[:, :WARM_UP_TOKENS] for key, value in inputs.items()}, step)()
+    samples = {method: [] for method in METHODS}
+    order = list(METHODS)
+    for _ in range(rounds):
+        random.shuffle(order)
+        for method in order:
+            started = time.perf_counter()
+            calls[method]()
+            samples[method].append(time.perf_counter() - started)
+    return {method: statistics.median(values) for method, values in samples.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.hf_attention", description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lens", default="1024,2048,4096,8192")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--passes", default="forward", help=f"comma-separated, of {list(PASSES)}")
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory probes")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args(argv)
+    passes = [p.strip() for p in args.passes.split(",")]
+    unknown = [p for p in passes if p not in PASSES]
+    if unknown:
+        parser.error(f"--passes: unknown {unknown}; choose from {list(PASSES)}")
+    seq_lens = [int(n) for n in args.seq_lens.split(",")]
+    random.seed(0)
+    from bench.machine import cpu_results_name, source_commit
+
+    rows = []
+    for step in passes:
+        for n in seq_lens:
+            print(f"{step}, n = {n}: memory ...", file=sys.stderr)
+            peaks = {m: ("-" if args.no_memory else peak_mib(n, args.layers, args.dtype, m, step)) for m in METHODS}
+            print(f"{step}, n = {n}: {args.rounds} rounds ...", file=sys.stderr)
+            times = time_rounds(n, args.layers, args.dtype, step, args.rounds)
+            rows.append(dict(step=PASSES[step], n=n, **{f"{m} s": times[m] for m in METHODS},
+                             **{f"{m} MiB": peaks[m] for m in METHODS}))
+            print("  " + ", ".join(f"{m} {times[m]:.2f} s" for m in METHODS), file=sys.stderr)
+    name = f"{cpu_results_name()}-hf-modernbert" + ("" if args.dtype == "float32" else f"-{args.dtype}")
+    mib = lambda value: value if isinstance(value, str) else f"{value:.0f}"  # noqa: E731
+    lines = [f"# ModernBERT-base ({args.layers} layers) on transformers' sdpa, on longformer_ops, and with its sliding "
+             f"layers' attention free ({cpu_results_name()}, {args.dtype}, torch {torch.__version__}, "
+             f"{torch.get_num_threads()} threads, at {source_commit()})", "",
+             f"`python -m bench.hf_attention --seq-lens {args.seq_lens} --rounds {args.rounds} --dtype {args.dtype} "
+             f"--passes {shlex.quote(args.passes)} --layers {args.layers}`; batch 1, no padding, medians of {args.rounds} "
+             "shuffled rounds; memory: peak extra RSS of one call in a fresh process.", "",
+             "| pass | n | sdpa s | longformer_ops s | stub s | ours / sdpa | ours / stub | sdpa MiB | "
+             "longformer_ops MiB | stub MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        ours, theirs, stub = row["longformer_ops s"], row["sdpa s"], row["stub s"]
+        lines.append(f"| {row['step']} | {row['n']} | {theirs:.2f} | {ours:.2f} | {stub:.2f} | {ours / theirs:.2f} | "
+                     f"{ours / stub:.2f} | {mib(row['sdpa MiB'])} | {mib(row['longformer_ops MiB'])} | "
+                     f"{mib(row['stub MiB'])} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    with open(args.out / f"{name}.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print("\n".join(lines))
+    print(f"wrote {args.out / name}.md and .csv", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
