@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
-import gc
 import random
 import shlex
 import statistics
@@ -86,43 +84,22 @@ def runner(model, method: str, inputs: dict, step: str):
     return forward if step == "forward" else training_step
 
 
-def _peak_child(seq_len: int, layers: int, dtype: str, method: str, step: str, connection) -> None:
-    from bench.measure import _rss_kib
+def _prepared_calls(seq_len: int, layers: int, dtype: str, method: str, step: str):
+    """For :func:`bench.measure.peak_of_call_mib`: a warm-up call on a short prefix, then the call."""
+    model, inputs = build(seq_len, layers, dtype)
 
-    try:
-        model, inputs = build(seq_len, layers, dtype)
+    def warm_up():
         runner(model, method, {key: value[:, :WARM_UP_TOKENS] for key, value in inputs.items()}, step)()
-        import longformer_ops
-
         model.zero_grad(set_to_none=True)
-        longformer_ops.empty_cache()
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as handle:  # reset VmHWM to the current RSS
-            handle.write("5")
-        before = _rss_kib("VmRSS")
-        runner(model, method, inputs, step)()
-        connection.send((_rss_kib("VmHWM") - before) / 1024)
-    except BaseException as error:  # reported to the parent, which records the reason
-        connection.send(f"{type(error).__name__}: {str(error)[:200]}")
+
+    return warm_up, runner(model, method, inputs, step)
 
 
 def peak_mib(seq_len: int, layers: int, dtype: str, method: str, step: str) -> float | str:
     """Peak extra RSS (MiB) of one call in a fresh process, or why it could not be measured."""
-    from bench.measure import _fresh_process_context
+    from bench.measure import peak_of_call_mib
 
-    context = _fresh_process_context()
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_peak_child, args=(seq_len, layers, dtype, method, step, sender))
-    process.start()
-    sender.close()
-    try:
-        return receiver.recv()
-    except EOFError:
-        process.join()
-        return f"the process died (exit code {process.exitcode})"
-    finally:
-        process.join()
+    return peak_of_call_mib(_prepared_calls, seq_len, layers, dtype, method, step)
 
 
 def time_rounds(seq_len: int, layers: int, dtype: str, step: str, rounds: int) -> dict[str, float]:

@@ -29,8 +29,6 @@ generation (``generate``, greedy, 64 new tokens: a summary's first 64). Writes
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import random
 import statistics
 import sys
@@ -137,48 +135,23 @@ def time_rounds(seq_len: int, layers: int, dtype: str, model_name: str, entries:
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
-def _peak_child(seq_len: int, layers: int, dtype: str, model_name: str, method: str, step: str, connection) -> None:
-    from bench.measure import _rss_kib
+def _prepared_calls(seq_len: int, layers: int, dtype: str, model_name: str, method: str, step: str):
+    """For :func:`bench.measure.peak_of_call_mib`: a warm-up call on a short prefix, then the call."""
+    model, inputs = build(seq_len, layers, dtype, model_name)
+    use(model, method)
 
-    try:
-        model, inputs = build(seq_len, layers, dtype, model_name)
-        use(model, method)
-        # Warm-up on a short prefix: libraries load. What it freed goes back to the system (our output
-        # cache, then glibc's free lists), so that the measured call's memory counts as in a fresh process.
+    def warm_up():
         runner(model, {key: value[:, :WARM_UP_TOKENS] for key, value in inputs.items()}, step)()
-        import longformer_ops
-
         model.zero_grad(set_to_none=True)
-        longformer_ops.empty_cache()
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as handle:  # reset VmHWM to the current RSS
-            handle.write("5")
-        before = _rss_kib("VmRSS")
-        runner(model, inputs, step)()
-        connection.send((_rss_kib("VmHWM") - before) / 1024)
-    except BaseException as error:  # reported to the parent, which records the reason
-        connection.send(f"{type(error).__name__}: {str(error)[:200]}")
+
+    return warm_up, runner(model, inputs, step)
 
 
 def peak_mib(seq_len: int, layers: int, dtype: str, model_name: str, method: str, step: str) -> float | str:
     """Peak extra RSS (MiB) of one call in a fresh process, or why it could not be measured."""
-    from bench.measure import _fresh_process_context
+    from bench.measure import peak_of_call_mib
 
-    context = _fresh_process_context()
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_peak_child, args=(seq_len, layers, dtype, model_name, method, step, sender))
-    process.start()
-    sender.close()
-    try:
-        return receiver.recv()
-    except EOFError:  # killed (for memory) or crashed without answering
-        process.join()
-        if process.exitcode == -9:
-            return "out of memory: killed (SIGKILL, the kernel's OOM killer on this machine)"
-        return f"the process died (exit code {process.exitcode})"
-    finally:
-        process.join()
+    return peak_of_call_mib(_prepared_calls, seq_len, layers, dtype, model_name, method, step)
 
 
 def measure(seq_lens: list[int], layers: int, dtype: str, passes: list[str], rounds: int,

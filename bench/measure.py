@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
 import random
 import statistics
 import time
@@ -235,6 +237,44 @@ def _probe_child(case: Case, method: str, connection) -> None:
         connection.send(probe_in_this_process(case, method))
     except BaseException as error:  # reported to the parent, which records the reason
         connection.send({"error": f"memory probe failed: {type(error).__name__}: {str(error)[:200]}"})
+
+
+def _peak_of_call_child(prepare, args: tuple, connection) -> None:
+    try:
+        warm_up, call = prepare(*args)
+        warm_up()
+        # What the warm-up freed goes back to the system (our output cache, then glibc's free lists),
+        # so that the measured call's memory counts as in a fresh process.
+        longformer_ops.empty_cache()
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as handle:  # reset VmHWM to the current RSS
+            handle.write("5")
+        before = _rss_kib("VmRSS")
+        call()
+        connection.send((_rss_kib("VmHWM") - before) / 1024)
+    except BaseException as error:  # reported to the parent, which records the reason
+        connection.send(f"{type(error).__name__}: {str(error)[:200]}")
+
+
+def peak_of_call_mib(prepare, *args) -> float | str:
+    """Peak extra RSS (MiB) of one call in a fresh process, or why it could not be measured:
+    ``prepare(*args)`` (a module-level function, run in that process) builds what it needs and returns
+    ``(warm_up, call)``; ``warm_up()`` runs first (libraries load), then ``call()`` is measured."""
+    context = _fresh_process_context()
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_peak_of_call_child, args=(prepare, args, sender))
+    process.start()
+    sender.close()
+    try:
+        return receiver.recv()
+    except EOFError:  # killed (for memory) or crashed without answering
+        process.join()
+        if process.exitcode == -9:
+            return "out of memory: killed (SIGKILL, the kernel's OOM killer on this machine)"
+        return f"the process died (exit code {process.exitcode})"
+    finally:
+        process.join()
 
 
 def probe_in_fresh_process(case: Case, method: str, timeout_s: float) -> dict:

@@ -192,7 +192,7 @@ def test_mistral_generates_eagers_tokens(kernel_calls):
     assert torch.equal(got, expected), (got, expected)
 
 
-def test_register_is_idempotent_and_import_stays_light():
+def test_register_is_idempotent():
     hf.register()
     hf.register()
     assert transformers.AttentionInterface._global_mapping[hf_attention.NAME] is hf_attention.attention_forward
@@ -212,50 +212,42 @@ def test_patch_switches_a_sliding_window_model_and_unpatch_switches_back(kernel_
     assert hf.unpatch(model) is model and model.config._attn_implementation == "sdpa"
 
 
-def test_softcap_runs_the_models_eager_with_one_warning(kernel_calls):
-    """Gemma 2's logit soft-capping is not in the kernels: its sliding layers run the model's own
-    eager attention (one warning), with the results of eager."""
+def _assert_falls_back_to_eager(model, feature: str, seed: int, kernel_calls):
+    """The model's sliding layers run its own eager attention (one warning naming ``feature``, however
+    many calls), with eager's results, and the kernels never."""
     hf.register()
+    model = _randomize(model, seed).eval()
+    ids, mask = _batch(seed, [13, 9], 61, left_padding=True)
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation(hf_attention.NAME)
+        hf_attention._warned.clear()
+        with pytest.warns(UserWarning, match=feature) as caught:
+            got = model(input_ids=ids, attention_mask=mask).logits
+            model(input_ids=ids, attention_mask=mask)
+    assert sum(feature in str(w.message) for w in caught) == 1
+    assert not kernel_calls
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_runs_the_models_eager_with_one_warning(kernel_calls):
+    """Gemma 2's logit soft-capping is not in the kernels yet."""
     config = transformers.Gemma2Config(
         vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, sliding_window=4, max_position_embeddings=64, pad_token_id=0,
         attn_logit_softcapping=5.0, final_logit_softcapping=None)
-    model = _randomize(transformers.Gemma2ForCausalLM(config), 4).eval()
-    ids, mask = _batch(6, [13, 9], 61, left_padding=True)
-    with torch.no_grad():
-        model.set_attn_implementation("eager")
-        expected = model(input_ids=ids, attention_mask=mask).logits
-        model.set_attn_implementation(hf_attention.NAME)
-        hf_attention._warned.clear()
-        with pytest.warns(UserWarning, match="softcap") as caught:
-            got = model(input_ids=ids, attention_mask=mask).logits
-            model(input_ids=ids, attention_mask=mask)
-    assert sum("softcap" in str(w.message) for w in caught) == 1
-    assert not kernel_calls
-    real = mask.bool()
-    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    _assert_falls_back_to_eager(transformers.Gemma2ForCausalLM(config), "softcap", 4, kernel_calls)
 
 
 def test_sinks_run_the_models_eager_with_one_warning(kernel_calls):
-    """gpt-oss's attention sinks (``s_aux``) are not in the kernels: its sliding layers run the
-    model's own eager attention (one warning), with eager's results."""
-    hf.register()
+    """gpt-oss's attention sinks (``s_aux``) are not in the kernels yet."""
     config = transformers.GptOssConfig(
         vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, sliding_window=4, num_local_experts=2, num_experts_per_tok=1,
         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64, pad_token_id=0)
-    model = _randomize(transformers.GptOssForCausalLM(config), 6).eval()
-    ids, mask = _batch(7, [13, 9], 61, left_padding=True)
-    with torch.no_grad():
-        model.set_attn_implementation("eager")
-        expected = model(input_ids=ids, attention_mask=mask).logits
-        model.set_attn_implementation(hf_attention.NAME)
-        hf_attention._warned.clear()
-        with pytest.warns(UserWarning, match="s_aux"):
-            got = model(input_ids=ids, attention_mask=mask).logits
-    assert not kernel_calls
-    real = mask.bool()
-    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    _assert_falls_back_to_eager(transformers.GptOssForCausalLM(config), "s_aux", 6, kernel_calls)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
