@@ -257,39 +257,43 @@ def _peak_of_call_child(prepare, args: tuple, connection) -> None:
         connection.send(f"{type(error).__name__}: {str(error)[:200]}")
 
 
+def _answer_of_fresh_process(target, args: tuple, timeout_s: float | None = None):
+    """``(answer, None)``: what ``target(*args, connection)`` sent from a fresh process; or ``(None,
+    exit code)`` where it died without answering (-9: killed, for memory on this machine), or ``(None,
+    "timeout")`` past ``timeout_s`` (then killed)."""
+    context = _fresh_process_context()
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=target, args=(*args, sender))
+    process.start()
+    sender.close()
+    try:
+        if timeout_s is not None and not receiver.poll(timeout_s):
+            process.kill()
+            return None, "timeout"
+        return receiver.recv(), None
+    except EOFError:  # died without answering: killed for memory, or crashed
+        process.join()
+        return None, process.exitcode
+    finally:
+        process.join(timeout=10)
+
+
 def peak_of_call_mib(prepare, *args) -> float | str:
     """Peak extra RSS (MiB) of one call in a fresh process, or why it could not be measured:
     ``prepare(*args)`` (a module-level function, run in that process) builds what it needs and returns
     ``(warm_up, call)``; ``warm_up()`` runs first (libraries load), then ``call()`` is measured."""
-    context = _fresh_process_context()
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_peak_of_call_child, args=(prepare, args, sender))
-    process.start()
-    sender.close()
-    try:
-        return receiver.recv()
-    except EOFError:  # killed (for memory) or crashed without answering
-        process.join()
-        if process.exitcode == -9:
-            return "out of memory: killed (SIGKILL, the kernel's OOM killer on this machine)"
-        return f"the process died (exit code {process.exitcode})"
-    finally:
-        process.join()
+    answer, exit_code = _answer_of_fresh_process(_peak_of_call_child, (prepare, args))
+    if exit_code is None:
+        return answer
+    if exit_code == -9:
+        return "out of memory: killed (SIGKILL, the kernel's OOM killer on this machine)"
+    return f"the process died (exit code {exit_code})"
 
 
 def probe_in_fresh_process(case: Case, method: str, timeout_s: float) -> dict:
-    context = _fresh_process_context()
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_probe_child, args=(case, method, sender))
-    process.start()
-    sender.close()
-    try:
-        if not receiver.poll(timeout_s):
-            process.kill()
-            return {"error": f"memory probe exceeded {timeout_s:.0f} s"}
-        return receiver.recv()
-    except EOFError:  # died without answering: killed for memory, or crashed
-        process.join()
-        return {"error": f"memory probe process died (exit code {process.exitcode})"}
-    finally:
-        process.join(timeout=10)
+    answer, exit_code = _answer_of_fresh_process(_probe_child, (case, method), timeout_s)
+    if exit_code == "timeout":
+        return {"error": f"memory probe exceeded {timeout_s:.0f} s"}
+    if exit_code is not None:
+        return {"error": f"memory probe process died (exit code {exit_code})"}
+    return answer

@@ -74,10 +74,8 @@ def _warn_once(reason: str) -> None:
         warnings.warn(f"longformer_ops: {reason}; this call runs transformers' own attention", stacklevel=3)
 
 
-def _unsupported_reason(query, key, attention_mask, sliding_window, softcap, s_aux, kwargs) -> str | None:
-    """Why the kernels cannot take this call (None where they can)."""
-    if sliding_window is None:
-        return "no sliding window (a full-attention layer)"  # (expected: no warning, see attention_forward)
+def _unsupported_reason(query, key, attention_mask, softcap, s_aux, kwargs) -> str | None:
+    """Why the kernels cannot take this call of a sliding layer (None where they can)."""
     if softcap is not None:
         return "softcap (logit soft-capping) is not in the kernels yet"
     if s_aux is not None:
@@ -113,18 +111,18 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     ``value [b, H_kv, kv, d]``, ``attention_mask`` as :func:`padding_mask` gives it; returns
     ``([b, q, H, d], None)``. Sliding layers on the fused kernels, the rest on transformers' code."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    reason = _unsupported_reason(query, key, attention_mask, sliding_window, softcap, s_aux, kwargs)
-    if reason is None:
-        heads = query.shape[1]
-        try:
-            out = sliding_window_attention(
-                query.transpose(1, 2), _rows(key, heads), _rows(value, heads), one_sided_window(sliding_window), 1,
-                causal, scaling, key_padding_mask=None if attention_mask is None else ~attention_mask,
-                dropout_p=dropout)
-            return out, None
-        except KernelNotAvailableError as error:
-            reason = f"no kernels here ({error})"
-    if sliding_window is not None:
+    if sliding_window is not None:  # (full-attention layers run sdpa, as intended: no warning)
+        reason = _unsupported_reason(query, key, attention_mask, softcap, s_aux, kwargs)
+        if reason is None:
+            heads = query.shape[1]
+            try:
+                out = sliding_window_attention(
+                    query.transpose(1, 2), _rows(key, heads), _rows(value, heads), one_sided_window(sliding_window),
+                    1, causal, scaling, key_padding_mask=None if attention_mask is None else ~attention_mask,
+                    dropout_p=dropout)
+                return out, None
+            except KernelNotAvailableError as error:
+                reason = f"no kernels here ({error})"
         _warn_once(reason)
     return _transformers_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
                                    softcap, s_aux, causal, kwargs)

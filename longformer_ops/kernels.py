@@ -156,11 +156,6 @@ def dilation_argument(dilations: tuple[int, ...] | Tensor) -> Tensor:
     return _dilation_tensor(tuple(dilations), torch.device("cpu"))
 
 
-def _dilation_values(dilation: Tensor, heads: int) -> tuple[int, ...]:
-    """An op's ``dilation`` tensor as Python ints, checked (with the public functions' messages)."""
-    return check_dilation(dilation, heads)
-
-
 def reachable_window(w: int, dilations: tuple[int, ...], n: int) -> int:
     """The narrowest window with the same keys: offsets past (n - 1) // min(d) reach no key of any
     head, and the kernels' scratch grows with w (w = 10^8 at n = 20 had asked for gigabytes). The
@@ -295,7 +290,7 @@ def _band_kernel(op: str, t1: Tensor, t2: Tensor, w: int, dilation: Tensor, auto
                  padding: float, out: Tensor) -> Tensor:
     """One banded product into ``out``: 'qk' (t1, t2 rows), 'pv' or 'transposed' (t1 the band)."""
     b, n, h, f = t2.shape
-    dilation = _dilation_values(dilation, h)
+    dilation = check_dilation(dilation, h)
     if b * n * h == 0 or (op != "qk" and f == 0):  # the output is empty (or all zero: no features)
         return out.zero_()
     if op == "qk" and f == 0:  # empty dot products: 0 where the key is valid
@@ -429,7 +424,7 @@ def _key_bias(key_padding_mask: Optional[Tensor], q: Tensor) -> Tensor:
 def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out):
     """The forward kernel into ``out`` (``[b, n, h, f]``); returns the rows' log-sum-exp."""
     lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
-    dilation = _dilation_values(dilation, q.shape[2])
+    dilation = check_dilation(dilation, q.shape[2])
     w = reachable_window(w, dilation, q.shape[1])
     if lse.numel() == 0:
         return lse
@@ -474,7 +469,7 @@ def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     it joins dS there), computed per tile in the kernel. With dropout (mask Z regenerated from the
     seed) dP = (dO . V^T) * Z and dV += (P * Z)^T dO."""
     grads = tuple(new_output(q, q.shape) for _ in range(3))
-    dilation = _dilation_values(dilation, q.shape[2])
+    dilation = check_dilation(dilation, q.shape[2])
     w = reachable_window(w, dilation, q.shape[1])
     if lse.numel() == 0:
         return grads
@@ -537,7 +532,7 @@ def band_softmax_(band: Tensor, key_padding_mask: Optional[Tensor], w: int, dila
     kernel = _library(band).function(function_name(BAND_SOFTMAX, autoregressive))
     with _on_device(band):
         kernel(band, _key_bias(key_padding_mask, band), int(key_padding_mask is not None),
-               _dilation_tensor(_dilation_values(dilation, band.shape[2]), band.device), lse)
+               _dilation_tensor(check_dilation(dilation, band.shape[2]), band.device), lse)
     return lse
 
 
@@ -551,7 +546,7 @@ def band_softmax_backward(probs: Tensor, grad: Tensor, grad_lse: Tensor, w: int,
     kernel = _library(probs).function(function_name(BAND_SOFTMAX_BACKWARD, autoregressive))
     with _on_device(probs):
         kernel(probs, grad.contiguous(), grad_lse.contiguous(),
-               _dilation_tensor(_dilation_values(dilation, probs.shape[2]), probs.device), out)
+               _dilation_tensor(check_dilation(dilation, probs.shape[2]), probs.device), out)
     return out
 
 
