@@ -1,9 +1,15 @@
-"""transformers' ModernBERT on ``attn_implementation="longformer_ops"`` against ``sdpa`` and against a
-zero-cost stub: ``python -m bench.hf_attention [--seq-lens 1024,2048,4096,8192] [--rounds 3]
-[--dtype float32] [--passes forward] [--layers 22]``.
+"""transformers' sliding-window models on ``attn_implementation="longformer_ops"`` against ``sdpa`` and
+against a zero-cost stub: ``python -m bench.hf_attention [--model modernbert] [--seq-lens
+1024,2048,4096,8192] [--rounds 3] [--dtype float32] [--passes forward] [--layers N]``.
 
-``ModernBertModel`` at base size (transformers' defaults: 22 layers, hidden 768, 12 heads, local
-window 128, one full-attention layer in three), random weights, ``--dtype``, batch 1, no padding.
+``--model``, random weights, ``--dtype``, batch 1, no padding, no cache:
+
+- ``modernbert``: ``ModernBertModel`` at base size (transformers' defaults: 22 layers, hidden 768,
+  12 heads, bidirectional local window 128, one full-attention layer in three);
+- ``gemma3``: ``Gemma3TextModel`` shaped as Gemma 3 1B (hidden 1152, 4 query heads on 1 key/value
+  head of 256, causal window 512, five sliding layers in six), ``--layers`` of them (default 6:
+  one full layer); its forward is a prefill's work.
+
 Three attention implementations for the same weights:
 
 - ``sdpa``: transformers' own, as every model runs its sliding layers on a CPU: a dense ``n x n``
@@ -17,7 +23,7 @@ Three attention implementations for the same weights:
 Per length: the peak extra RSS of one call of each in a fresh process (after a warm-up call on 512
 tokens there), then times interleaved in shuffled rounds, medians. The passes: a forward in eval
 mode under ``no_grad``, and a training step (forward and backward of the output's mean square).
-Writes ``<out>/<cpu>-hf-modernbert[-<dtype>].{md,csv}``.
+Writes ``<out>/<cpu>-hf-<model>[-<dtype>].{md,csv}``.
 """
 
 from __future__ import annotations
@@ -35,25 +41,35 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS = ("sdpa", "longformer_ops", "stub")
+MODELS = {"modernbert": ("ModernBERT-base", 22), "gemma3": ("Gemma-3-1B-like", 6)}  # (title, default layers)
 PASSES = {"forward": "forward", "training step": "forward+backward"}
 WARM_UP_TOKENS = 512
 
 
 def _stub_attention(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
-    """Zero-cost attention for the sliding layers (zeros of the output's shape); sdpa for the rest."""
+    """Zero-cost attention for the sliding layers (zeros of the output's shape); the full layers as
+    "longformer_ops" runs them (sdpa)."""
     if sliding_window is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from longformer_ops.hf_attention import attention_forward
 
-        from longformer_ops.hf_attention import dense_mask
-
-        mask = None if attention_mask is None else dense_mask(attention_mask, query.shape[0], query.shape[2],
-                                                              key.shape[2], False, None, query.device)
-        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+        return attention_forward(module, query, key, value, attention_mask, **kwargs)
     return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
 
 
-def build(seq_len: int, layers: int, dtype: str):
-    """ModernBERT-base (``layers`` of them), random weights, and ``seq_len`` random token ids."""
+def _config(model: str, layers: int, seq_len: int):
+    import transformers
+
+    if model == "modernbert":
+        return transformers.ModernBertModel, transformers.ModernBertConfig(
+            num_hidden_layers=layers, max_position_embeddings=max(seq_len, 8192))
+    return transformers.Gemma3TextModel, transformers.Gemma3TextConfig(
+        vocab_size=32768, hidden_size=1152, intermediate_size=6912, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, sliding_window=512, max_position_embeddings=max(seq_len, 32768),
+        layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(layers)])
+
+
+def build(seq_len: int, layers: int, dtype: str, model_name: str = "modernbert"):
+    """``model_name`` with ``layers`` layers, random weights, and ``seq_len`` random token ids."""
     import transformers
 
     from longformer_ops import hf, hf_attention
@@ -62,10 +78,11 @@ def build(seq_len: int, layers: int, dtype: str):
     transformers.AttentionInterface.register("stub", _stub_attention)
     transformers.AttentionMaskInterface.register("stub", hf_attention.padding_mask)
     torch.manual_seed(0)
-    config = transformers.ModernBertConfig(num_hidden_layers=layers, max_position_embeddings=max(seq_len, 8192))
-    model = transformers.ModernBertModel(config).to(getattr(torch, dtype))
+    model_class, config = _config(model_name, layers, seq_len)
+    model = model_class(config).to(getattr(torch, dtype))
     ids = torch.randint(5, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(1))
-    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return model, inputs | ({"use_cache": False} if model_name != "modernbert" else {})
 
 
 def runner(model, method: str, inputs: dict, step: str):
@@ -84,30 +101,35 @@ def runner(model, method: str, inputs: dict, step: str):
     return forward if step == "forward" else training_step
 
 
-def _prepared_calls(seq_len: int, layers: int, dtype: str, method: str, step: str):
+def _prefix(inputs: dict) -> dict:
+    return {key: value[:, :WARM_UP_TOKENS] if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
+
+
+def _prepared_calls(seq_len: int, layers: int, dtype: str, method: str, step: str, model_name: str):
     """For :func:`bench.measure.peak_of_call_mib`: a warm-up call on a short prefix, then the call."""
-    model, inputs = build(seq_len, layers, dtype)
+    model, inputs = build(seq_len, layers, dtype, model_name)
 
     def warm_up():
-        runner(model, method, {key: value[:, :WARM_UP_TOKENS] for key, value in inputs.items()}, step)()
+        runner(model, method, _prefix(inputs), step)()
         model.zero_grad(set_to_none=True)
 
     return warm_up, runner(model, method, inputs, step)
 
 
-def peak_mib(seq_len: int, layers: int, dtype: str, method: str, step: str) -> float | str:
+def peak_mib(seq_len: int, layers: int, dtype: str, method: str, step: str, model_name: str) -> float | str:
     """Peak extra RSS (MiB) of one call in a fresh process, or why it could not be measured."""
     from bench.measure import peak_of_call_mib
 
-    return peak_of_call_mib(_prepared_calls, seq_len, layers, dtype, method, step)
+    return peak_of_call_mib(_prepared_calls, seq_len, layers, dtype, method, step, model_name)
 
 
-def time_rounds(seq_len: int, layers: int, dtype: str, step: str, rounds: int) -> dict[str, float]:
+def time_rounds(seq_len: int, layers: int, dtype: str, step: str, rounds: int,
+                model_name: str = "modernbert") -> dict[str, float]:
     """Median seconds of each method's call, over ``rounds`` shuffled rounds on the same weights."""
-    model, inputs = build(seq_len, layers, dtype)
+    model, inputs = build(seq_len, layers, dtype, model_name)
     calls = {method: runner(model, method, inputs, step) for method in METHODS}
     for method in METHODS:  # warm-up on a short prefix: libraries load
-        runner(model, method, {key: value[:, :WARM_UP_TOKENS] for key, value in inputs.items()}, step)()
+        runner(model, method, _prefix(inputs), step)()
     samples = {method: [] for method in METHODS}
     order = list(METHODS)
     for _ in range(rounds):
@@ -121,11 +143,12 @@ def time_rounds(seq_len: int, layers: int, dtype: str, step: str, rounds: int) -
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.hf_attention", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="modernbert", choices=list(MODELS))
     parser.add_argument("--seq-lens", default="1024,2048,4096,8192")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--passes", default="forward", help=f"comma-separated, of {list(PASSES)}")
-    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--layers", type=int, help="default: the model's (modernbert 22, gemma3 6)")
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory probes")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
@@ -134,6 +157,8 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--passes: unknown {unknown}; choose from {list(PASSES)}")
     seq_lens = [int(n) for n in args.seq_lens.split(",")]
+    title, default_layers = MODELS[args.model]
+    args.layers = args.layers or default_layers
     random.seed(0)
     from bench.machine import cpu_results_name, source_commit
 
@@ -141,18 +166,19 @@ def main(argv=None) -> int:
     for step in passes:
         for n in seq_lens:
             print(f"{step}, n = {n}: memory ...", file=sys.stderr)
-            peaks = {m: ("-" if args.no_memory else peak_mib(n, args.layers, args.dtype, m, step)) for m in METHODS}
+            peaks = {m: ("-" if args.no_memory else peak_mib(n, args.layers, args.dtype, m, step, args.model))
+                     for m in METHODS}
             print(f"{step}, n = {n}: {args.rounds} rounds ...", file=sys.stderr)
-            times = time_rounds(n, args.layers, args.dtype, step, args.rounds)
+            times = time_rounds(n, args.layers, args.dtype, step, args.rounds, args.model)
             rows.append(dict(step=PASSES[step], n=n, **{f"{m} s": times[m] for m in METHODS},
                              **{f"{m} MiB": peaks[m] for m in METHODS}))
             print("  " + ", ".join(f"{m} {times[m]:.2f} s" for m in METHODS), file=sys.stderr)
-    name = f"{cpu_results_name()}-hf-modernbert" + ("" if args.dtype == "float32" else f"-{args.dtype}")
+    name = f"{cpu_results_name()}-hf-{args.model}" + ("" if args.dtype == "float32" else f"-{args.dtype}")
     mib = lambda value: value if isinstance(value, str) else f"{value:.0f}"  # noqa: E731
-    lines = [f"# ModernBERT-base ({args.layers} layers) on transformers' sdpa, on longformer_ops, and with its sliding "
+    lines = [f"# {title} ({args.layers} layers) on transformers' sdpa, on longformer_ops, and with its sliding "
              f"layers' attention free ({cpu_results_name()}, {args.dtype}, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads, at {source_commit()})", "",
-             f"`python -m bench.hf_attention --seq-lens {args.seq_lens} --rounds {args.rounds} --dtype {args.dtype} "
+             f"`python -m bench.hf_attention --model {args.model} --seq-lens {args.seq_lens} --rounds {args.rounds} --dtype {args.dtype} "
              f"--passes {shlex.quote(args.passes)} --layers {args.layers}`; batch 1, no padding, medians of {args.rounds} "
              "shuffled rounds; memory: peak extra RSS of one call in a fresh process.", "",
              "| pass | n | sdpa s | longformer_ops s | stub s | ours / sdpa | ours / stub | sdpa MiB | "

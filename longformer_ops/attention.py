@@ -28,7 +28,7 @@ _ops = torch.ops.longformer_ops
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, d=1,
                              autoregressive: bool = False, scale: float | None = None, *,
                              key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                             out: torch.Tensor | None = None, return_lse: bool = False):
+                             softcap: float | None = None, out: torch.Tensor | None = None, return_lse: bool = False):
     """Local attention of Longformer: each query attends to the keys of its band only.
 
     ``q``, ``k``, ``v``: ``[batch, seq_len, heads, head_dim]``, one dtype and device (under
@@ -54,6 +54,10 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     pass 0 outside training. On the fused kernels the mask comes from a counter-based generator
     seeded by one draw from torch's default generator (reproducible under ``torch.manual_seed``),
     so the backward regenerates it instead of keeping it; on the three steps it is torch's dropout.
+    ``softcap``: logit soft-capping (Gemma 2): each score ``s`` (scaled) becomes ``softcap *
+    tanh(s / softcap)`` before the key padding's ``-inf`` is added and the softmax taken; a
+    positive number, or None for none. In the fused kernels on a CPU, forward and backward; elsewhere
+    (CUDA) on the three steps below.
     ``out``: a contiguous tensor of the result's shape, dtype and device to write into and return
     (not differentiable).
 
@@ -66,33 +70,37 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q, k, v = kernels.autocast_inputs(q, k, v)
     w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask)
     dropout_p = checks.check_dropout_p(dropout_p)
+    softcap = checks.check_softcap(softcap)
     checks.check_bool("return_lse", return_lse)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if out is not None:
         checks.check_out(out, tuple(q.shape), {"q": q, "k": k, "v": v})
     # (head_dim 0: the three steps, whose band of zero scores gives each row's log-sum-exp.)
-    if q.shape[-1] > 0 and kernels.fused_attention_available(q.device, q.dtype, backward=needs_grad):
+    if q.shape[-1] > 0 and kernels.fused_attention_available(q.device, q.dtype, backward=needs_grad) and (
+            not softcap or q.device.type in kernels.SOFTCAP_DEVICES):
         seed = dropout_seed() if dropout_p > 0 else torch.zeros((), dtype=torch.int64)
         # (The op narrows w to the keys the dilations reach: kernels.reachable_window.)
         args = (q, k, v, key_padding_mask, seed, w, kernels.dilation_argument(dilations), autoregressive, scale,
                 dropout_p)
         if out is None:
-            result, lse = _ops.attention(*args)
+            result, lse = _ops.attention(*args, softcap)
         else:
-            result, lse = out, _ops.attention_out(*args, out)
+            result, lse = out, _ops.attention_out(*args, out, softcap)
     else:
-        result, lse = _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p, out,
-                                   return_lse, needs_grad)
+        result, lse = _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p, softcap,
+                                   out, return_lse, needs_grad)
     return (result, lse) if return_lse else result
 
 
-def _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p, out, return_lse,
+def _three_steps(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p, softcap, out, return_lse,
                  needs_grad):
-    """Band scores, softmax, band times values, on the band ops (arguments checked by the caller)."""
+    """Band scores (soft-capped), softmax, band times values, on the band ops (arguments checked by the caller)."""
     if isinstance(dilations, tuple):  # (under torch.compile a dilation tensor's values are not known here)
         w = kernels.reachable_window(w, dilations, q.shape[1])
     dilation = kernels.dilation_argument(dilations)
     scores = _ops.band_qk(q * scale, k, w, dilation, autoregressive, float("-inf"))
+    if softcap:  # (-inf outside the sequence becomes -softcap: the softmax masks those keys itself)
+        scores = softcap * torch.tanh(scores / softcap)
     probs, lse = band_softmax(scores, key_padding_mask, w, dilations, autoregressive, need_lse=return_lse)
     if dropout_p > 0:
         probs = torch.nn.functional.dropout(probs, dropout_p, training=True, inplace=not needs_grad)

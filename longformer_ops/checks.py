@@ -158,6 +158,15 @@ def check_dropout_p(dropout_p, name: str = "dropout_p") -> float:
     return float(dropout_p)
 
 
+def check_softcap(softcap) -> float:
+    """None (no soft-cap: returned as 0) or a positive finite number; return it as a float."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a positive finite number or None (no soft-capping), got {softcap!r}")
+    return float(softcap)
+
+
 def _check_features(name: str, x, along: str) -> None:
     """``x`` (the argument ``name``) a floating tensor with a last dimension of features (``along``
     says what is done along it)."""

@@ -15,8 +15,9 @@ already checked by the public functions in :mod:`longformer_ops.diagonaled` and
 - ``band_qk(q, k, w, dilation, autoregressive, padding) -> band``: Q.K^T on the band;
 - ``band_pv(band, v, w, dilation, autoregressive) -> rows``: probs.V;
 - ``band_transposed(band, x, w, dilation, autoregressive) -> rows``: the backward's P^T.dO;
-- ``attention(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p)
-  -> (out, lse)`` and ``attention_backward(...)``: the fused local attention (CPU libraries);
+- ``attention(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p,
+  softcap=0.0) -> (out, lse)`` and ``attention_backward(...)``: the fused local attention (CPU
+  and CUDA libraries; the soft-cap in SOFTCAP_DEVICES' only);
 - ``band_softmax_(band, key_padding_mask, w, dilation, autoregressive) -> lse`` (in place) and
   ``band_softmax_backward(...)``: the band softmax of the unfused path (CPU libraries), whose
   autograd is :class:`BandSoftmax` (an op that mutates cannot carry its own);
@@ -279,6 +280,20 @@ def query_runs(batch_heads: int, n: int, w: int, threads: int) -> int:
     return min(range(1, most + 1), key=lambda runs: -(-batch_heads * runs // threads) / runs)
 
 
+# Devices whose fused kernels take a logit soft-cap (the CPU libraries'; CUDA's not yet: the three
+# steps serve a soft-capped call there, see attention.sliding_window_attention).
+SOFTCAP_DEVICES = ("cpu",)
+
+
+def _softcap_argument(x: Tensor, softcap: float) -> tuple:
+    """The fused kernels' soft-cap argument (after the scale) where they take one; 0 is none."""
+    if x.device.type in SOFTCAP_DEVICES:
+        return (softcap,)
+    if softcap:
+        raise ValueError(f"the fused kernels on {x.device.type} take no softcap (got {softcap}); the three steps do")
+    return ()
+
+
 def _cpu_runs(x: Tensor, w: int) -> tuple:
     """The CPU kernels' last argument (:func:`query_runs` for torch's thread count); none on CUDA."""
     if x.device.type != "cpu":
@@ -421,7 +436,7 @@ def _key_bias(key_padding_mask: Optional[Tensor], q: Tensor) -> Tensor:
     return bias if key_padding_mask is None else bias.masked_fill_(key_padding_mask, float("-inf"))
 
 
-def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out):
+def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out, softcap=0.0):
     """The forward kernel into ``out`` (``[b, n, h, f]``); returns the rows' log-sum-exp."""
     lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
     dilation = check_dilation(dilation, q.shape[2])
@@ -435,7 +450,7 @@ def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressi
     kernel_out = out if q.shape[-1] == f else new_output(q, q.shape)
     library.function(function_name(FUSED, autoregressive))(
         q, k, v, _key_bias(key_padding_mask, q), _dilation_tensor(dilation, q.device), w, scale,
-        dropout_p, int(seed), kernel_out, lse, *_cpu_runs(q, w))
+        *_softcap_argument(q, softcap), dropout_p, int(seed), kernel_out, lse, *_cpu_runs(q, w))
     if kernel_out is not out:
         out.copy_(kernel_out[..., :f])
     return lse
@@ -443,31 +458,37 @@ def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressi
 
 @_custom_op("attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], seed: Tensor, w: int,
-              dilation: Tensor, autoregressive: bool, scale: float, dropout_p: float) -> tuple[Tensor, Tensor]:
+              dilation: Tensor, autoregressive: bool, scale: float, dropout_p: float,
+              softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Fused local attention: ``(out [b, n, h, f], lse [b, n, h])``. ``seed`` (an int64 scalar tensor)
-    seeds the dropout mask, which the backward regenerates from it."""
+    seeds the dropout mask, which the backward regenerates from it. ``softcap`` > 0: each score s
+    becomes ``softcap * tanh(s / softcap)`` before the softmax (the libraries of SOFTCAP_DEVICES)."""
     out = new_output(q, q.shape)
-    return out, _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out)
+    return out, _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out,
+                                  softcap)
 
 
 @_custom_op("attention_out", mutates_args=("out",))
 def attention_out(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], seed: Tensor, w: int,
-                  dilation: Tensor, autoregressive: bool, scale: float, dropout_p: float, out: Tensor) -> Tensor:
+                  dilation: Tensor, autoregressive: bool, scale: float, dropout_p: float, out: Tensor,
+                  softcap: float = 0.0) -> Tensor:
     """:func:`attention` into ``out``; returns the log-sum-exp."""
-    return _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out)
+    return _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out,
+                             softcap)
 
 
 @_custom_op("attention_backward", mutates_args=())
 def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
                        key_padding_mask: Optional[Tensor], seed: Tensor, out: Tensor, lse: Tensor, w: int,
                        dilation: Tensor, autoregressive: bool, scale: float,
-                       dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+                       dropout_p: float, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """``(dQ, dK, dV)`` in one kernel, FlashAttention-style: per tile it recomputes the scores and
     P = exp(score - lse), then dP = dO . V^T, dS = P * (dP - delta), dQ = scale * dS . K, and
     accumulates dV += P^T dO and dK += scale * dS^T Q; no band is kept between the passes or made
     in either. delta is rowsum(dO * O) less the log-sum-exp's own gradient (d lse / d score = P, so
     it joins dS there), computed per tile in the kernel. With dropout (mask Z regenerated from the
-    seed) dP = (dO . V^T) * Z and dV += (P * Z)^T dO."""
+    seed) dP = (dO . V^T) * Z and dV += (P * Z)^T dO. With a ``softcap``, P comes from the capped
+    scores and dS is multiplied by the cap's derivative before dQ and dK."""
     grads = tuple(new_output(q, q.shape) for _ in range(3))
     dilation = check_dilation(dilation, q.shape[2])
     w = reachable_window(w, dilation, q.shape[1])
@@ -481,22 +502,24 @@ def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     grad, q, k, v, out = padded
     library.function(function_name(FUSED_BACKWARD, autoregressive))(
         grad, q, k, v, _key_bias(key_padding_mask, q), out, lse, grad_lse.contiguous(),
-        _dilation_tensor(dilation, q.device), w, scale, dropout_p, int(seed), *grads, *_cpu_runs(q, w))
+        _dilation_tensor(dilation, q.device), w, scale, *_softcap_argument(q, softcap), dropout_p, int(seed), *grads,
+        *_cpu_runs(q, w))
     return tuple(g[..., :f].contiguous() for g in grads) if grads[0].shape[-1] != f else grads
 
 
 @torch.library.register_fake(attention)
-def _(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p):
+def _(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, softcap=0.0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
 @torch.library.register_fake(attention_out)
-def _(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out):
+def _(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out, softcap=0.0):
     return q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
 @torch.library.register_fake(attention_backward)
-def _(grad, grad_lse, q, k, v, key_padding_mask, seed, out, lse, w, dilation, autoregressive, scale, dropout_p):
+def _(grad, grad_lse, q, k, v, key_padding_mask, seed, out, lse, w, dilation, autoregressive, scale, dropout_p,
+      softcap=0.0):
     return tuple(q.new_empty(q.shape) for _ in range(3))
 
 
@@ -513,7 +536,7 @@ def _attention_backward(ctx, grad, grad_lse):
                                                 dilation, *config)
     needs = ctx.needs_input_grad
     return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
-            None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd(attention, _attention_backward, setup_context=_save_attention)

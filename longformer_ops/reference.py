@@ -110,48 +110,53 @@ def diagonaled_mm_reference(t1, t2, w: int, d, is_t1_diagonaled: bool = False, p
     return scores.masked_fill(invalid, padding)
 
 
-def _sliding_window_scores(q, k, w: int, d, autoregressive: bool, scale: float | None, key_padding_mask) -> torch.Tensor:
-    """Band scores ``[b, n, h, c]`` of ``scale * Q.K^T``, ``-inf`` at keys outside the sequence, and
-    ``-inf`` added at keys flagged in ``key_padding_mask`` (added, as torch's attention and
-    transformers' Longformer add their masks: a NaN or +inf score of a flagged key stays NaN)."""
+def _sliding_window_scores(q, k, w: int, d, autoregressive: bool, scale: float | None, key_padding_mask,
+                           softcap: float | None = None) -> torch.Tensor:
+    """Band scores ``[b, n, h, c]`` of ``scale * Q.K^T`` (soft-capped to ``softcap * tanh(s /
+    softcap)`` where ``softcap`` is given), ``-inf`` at keys outside the sequence, and ``-inf``
+    added at keys flagged in ``key_padding_mask`` (added, as torch's attention and transformers'
+    Longformer add their masks: a NaN or +inf score of a flagged key stays NaN)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = diagonaled_mm_reference(q * scale, k, w, d, False, float("-inf"), autoregressive)
+    b, n, h, _ = q.shape
+    keys = key_positions(n, w, _per_head(d, h, q.device), autoregressive)         # [n, h, c]
+    inside = (keys >= 0) & (keys < n)
+    if softcap is not None:
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~inside, float("-inf"))
     if key_padding_mask is not None:
-        b, n, h, _ = q.shape
-        keys = key_positions(n, w, _per_head(d, h, q.device), autoregressive)     # [n, h, c]
-        inside = (keys >= 0) & (keys < n)
         masked = key_padding_mask[:, keys.clamp(0, max(n - 1, 0))] & inside       # [b, n, h, c]
         scores = scores + scores.new_zeros(masked.shape).masked_fill_(masked, float("-inf"))
     return scores
 
 
 def sliding_window_probs_reference(q, k, w: int, d, autoregressive: bool = False, scale: float | None = None,
-                                   key_padding_mask=None) -> torch.Tensor:
+                                   key_padding_mask=None, softcap: float | None = None) -> torch.Tensor:
     """The band probabilities of :func:`sliding_window_attention_reference`, ``[b, n, h, c]``: a softmax
     of the scores with ``-inf`` at keys outside the sequence or flagged in ``key_padding_mask``
     (a row with no key left: 0; a NaN or +inf score makes its row NaN, as a dense softmax does)."""
-    scores = _sliding_window_scores(q, k, w, d, autoregressive, scale, key_padding_mask)
+    scores = _sliding_window_scores(q, k, w, d, autoregressive, scale, key_padding_mask, softcap)
     no_key = (scores == float("-inf")).all(-1, keepdim=True)
     return torch.softmax(scores.masked_fill(no_key, 0), dim=-1).masked_fill(no_key, 0)
 
 
 def sliding_window_lse_reference(q, k, w: int, d, autoregressive: bool = False, scale: float | None = None,
-                                 key_padding_mask=None) -> torch.Tensor:
+                                 key_padding_mask=None, softcap: float | None = None) -> torch.Tensor:
     """Each row's log-sum-exp of the same scores, ``[b, n, h]`` (``-inf`` for a row with no key left):
     what ``sliding_window_attention(..., return_lse=True)`` returns beside the result. Differentiable,
     with gradient 0 (not NaN) at rows with no key."""
-    scores = _sliding_window_scores(q, k, w, d, autoregressive, scale, key_padding_mask)
+    scores = _sliding_window_scores(q, k, w, d, autoregressive, scale, key_padding_mask, softcap)
     empty = (scores == float("-inf")).all(-1)
     return torch.logsumexp(scores.masked_fill(empty[..., None], 0), dim=-1).masked_fill(empty, float("-inf"))
 
 
 def sliding_window_attention_reference(q, k, v, w: int, d, autoregressive: bool = False,
                                        scale: float | None = None, key_padding_mask=None,
-                                       dropout_factor: torch.Tensor | None = None) -> torch.Tensor:
+                                       dropout_factor: torch.Tensor | None = None,
+                                       softcap: float | None = None) -> torch.Tensor:
     """Same contract as :func:`longformer_ops.sliding_window_attention`: the probabilities of
     :func:`sliding_window_probs_reference` (times ``dropout_factor``, ``[b, n, h, c]``, if given)
     times V."""
-    probs = sliding_window_probs_reference(q, k, w, d, autoregressive, scale, key_padding_mask)
+    probs = sliding_window_probs_reference(q, k, w, d, autoregressive, scale, key_padding_mask, softcap)
     if dropout_factor is not None:
         probs = probs * dropout_factor.to(probs.dtype)
     return diagonaled_mm_reference(probs, v, w, d, True, 0, autoregressive)

@@ -27,10 +27,11 @@ LARGER = [(1, 200, 2, 64, 190), (2, 300, 4, 40, 37), (1, 700, 2, 96, 40)]
 
 
 def _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype, key_padding_mask=None, dropout_factor=None,
-                  what="result"):
+                  what="result", softcap=None):
     """The result against the float64 reference on the same (rounded) inputs, norm-wise (conftest)."""
     q64, k64, v64 = (x.detach().double().cpu() for x in (q, k, v))
-    ref = sliding_window_attention_reference(q64, k64, v64, w, d, autoregressive, scale, key_padding_mask, dropout_factor)
+    ref = sliding_window_attention_reference(q64, k64, v64, w, d, autoregressive, scale, key_padding_mask, dropout_factor,
+                                             softcap)
     assert out.shape == ref.shape and out.dtype == dtype
     assert_normwise_close(out, ref, dtype, what, zero_scale=float(v64.abs().max()) * ref.numel() ** 0.5)
 
@@ -48,7 +49,7 @@ def _check(device, dtype, size, autoregressive, dilation_kind, with_grad):
 
 
 def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64, key_padding_mask=None, dropout=None,
-                     seed=0):
+                     seed=0, softcap=None):
     """Gradients of all three inputs against the float64 reference's (same rounded inputs and output
     gradient), norm-wise; ``dropout`` = (p, torch seed): the fused kernels' dropout, its mask from the
     reference generator; ``seed`` seeds the output gradient (and is printed on failure)."""
@@ -60,11 +61,11 @@ def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64, 
         factor = _dropout_factor(dropout, q.shape, w, d, autoregressive).to(q.device)
         torch.manual_seed(dropout[1])
     out = sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=key_padding_mask,
-                                   dropout_p=0.0 if dropout is None else dropout[0])
+                                   dropout_p=0.0 if dropout is None else dropout[0], softcap=softcap)
     got = torch.autograd.grad(out, (q, k, v), grad)
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want = torch.autograd.grad(sliding_window_attention_reference(*exact, w, d, autoregressive, scale, key_padding_mask, factor),
-                               exact, grad.double())
+    want = torch.autograd.grad(sliding_window_attention_reference(*exact, w, d, autoregressive, scale, key_padding_mask, factor,
+                                                                  softcap), exact, grad.double())
     # Where every row cancels (one key per query: dQ = dK = 0), the size of the cancelling terms.
     terms = float(grad.double().norm()) * max(float(x.detach().double().abs().max()) for x in (q, k, v)) ** 2
     for name, x, y in zip("qkv", got, want, strict=True):
@@ -283,6 +284,55 @@ def _masked_case(size, dtype, autoregressive, tag: str, device="cpu"):
     return q, k, v, w, d, mask, g
 
 
+# A cap near the scores' size (|q|, |k| ~ 1, scale 1 / sqrt(f) or 0.7: |s| up to a few): tanh far
+# from linear there, so a kernel without the cap, or with another, fails the comparison.
+SOFTCAP = 1.5
+
+
+@pytest.mark.parametrize("path", ["fused", "three-steps"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("size", MASKED_SIZES, ids=str)
+def test_softcap_matches_reference(cpu_library, monkeypatch, size, dtype, autoregressive, path):
+    """Logit soft-capping (Gemma 2's ``cap * tanh(s / cap)`` before the padding's -inf and the
+    softmax): the result, its log-sum-exp and the three gradients against the float64 reference, with
+    per-head dilations and masked keys, on the fused kernels and on the three steps."""
+    if path != "fused":
+        monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
+    q, k, v, w, d, mask, _ = _masked_case(size, dtype, autoregressive, "softcap")
+    scale = 4 / math.sqrt(q.shape[-1])  # scores of a few units: the cap bends them
+    with torch.no_grad():
+        out, lse = sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=mask,
+                                            softcap=SOFTCAP, return_lse=True)
+    _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype, mask, softcap=SOFTCAP)
+    q64, k64 = (x.double() for x in (q, k))
+    ref_lse = sliding_window_lse_reference(q64, k64, w, d, autoregressive, scale, mask, SOFTCAP)
+    empty = ref_lse == float("-inf")
+    assert torch.equal(lse == float("-inf"), empty)
+    assert_normwise_close(lse[~empty], ref_lse[~empty], dtype, "lse", zero_scale=1.0)
+    if q.shape[-1] > 1 and q.shape[1] > 1:
+        _check_gradients(q, k, v, w, d, autoregressive, scale, dtype, mask, softcap=SOFTCAP)
+
+
+def test_softcap_comparison_fails_on_another_cap(cpu_library):
+    """The injected fault: the fused kernels' soft-capped result against the reference with another
+    cap, or with none, fails the check test_softcap_matches_reference makes."""
+    q, k, v, w, d, mask, _ = _masked_case((1, 513, 4, 64, 16), torch.float32, False, "softcap")
+    scale = 4 / math.sqrt(q.shape[-1])
+    out = sliding_window_attention(q, k, v, w, d, False, scale, key_padding_mask=mask, softcap=SOFTCAP)
+    _assert_close(out, q, k, v, w, d, False, scale, torch.float32, mask, softcap=SOFTCAP)
+    for wrong in (SOFTCAP * 1.01, None):
+        with pytest.raises(AssertionError):
+            _assert_close(out, q, k, v, w, d, False, scale, torch.float32, mask, softcap=wrong)
+
+
+@pytest.mark.parametrize("softcap", [0, -1.0, float("inf"), float("nan"), True, "1"])
+def test_softcap_must_be_positive_and_finite(softcap):
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(ValueError, match=r"softcap must be a positive finite number or None \(no soft-capping\), got"):
+        sliding_window_attention(q, q, q, 2, softcap=softcap)
+
+
 def _assert_lse_close(lse, q, k, w, d, autoregressive, scale, dtype, key_padding_mask):
     """The rows' log-sum-exp against the float64 reference's: equal -inf at rows with no key, else
     norm-wise within the input dtype's bound for results (measured worst: float64 0, float32 2.4 u,
@@ -482,7 +532,7 @@ def test_dropout_on_the_three_steps_is_torch_dropout(monkeypatch):
     torch.testing.assert_close(out, diagonaled_mm_reference(probs, v, 5, [1, 2, 3], True, 0), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("variant", ["plain", "key-padding-mask", "dropout", "return-lse"])
+@pytest.mark.parametrize("variant", ["plain", "key-padding-mask", "dropout", "return-lse", "softcap"])
 @pytest.mark.parametrize("path", ["fused", "three-steps", "three-steps-band-softmax"])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 def test_gradcheck_float64(cpu_library, autoregressive, path, variant, monkeypatch):
@@ -499,7 +549,8 @@ def test_gradcheck_float64(cpu_library, autoregressive, path, variant, monkeypat
         torch.manual_seed(5)
         result = sliding_window_attention(a, b, c, 2, [1, 2, 4], autoregressive, key_padding_mask=mask,
                                           dropout_p=0.3 if variant == "dropout" else 0.0,
-                                          return_lse=variant == "return-lse")
+                                          return_lse=variant == "return-lse",
+                                          softcap=0.8 if variant == "softcap" else None)
         if variant != "return-lse":
             return result
         out, lse = result

@@ -417,23 +417,26 @@ def test_results_of_an_archived_tree_name_its_own_commit(tmp_path):
 
 def test_libraries_bench_alternates_the_fused_kernels_of_each_library(capsys):
     """bench.libraries times each library's fused forward and backward in the same rounds, and a
-    library against itself (once from an explicit directory) comes out as one forward and one
-    backward line each, with ratios to the first."""
+    library against itself (once from an explicit directory, once with a soft-cap) comes out as one
+    forward and one backward line each, with ratios to the first."""
     from bench import libraries
     from longformer_ops import _loader
 
     target = _loader.library_for(torch.device("cpu"), "float32").name.split("/")[0]
-    assert libraries.main(["--libraries", f"{target}:float32,{_loader.prebuilt_dir()}:{target}:float32",
-                           "--seq-len", "96", "--window", "8", "--dilated", "--seconds", "0.2"]) == 0
+    assert libraries.main(["--libraries", f"{target}:float32,{_loader.prebuilt_dir()}:{target}:float32,"
+                           f"{target}:float32@2.5", "--seq-len", "96", "--window", "8", "--dilated",
+                           "--seconds", "0.2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("n = 96, w = 8, 12 heads of 64, dilated")
     timed = [line.split() for line in lines[1:]]
     assert [(cells[0].count(":"), cells[1]) for cells in timed] == [(1, "forward"), (1, "backward"), (2, "forward"),
-                                                                    (2, "backward")]
+                                                                    (2, "backward"), (1, "forward"), (1, "backward")]
+    assert timed[-1][0].endswith("@2.5")
     assert all(float(cells[2]) > 0 for cells in timed) and [cells[4] for cells in timed[:2]] == ["1.000", "1.000"]
 
 
 @pytest.mark.parametrize("spec, message", [("cpu-avx512", "expected \\[DIR:\\]TARGET:DTYPE"),
+                                           ("cpu-avx512:float32@big", "the soft-cap after '@' .* is not a number"),
                                            ("cpu-avx512:float8", "'float8' .* is not a torch dtype"),
                                            ("cpu-none:float32", "no library cpu-none/longformer_float32.so")])
 def test_libraries_bench_names_a_bad_library(spec, message, capsys):
@@ -497,16 +500,32 @@ def test_startup_bench_times_both_setups(tmp_path, capsys):
     assert rows["runtime dependencies"][-1].strip() == "tvm_ffi", written
 
 
-def test_hf_attention_bench_times_three_implementations(tmp_path):
+@pytest.mark.parametrize("model", ["modernbert", "gemma3"])
+def test_hf_attention_bench_times_three_implementations(tmp_path, model):
     """bench.hf_attention writes a row per pass and length with the three implementations' times
-    (positive) and their ratios; an unknown pass is refused by name."""
+    (positive) and their ratios, for each model; an unknown pass is refused by name."""
     from bench import hf_attention
 
-    assert hf_attention.main(["--seq-lens", "80", "--rounds", "1", "--layers", "2", "--no-memory",
+    assert hf_attention.main(["--model", model, "--seq-lens", "80", "--rounds", "1", "--layers", "2", "--no-memory",
                               "--passes", "forward", "--out", str(tmp_path)]) == 0
-    written = next(tmp_path.glob("*-hf-modernbert.md")).read_text()
+    written = next(tmp_path.glob(f"*-hf-{model}.md")).read_text()
     rows = [line.split("|")[1:-1] for line in written.splitlines() if line.startswith("| forward")]
     assert len(rows) == 1 and rows[0][1].strip() == "80", written
     assert all(float(cell) > 0 for cell in rows[0][2:7])
     with pytest.raises(SystemExit):
         hf_attention.main(["--passes", "generation"])
+
+
+def test_grouped_heads_bench_times_both_calls(tmp_path, capsys):
+    """bench.grouped_heads prints a row per pass and length with both calls' times (positive), and
+    refuses query heads that are not a multiple of the key/value heads."""
+    from bench import grouped_heads
+
+    assert grouped_heads.main(["--seq-lens", "70", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+                               "--window", "8", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| forward")]
+    assert [cells[0].strip() for cells in rows] == ["forward", "forward+backward"]
+    assert all(float(cell) > 0 for cells in rows for cell in cells[2:5])
+    assert next(tmp_path.glob("*-grouped-heads.md")).read_text().count("| forward") == 2
+    with pytest.raises(SystemExit):
+        grouped_heads.main(["--heads", "4", "--kv-heads", "3"])

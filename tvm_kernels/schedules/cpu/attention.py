@@ -26,6 +26,7 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _rounded,
     _rows_feature_major,
     _run_origin,
+    _tanh,
     _run_tiles,
     _transpose_square,
     _zero_tile,
@@ -104,6 +105,31 @@ def _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, value):
     for a row past the end, whose begin = end = 0 lie left of them)."""
     _fill_run(scores, r, tile_blocks[0] * T.int64(cols), T.max(begin[r], tile_blocks[0] * T.int64(cols)), value, lanes)
     _fill_run(scores, r, T.max(end[r], tile_blocks[0] * T.int64(cols)), tile_blocks[1] * T.int64(cols), value, lanes)
+
+
+@T.macro
+def _soft_cap(scores, derivatives, begin, end, tile_blocks, rows, cols, lanes, softcap, acc_dtype, minus_inf,
+              with_derivatives):
+    """Logit soft-capping (Gemma 2) in place over the tile's computed blocks: each row's valid
+    scores become softcap * tanh(score / softcap), the others -inf (the softmax's fill, done first
+    so that nothing outside a row's band reaches its derivatives); a score of -inf (a padding
+    key's bias) stays -inf, as transformers adds its mask after the cap. ``with_derivatives``:
+    also derivatives[r, c] = d capped / d score = 1 - (capped / softcap)^2 (0 at -inf), the factor
+    the backward's dS takes."""
+    cap: T.let = T.Cast(acc_dtype, softcap)
+    inverse: T.let = T.Cast(acc_dtype, T.float64(1) / softcap)
+    for r in range(rows):
+        _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, minus_inf)
+        for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
+            for lane in T.vectorized(lanes):
+                scores[r, vector * T.int64(lanes) + lane] = T.Select(
+                    scores[r, vector * T.int64(lanes) + lane] == minus_inf, minus_inf,
+                    cap * _tanh(scores[r, vector * T.int64(lanes) + lane] * inverse, acc_dtype))
+                if with_derivatives:
+                    derivatives[r, vector * T.int64(lanes) + lane] = T.Select(
+                        scores[r, vector * T.int64(lanes) + lane] == minus_inf, T.Cast(acc_dtype, 0),
+                        T.Cast(acc_dtype, 1) - (scores[r, vector * T.int64(lanes) + lane] * inverse)
+                        * (scores[r, vector * T.int64(lanes) + lane] * inverse))
 
 
 @T.macro
@@ -374,7 +400,8 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
     value rows through once, and each output row is divided by its sum as it is stored.
     Arguments: q, k, v ``[b, n, h, f]``, key_bias ``[b, n]`` (accumulation dtype: 0, or -inf for
     a key no query attends to), dilation ``[h]``, the one-sided window ``w``, the score scale, the
-    dropout probability p and its seed (p = 0: none; else each probability is kept with its
+    logit soft-cap (0: none; else each valid score s becomes softcap * tanh(s / softcap) before the
+    softmax, the bias's -inf kept: :func:`_soft_cap`), the dropout probability p and its seed (p = 0: none; else each probability is kept with its
     factor 1/(1-p) or zeroed, by the stateless generator above, after lse), out
     ``[b, n, h, f]``, lse ``[b, n, h]`` (accumulation dtype: each row's log-sum-exp of its scaled,
     biased scores, -inf for a row with no key: what the backward recomputes the probabilities
@@ -393,8 +420,8 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
 
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
-             dilation_handle: T.handle, window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64,
-             out_handle: T.handle, lse_handle: T.handle, runs: T.int64):
+             dilation_handle: T.handle, window: T.int64, scale: T.float64, softcap: T.float64, dropout: T.float64,
+             seed: T.int64, out_handle: T.handle, lse_handle: T.handle, runs: T.int64):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -477,6 +504,8 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
                 products.scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, rows, cols,
                                 acc_dtype, True, dot, scale, transposed)
+                if softcap > T.float64(0):
+                    _soft_cap(scores, (), begin, end, tile_blocks, rows, cols, lanes, softcap, acc_dtype, minus_inf, False)
                 _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, tile_blocks, rows, cols,
                                         lanes, acc_dtype, dtype, minus_inf, probs if dot else None, dropout <= T.float64(0))
                 for r in range(rows):
@@ -500,7 +529,8 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
     Arguments: dO ``[b, n, h, f]``, q, k, v, key_bias, out and lse as in :func:`attention` (out and
     lse from its forward call), grad_lse ``[b, n, h]`` (the gradient of lse, accumulation dtype;
     it joins the softmax's shift delta = rowsum(dO * O) - grad_lse, computed per tile), dilation, ``w``,
-    the score scale, the forward's dropout p and seed (its mask Z is regenerated: dP = (dO . V^T) * Z,
+    the score scale, the forward's soft-cap (with one, P comes from the capped scores and dS is
+    multiplied by the cap's derivative 1 - tanh^2 before dQ and dK), the forward's dropout p and seed (its mask Z is regenerated: dP = (dO . V^T) * Z,
     dV from P * Z), dQ, dK, dV ``[b, n, h, f]``, and ``runs`` as in the forward. Per run of
     query tiles K and V are packed as in the forward, and dK, dV accumulate over the run's tiles
     in packed rows (scratch of the packed operands' size), cast into place at the end; the keys
@@ -540,8 +570,8 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
     @T.prim_func
     def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
              key_bias_handle: T.handle, out_handle: T.handle, lse_handle: T.handle, grad_lse_handle: T.handle,
-             dilation_handle: T.handle,
-             window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64, grad_q_handle: T.handle, grad_k_handle: T.handle,
+             dilation_handle: T.handle, window: T.int64, scale: T.float64, softcap: T.float64, dropout: T.float64,
+             seed: T.int64, grad_q_handle: T.handle, grad_k_handle: T.handle,
              grad_v_handle: T.handle, runs: T.int64):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
@@ -604,6 +634,7 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
             probs = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
             grads = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
             kept = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)  # P with dropout
+            derivatives = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)  # of the soft-cap
             queries = T.decl_buffer((T.int64(rows), head_dim // T.int64(features_per_step)), packed_dtype)
             grad_rows = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)
             queries_t = T.decl_buffer((head_dim, T.int64(rows)), acc_dtype) if transposed else ()
@@ -674,6 +705,9 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
                 width: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols)
                 products.scores(probs, acc, queries_t if transposed else queries, keys_k, biases, block0, tile_blocks,
                                 head_dim, rows, qk_rows, cols, acc_dtype, True, dot, scale, transposed)
+                if softcap > T.float64(0):
+                    _soft_cap(probs, derivatives, begin, end, tile_blocks, rows, cols, lanes, softcap, acc_dtype, minus_inf,
+                              True)
                 _attention_tile_probs(probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, dtype,
                                       minus_inf)
                 _attention_tile_operand(grad_rows, grad, query, b, h, head_dim, T.float64(1), rows, lanes, acc_dtype)
@@ -694,6 +728,12 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
                     _apply_dropout(probs, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype,
                                    grads, True)
                 _attention_tile_softmax_grad(grads, probs, row_delta, tile_blocks, rows, cols, lanes)
+                if softcap > T.float64(0):  # dS of the scores before the cap
+                    for r in range(rows):
+                        for vector in range(start // T.int64(lanes), (start + width) // T.int64(lanes)):
+                            for lane in T.vectorized(lanes):
+                                grads[r, vector * T.int64(lanes) + lane] = (grads[r, vector * T.int64(lanes) + lane]
+                                                                            * derivatives[r, vector * T.int64(lanes) + lane])
                 if dot:
                     for r in range(rows):
                         bf16_dot.round_to_pairs(grad_column_pairs, r, grads, start, start + width)

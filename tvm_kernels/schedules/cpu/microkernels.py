@@ -455,6 +455,34 @@ def _exp(x, acc_dtype, half_results: bool = False):
     return poly * T.reinterpret("float32", T.shift_left(T.reinterpret("int32", shifted), T.int32(23)))
 
 
+# tanh for the fused attention's logit soft-cap (attention.py), vectorisable and accurate near 0:
+# TVM lowers ``T.tanh`` to (1 - e^-2x) / (1 + e^-2x), whose subtraction cancels as x -> 0 (2.7e-8
+# relative at x = 1e-9 in float64). Here |x| below _TANH_SERIES_BELOW takes tanh's Taylor series
+# (eight terms: the remainder ratio per term is ~0.4 x^2, below 1e-12 at 0.25 and 1e-22 at
+# 0.0625), above it the quotient, whose cancellation then costs at most 3 bits (~8 ulp in float64,
+# exp exactly rounded; float32: _exp's 1.5 ulp, ~2 bits at 0.25). The sign is put back last, so a
+# NaN stays NaN and +-inf give +-1.
+_TANH_SERIES = (1.0, -1 / 3, 2 / 15, -17 / 315, 62 / 2835, -1382 / 155925, 21844 / 6081075, -929569 / 638512875)
+_TANH_SERIES_BELOW = {"float32": 0.25, "float64": 0.0625}
+
+
+def _tanh(x, acc_dtype):
+    """The expression tanh(x) in ``acc_dtype`` (float32 or float64; a plain Python helper building it)."""
+    magnitude = T.abs(x)
+    square = magnitude * magnitude
+    series = T.Cast(acc_dtype, _TANH_SERIES[-1])
+    for c in reversed(_TANH_SERIES[:-1]):
+        series = series * square + T.Cast(acc_dtype, c)
+    small = magnitude * series
+    if acc_dtype == "float64":
+        e = T.exp(T.Cast(acc_dtype, -2) * magnitude)
+    else:
+        e = _exp(T.float32(-2) * magnitude, acc_dtype)
+    large = (T.Cast(acc_dtype, 1) - e) / (T.Cast(acc_dtype, 1) + e)
+    value = T.Select(magnitude < T.Cast(acc_dtype, _TANH_SERIES_BELOW[acc_dtype]), small, large)
+    return T.Select(x < T.Cast(acc_dtype, 0), -value, value)
+
+
 # erf for the GELU kernels, vectorisable (TVM lowers ``T.erf`` to one scalar ``erff`` call per
 # lane): erf(z) = z P(s) / Q(s), s = z^2 / 16, z clamped to [-4, 4] (1 - erf(4) = 1.5e-8, below
 # float32's half ulp of 1). A rational fit (tools/fit_erf.py: P of degree 7, Q of degree 4): 1.0e-8
