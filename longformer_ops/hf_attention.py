@@ -20,12 +20,20 @@ which passes ``config.sliding_window + 1``) ``|q - kv| < W``. Both are our one-s
 Grouped keys and values (``num_key_value_heads < num_heads``) are repeated to the query heads on
 their way into the kernels, which copy them into their own layout anyway.
 
+Gemma 2's logit soft-capping (``softcap``) runs in the kernels (:func:`sliding_window_attention`'s
+``softcap``); gpt-oss's attention sinks (``s_aux``) join through the rows' log-sum-exp the kernels
+return (:func:`with_sinks`).
+
+With a key/value cache a causal sliding layer's queries are the last positions of its keys: only
+the last ``q + W - 1`` keys are read. A chunk of at least ``W`` queries (a chunked prefill) runs on
+the kernels; fewer (a generation step) on transformers' ``sdpa`` over those keys (the model's
+``eager`` where it has a soft-cap or sinks), a mask of ``q x (q + W - 1)``. A static cache's slots
+past the tokens seen are left out, as the padding mask's length says (flash-attention's convention).
+
 A call the kernels do not take runs transformers' own code for it, with one warning per reason:
-a query shorter than its keys (generation steps with a cache, a chunked prefill: ``sdpa`` over a
-mask of ``q x kv``), ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks: the model's own
-``eager``), ``output_attentions``, a 4-D mask given by the caller, a padding mask that does not
-cover the keys, a device or dtype without kernels. transformers is imported only when
-:func:`register` runs.
+``output_attentions``, a bidirectional layer's query shorter than its keys, a 4-D mask given by
+the caller, a device or dtype without kernels. Full-attention layers with a soft-cap or sinks run
+the model's ``eager`` (sdpa has neither). transformers is imported only when :func:`register` runs.
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:].bool()
+    if torch.compiler.is_compiling():  # (whether all are tokens is data: the graph keeps the mask instead of a break)
+        return attention_mask
     return None if attention_mask.shape[1] == kv_length and bool(attention_mask.all()) else attention_mask
 
 
@@ -74,16 +84,12 @@ def _warn_once(reason: str) -> None:
         warnings.warn(f"longformer_ops: {reason}; this call runs transformers' own attention", stacklevel=3)
 
 
-def _unsupported_reason(query, key, attention_mask, softcap, s_aux, kwargs) -> str | None:
+def _unsupported_reason(query, key, attention_mask, causal, kwargs) -> str | None:
     """Why the kernels cannot take this call of a sliding layer (None where they can)."""
-    if softcap is not None:
-        return "softcap (logit soft-capping) is not in the kernels yet"
-    if s_aux is not None:
-        return "s_aux (attention sinks) is not in the kernels yet"
     if kwargs.get("output_attentions"):
         return "output_attentions needs the attention weights"
-    if query.shape[2] != key.shape[2]:
-        return "a query shorter than its keys (a generation step with a cache, or a chunked prefill)"
+    if query.shape[2] != key.shape[2] and not causal:
+        return "a bidirectional layer's query shorter than its keys"
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[1] != key.shape[2]):
         return f"an attention mask of shape {tuple(attention_mask.shape)} (the kernels take a [batch, keys] padding mask)"
     if query.device.type not in ("cpu", "cuda") or query.dtype not in KERNEL_DTYPES or query.dtype != key.dtype:
@@ -103,6 +109,15 @@ def _rows(x: torch.Tensor, heads: int) -> torch.Tensor:
     return rows[:, :, :, None, :].expand(b, n, kv_heads, heads // kv_heads, d).reshape(b, n, heads, d)
 
 
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's attention sinks: one more logit per head, ``sinks [H]``, in each row's softmax
+    denominator, with no value. From attention ``out [b, n, H, d]`` over the keys and its rows'
+    log-sum-exp ``lse [b, n, H]``: ``out * exp(lse) / (exp(lse) + exp(sink))``, i.e. times
+    ``sigmoid(lse - sink)`` (0 for a row with no key); differentiable in all three."""
+    weight = torch.sigmoid(lse - sinks.to(lse.dtype))[..., None]
+    return out * weight if out.dtype == weight.dtype else (out.to(weight.dtype) * weight).to(out.dtype)
+
+
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, softcap: float | None = None,
@@ -111,21 +126,50 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     ``value [b, H_kv, kv, d]``, ``attention_mask`` as :func:`padding_mask` gives it; returns
     ``([b, q, H, d], None)``. Sliding layers on the fused kernels, the rest on transformers' code."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] < key.shape[2]:
+        # A static cache's slots past the tokens seen (the mask covers those; flash-attention's convention).
+        key, value = key[:, :, :attention_mask.shape[1]], value[:, :, :attention_mask.shape[1]]
     if sliding_window is not None:  # (full-attention layers run sdpa, as intended: no warning)
-        reason = _unsupported_reason(query, key, attention_mask, softcap, s_aux, kwargs)
+        if causal and query.shape[2] < key.shape[2]:  # a generation step, a chunked prefill: the window's keys
+            key, value, attention_mask = _window_of_keys(query.shape[2], key, value, attention_mask, sliding_window)
+            if query.shape[2] < sliding_window:  # (the kernels would compute more rows for the window than asked)
+                return _transformers_attention(module, query, key, value, attention_mask, dropout, scaling,
+                                               sliding_window, softcap, s_aux, causal, kwargs)
+        reason = _unsupported_reason(query, key, attention_mask, causal, kwargs)
         if reason is None:
-            heads = query.shape[1]
             try:
-                out = sliding_window_attention(
-                    query.transpose(1, 2), _rows(key, heads), _rows(value, heads), one_sided_window(sliding_window),
-                    1, causal, scaling, key_padding_mask=None if attention_mask is None else ~attention_mask,
-                    dropout_p=dropout)
-                return out, None
+                return _kernels_attention(query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                          softcap, s_aux, causal), None
             except KernelNotAvailableError as error:
                 reason = f"no kernels here ({error})"
         _warn_once(reason)
     return _transformers_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
                                    softcap, s_aux, causal, kwargs)
+
+
+def _window_of_keys(q_length: int, key, value, attention_mask, sliding_window: int):
+    """The keys (and their padding) the last ``q_length`` positions of a causal layer reach: the last
+    ``q_length + W - 1``."""
+    reach = min(key.shape[2], q_length + sliding_window - 1)
+    return (key[:, :, -reach:], value[:, :, -reach:],
+            None if attention_mask is None or attention_mask.dim() != 2 else attention_mask[:, -reach:])
+
+
+def _kernels_attention(query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, s_aux, causal):
+    """The call on :func:`sliding_window_attention`, ``[b, q, H, d]``. Queries fewer than the keys (a
+    chunked prefill) are the last positions: zero rows before them give the kernels one length, and
+    their results are dropped."""
+    heads, q_length, kv_length = query.shape[1], query.shape[2], key.shape[2]
+    rows = query.transpose(1, 2)
+    if q_length < kv_length:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, 0, kv_length - q_length, 0))
+    out = sliding_window_attention(
+        rows, _rows(key, heads), _rows(value, heads), one_sided_window(sliding_window), 1, causal, scaling,
+        key_padding_mask=None if attention_mask is None else ~attention_mask, dropout_p=dropout, softcap=softcap,
+        return_lse=s_aux is not None)
+    if s_aux is not None:
+        out = with_sinks(*out, s_aux)
+    return out[:, kv_length - q_length:]
 
 
 def dense_mask(padding: torch.Tensor | None, batch: int, q_length: int, kv_length: int, causal: bool,
@@ -135,8 +179,6 @@ def dense_mask(padding: torch.Tensor | None, batch: int, q_length: int, kv_lengt
     ``kv_length`` positions; None where it would allow everything."""
     if padding is not None and padding.dim() != 2:
         return padding  # (a mask given as it is, e.g. a user's 4-D one)
-    if padding is not None and padding.shape[1] < kv_length:  # a static cache's slots not yet written
-        padding = torch.nn.functional.pad(padding, (0, kv_length - padding.shape[1]), value=False)
     if not causal and sliding_window is None:
         return None if padding is None else padding[:, None, None, :]
     queries = torch.arange(kv_length - q_length, kv_length, device=device)[:, None]

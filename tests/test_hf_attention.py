@@ -79,13 +79,35 @@ def _outputs_and_grads(model, implementation, ids, mask, **inputs):
     return logits.masked_fill(~real, 0).detach(), grads
 
 
-def _assert_matches_eager(model, ids, mask, calls, **inputs):
+def _unpadded_eager_outputs_and_grads(model, ids, mask):
+    """What :func:`_outputs_and_grads` gives for a right-padded batch, from the model's ``eager`` run on
+    each sequence alone, unpadded (its gradients summed over them): float64's reference where sdpa
+    lacks the model's features (soft-capping, sinks) and eager gives NaN in float64 with padding."""
+    model.set_attn_implementation("eager")
+    model.zero_grad()
+    lengths = mask.sum(1).tolist()
+    assert all(bool(mask[row, :length].all()) for row, length in enumerate(lengths)), "right padding only"
+    logits = None
+    for row, length in enumerate(lengths):
+        out = model(input_ids=ids[row:row + 1, :length]).logits[0]
+        if logits is None:
+            logits = out.new_zeros(*ids.shape, out.shape[-1])
+        logits[row, :length] = out.detach()
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+    return logits, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_matches_eager(model, ids, mask, calls, exact_run=None, **inputs):
     """Ours in float32 errs against transformers' float64 (``sdpa``: its ``eager`` computes the softmax
-    in float32 whatever the dtype, and gives NaN in float64 where a mask is added) at most twice as
-    much as transformers' ``eager`` in float32, plus a few units roundoff: outputs and every gradient."""
+    in float32 whatever the dtype, and gives NaN in float64 where a mask is added; ``exact_run``, e.g.
+    :func:`_unpadded_eager_outputs_and_grads`, instead) at most twice as much as transformers' ``eager``
+    in float32, plus a few units roundoff: outputs and every gradient."""
     hf.register()
     model = _randomize(model.double(), stable_seed(type(model).__name__)).train(False)
-    exact, exact_grads = _outputs_and_grads(model, "sdpa", ids, mask, **inputs)
+    if exact_run is None:
+        exact, exact_grads = _outputs_and_grads(model, "sdpa", ids, mask, **inputs)
+    else:
+        exact, exact_grads = exact_run(model, ids, mask)
     model = model.float()
     theirs, their_grads = _outputs_and_grads(model, "eager", ids, mask, **inputs)
     assert not calls
@@ -174,22 +196,69 @@ def test_a_window_one_off_fails_the_comparison(monkeypatch, kernel_calls):
         _assert_matches_eager(_modernbert("ModernBertForMaskedLM"), ids, mask, kernel_calls)
 
 
-def test_mistral_generates_eagers_tokens(kernel_calls):
-    """Greedy generation with a cache: the prefill on the kernels, the steps on sdpa over the window
-    (one warning), the same tokens as eager."""
+@pytest.mark.parametrize("sliding_window", [4, 16], ids=["window4", "window16"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_mistral_generates_eagers_tokens(kernel_calls, cache, sliding_window):
+    """Greedy generation with a cache (transformers' dynamic one, which keeps the window's keys, and
+    its static one, whose unwritten slots the keys must leave out while the prompt and the tokens
+    so far are shorter than the window): the prefill on the kernels, the steps on sdpa over the
+    window, no warning, the same tokens as eager."""
     hf.register()
-    model = _randomize(_mistral(sliding_window=4), 3, std=0.3).eval()  # (float32: eager gives NaN in float64)
+    model = _randomize(_mistral(sliding_window=sliding_window), 3, std=0.3).eval()  # (float32: eager gives NaN in float64)
     ids, mask = _batch(8, [11, 7], 61, left_padding=True)
     options = dict(attention_mask=mask, max_new_tokens=9, min_new_tokens=9, do_sample=False, num_beams=1,
+                   pad_token_id=0, cache_implementation=cache)
+    model.set_attn_implementation("eager")
+    expected = model.generate(ids, **options)
+    model.set_attn_implementation(hf_attention.NAME)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = model.generate(ids, **options)
+    assert kernel_calls
+    assert torch.equal(got, expected), (got, expected)
+
+
+@pytest.mark.parametrize("family", ["Gemma2", "GptOss"])
+def test_softcap_and_sink_models_generate_eagers_tokens(kernel_calls, family):
+    """Greedy generation of Gemma 2 (soft-cap) and gpt-oss (sinks): the prefill on the kernels, the
+    steps on the model's eager over the window's keys, no warning, the same tokens as eager."""
+    hf.register()
+    model = _randomize(_gemma2(4) if family == "Gemma2" else _gpt_oss(4), 7, std=0.3).eval()
+    ids, mask = _batch(9, [11, 7], 61, left_padding=True)
+    options = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, num_beams=1,
                    pad_token_id=0)
     model.set_attn_implementation("eager")
     expected = model.generate(ids, **options)
     model.set_attn_implementation(hf_attention.NAME)
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
         got = model.generate(ids, **options)
     assert kernel_calls
     assert torch.equal(got, expected), (got, expected)
+
+
+@pytest.mark.parametrize("chunks", [(10, 9), (10, 2, 7), (6, 6, 7)], ids=str)
+def test_chunked_prefill_equals_one_pass(kernel_calls, chunks):
+    """A prompt fed in chunks through the cache (chunks of at least the window on the kernels, their
+    queries at an offset into the keys; shorter ones on sdpa over the window) gives the one-pass
+    logits, left padding included (float64)."""
+    hf.register()
+    model = _randomize(_mistral(sliding_window=4), 11).double().eval()
+    ids, mask = _batch(12, [19, 13], 61, left_padding=True)
+    model.set_attn_implementation(hf_attention.NAME)
+    real = mask.bool()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        cache, start, parts = transformers.DynamicCache(config=model.config), 0, []
+        for size in chunks:
+            kernel_calls.clear()
+            out = model(input_ids=ids[:, start:start + size], attention_mask=mask[:, :start + size],
+                        past_key_values=cache, use_cache=True)
+            assert bool(kernel_calls) == (size >= 4), (size, kernel_calls)
+            parts.append(out.logits)
+            start += size
+    got = torch.cat(parts, dim=1)
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-10, atol=1e-10)
 
 
 def test_register_is_idempotent():
@@ -232,22 +301,56 @@ def _assert_falls_back_to_eager(model, feature: str, seed: int, kernel_calls):
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
 
 
-def test_softcap_runs_the_models_eager_with_one_warning(kernel_calls):
-    """Gemma 2's logit soft-capping is not in the kernels yet."""
+def _gemma2(sliding_window, softcap=0.5):
+    """Gemma 2 with a soft-cap near its scores' size (random weights: a few tenths), so that tanh bends them."""
     config = transformers.Gemma2Config(
         vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=4, max_position_embeddings=64, pad_token_id=0,
-        attn_logit_softcapping=5.0, final_logit_softcapping=None)
-    _assert_falls_back_to_eager(transformers.Gemma2ForCausalLM(config), "softcap", 4, kernel_calls)
+        num_key_value_heads=2, head_dim=8, sliding_window=sliding_window, max_position_embeddings=64, pad_token_id=0,
+        attn_logit_softcapping=softcap, final_logit_softcapping=None, query_pre_attn_scalar=1)
+    return transformers.Gemma2ForCausalLM(config)
 
 
-def test_sinks_run_the_models_eager_with_one_warning(kernel_calls):
-    """gpt-oss's attention sinks (``s_aux``) are not in the kernels yet."""
+def _gpt_oss(sliding_window):
     config = transformers.GptOssConfig(
         vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=4, num_local_experts=2, num_experts_per_tok=1,
-        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64, pad_token_id=0)
-    _assert_falls_back_to_eager(transformers.GptOssForCausalLM(config), "s_aux", 6, kernel_calls)
+        num_key_value_heads=2, head_dim=8, sliding_window=sliding_window, num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64, pad_token_id=0,
+        experts_implementation="eager")  # (float64: torch's grouped_mm takes no double)
+    return transformers.GptOssForCausalLM(config)
+
+
+@pytest.mark.parametrize("sliding_window", [4, 40], ids=["window4", "window40"])
+def test_gemma2_softcap_matches_eager(sliding_window, kernel_calls):
+    """Gemma 2's logit soft-capping on the kernels (forward and backward), windows shorter and longer
+    than the sequences: outputs and every gradient as eager's (float64 reference: eager per sequence)."""
+    ids, mask = _batch(stable_seed("gemma2", sliding_window), [19, 11], 61)
+    _assert_matches_eager(_gemma2(sliding_window), ids, mask, kernel_calls, _unpadded_eager_outputs_and_grads)
+    assert set(kernel_calls) == {sliding_window - 1}
+
+
+@pytest.mark.parametrize("sliding_window", [4, 40], ids=["window4", "window40"])
+def test_gpt_oss_sinks_match_eager(sliding_window, kernel_calls):
+    """gpt-oss's attention sinks (``s_aux``, through the kernels' log-sum-exp) with grouped heads:
+    outputs and every gradient, the sinks' own included, as eager's."""
+    ids, mask = _batch(stable_seed("gpt-oss", sliding_window), [19, 11], 61)
+    _assert_matches_eager(_gpt_oss(sliding_window), ids, mask, kernel_calls, _unpadded_eager_outputs_and_grads)
+    assert set(kernel_calls) == {sliding_window - 1}
+
+
+@pytest.mark.parametrize("fault", ["softcap", "sinks"])
+def test_a_dropped_softcap_or_sink_fails_the_comparison(monkeypatch, kernel_calls, fault):
+    """The comparisons above see the soft-cap or the sinks left out."""
+    if fault == "softcap":
+        original = hf_attention.sliding_window_attention
+        monkeypatch.setattr(hf_attention, "sliding_window_attention",
+                            lambda *args, softcap=None, **kwargs: original(*args, **kwargs))
+        model = _gemma2(4)
+    else:
+        monkeypatch.setattr(hf_attention, "with_sinks", lambda out, lse, sinks: out + 0 * sinks.sum())
+        model = _gpt_oss(4)
+    ids, mask = _batch(5, [19, 11], 61)
+    with pytest.raises(AssertionError, match=r"output: error .* > .* \(eager's"):
+        _assert_matches_eager(model, ids, mask, kernel_calls, _unpadded_eager_outputs_and_grads)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -293,8 +396,40 @@ def test_dense_mask_is_transformers_mask(causal, window, q_length):
     assert torch.equal(got.expand(expected.shape), expected)
 
 
-def test_dense_mask_leaves_out_a_static_caches_unwritten_slots():
-    """A padding mask shorter than the keys (a static cache's slots past the tokens seen) masks them."""
-    padding = torch.tensor([[True, True, False, True]])
-    got = hf_attention.dense_mask(padding, 1, 1, 6, True, None, "cpu")
-    assert got.tolist() == [[[[True, True, False, True, False, False]]]]
+def test_a_static_caches_unwritten_slots_are_left_out(monkeypatch):
+    """A padding mask shorter than the keys (a static cache's slots past the tokens seen): the keys
+    are cut to its length, the query is its last position (here with a window of 2: keys 2 and 3)."""
+    seen = {}
+
+    def sdpa(module, query, key, value, mask, **kwargs):
+        seen.update(keys=key.shape[2], mask=mask)
+        return query.transpose(1, 2), None
+
+    monkeypatch.setattr("transformers.integrations.sdpa_attention.sdpa_attention_forward", sdpa)
+    query, key = torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 6, 4)
+    padding = torch.tensor([[True, True, True, True]])
+    module = type("Layer", (), {"is_causal": True})()
+    hf_attention.attention_forward(module, query, key, key, padding, sliding_window=2)
+    assert seen["keys"] == 2 and seen["mask"].tolist() == [[[[True, True]]]]
+
+
+@pytest.mark.parametrize("family", ["ModernBERT", "Gemma2"])
+def test_models_compile_fullgraph(family, kernel_calls):
+    """A model on "longformer_ops" compiles as one graph (no break: the padding mask stays a tensor
+    under compilation) and gives eager's outputs and gradients, the soft-cap included (float32, the
+    compiled graph's other ops rounded differently)."""
+    hf.register()
+    model = _modernbert("ModernBertForMaskedLM") if family == "ModernBERT" else _gemma2(4)
+    model = _randomize(model, stable_seed("compile", family)).train(False)
+    model.set_attn_implementation(hf_attention.NAME)
+    ids, mask = _batch(3, [23, 15], 61)
+    results = []
+    for run in (model, torch.compile(model, fullgraph=True)):
+        model.zero_grad()
+        logits = run(input_ids=ids, attention_mask=mask).logits
+        (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        results.append([logits.detach()] + [p.grad.clone() for p in model.parameters()])
+    assert kernel_calls
+    for eager, compiled in zip(*results, strict=True):
+        scale = eager.abs().max().item()
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5 * scale)
