@@ -1,14 +1,16 @@
-"""What repeating grouped key/value heads costs a sliding layer on "longformer_ops":
-``python -m bench.grouped_heads [--seq-lens 4096,16384] [--heads 4] [--kv-heads 1] [--head-dim 256]
-[--window 512] [--dtype float32] [--rounds 5]``.
+"""A sliding layer with grouped key/value heads on "longformer_ops", against the same layer given
+its keys and values already repeated per query head: ``python -m bench.grouped_heads [--seq-lens
+4096,16384] [--heads 4] [--kv-heads 1] [--head-dim 256] [--window 512] [--dtype float32] [--rounds 5]``.
 
-:mod:`longformer_ops.hf_attention` gives the kernels one key/value head per query head, repeating
-each of a grouped layer's ``--kv-heads`` (transformers' ``repeat_kv``). Here one causal sliding
-layer's attention function (the defaults: Gemma 3 1B's shape) runs on the grouped keys and values
-as a model hands them over, and on the same keys and values already repeated: the same kernels and
-result, so the difference is the repeat's cost. Forward under ``no_grad``, and forward and backward
-(the backward also sums the repeated heads' gradients). Medians of per-round ratios, the two calls
-alternated. Prints a Markdown table; ``--out DIR`` also writes ``DIR/<cpu>-grouped-heads.md``.
+One causal sliding layer's attention function (:func:`longformer_ops.hf_attention.attention_forward`;
+the defaults: Gemma 3 1B's shape) runs on the grouped keys and values as a model hands them over
+(``[b, n, H_kv, d]`` in memory, viewed as ``[b, H_kv, n, d]``: the CPU's fused kernels read them in
+place, each query head's task packing its group's head), and on keys and values already repeated
+in the kernels' layout (``[b, n, H, d]``, read as they lie). The same result; the ratio is what
+grouping costs or saves (a ``repeat_kv`` copy of K and V costs its copy, and backward the sum of
+the repeated heads' gradients). Forward under ``no_grad``, and forward and backward. Medians of
+per-round ratios, the two calls alternated. Prints a Markdown table; ``--out DIR`` also writes
+``DIR/<cpu>-grouped-heads.md``.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ def _calls(n: int, heads: int, kv_heads: int, head_dim: int, window: int, dtype:
     from longformer_ops.hf_attention import attention_forward
 
     generator = torch.Generator().manual_seed(0)
-    query = torch.randn(1, heads, n, head_dim, generator=generator).to(dtype)
-    key, value = (torch.randn(1, kv_heads, n, head_dim, generator=generator).to(dtype) for _ in range(2))
-    repeated = [x.repeat_interleave(heads // kv_heads, dim=1) for x in (key, value)]
+    # As a model's projections give them: [b, n, heads, d] in memory, viewed as [b, heads, n, d].
+    query = torch.randn(1, n, heads, head_dim, generator=generator).to(dtype).transpose(1, 2)
+    key, value = (torch.randn(1, n, kv_heads, head_dim, generator=generator).to(dtype).transpose(1, 2) for _ in range(2))
+    repeated = [x.repeat_interleave(heads // kv_heads, dim=1).transpose(1, 2).contiguous().transpose(1, 2)
+                for x in (key, value)]
     module = type("Layer", (), {"is_causal": True})()
 
     def call(k, v):
         def run():
-            inputs = [x.detach().requires_grad_(backward) for x in (query, k, v)]
+            inputs = [x.detach().requires_grad_(backward) for x in (query, k, v)]  # (views: the layouts kept)
             with torch.set_grad_enabled(backward):
                 out, _ = attention_forward(module, *inputs, None, scaling=head_dim ** -0.5, sliding_window=window)
                 if backward:
@@ -65,7 +69,7 @@ def main(argv=None) -> int:
              f"`python -m bench.grouped_heads --seq-lens {args.seq_lens} --heads {args.heads} --kv-heads {args.kv_heads} "
              f"--head-dim {args.head_dim} --window {args.window} --dtype {args.dtype} --rounds {args.rounds}`; medians of "
              f"{args.rounds} rounds, the two calls alternated.", "",
-             "| pass | n | grouped (repeated inside) ms | given repeated ms | grouped / repeated |",
+             "| pass | n | grouped K, V ms | repeated K, V ms | grouped / repeated |",
              "|---|---:|---:|---:|---:|"]
     for backward in (False, True):
         for n in (int(x) for x in args.seq_lens.split(",")):

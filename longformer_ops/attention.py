@@ -32,7 +32,10 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """Local attention of Longformer: each query attends to the keys of its band only.
 
     ``q``, ``k``, ``v``: ``[batch, seq_len, heads, head_dim]``, one dtype and device (under
-    ``torch.autocast``, float32 inputs run in autocast's dtype). Query ``i`` of head ``h`` attends
+    ``torch.autocast``, float32 inputs run in autocast's dtype). ``k`` and ``v`` may have fewer
+    heads, ``kv_heads`` dividing ``heads`` (grouped key/value heads, GQA/MQA): query head ``i`` reads
+    key/value head ``i // (heads // kv_heads)``, and their gradients sum over the group. The CPU's
+    fused kernels read them as they lie; elsewhere they are repeated per query head first. Query ``i`` of head ``h`` attends
     to the keys ``i + d[h] * (j - w)`` for ``j = 0 .. 2w`` (``0 .. w`` when ``autoregressive``)
     that fall inside the sequence; ``d`` an int or one dilation >= 1 per head (a list or an
     integer tensor, as in :func:`diagonaled_mm`). ``scale`` multiplies
@@ -76,8 +79,11 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if out is not None:
         checks.check_out(out, tuple(q.shape), {"q": q, "k": k, "v": v})
     # (head_dim 0: the three steps, whose band of zero scores gives each row's log-sum-exp.)
-    if q.shape[-1] > 0 and kernels.fused_attention_available(q.device, q.dtype, backward=needs_grad) and (
-            not softcap or q.device.type in kernels.SOFTCAP_DEVICES):
+    fused = q.shape[-1] > 0 and kernels.fused_attention_available(q.device, q.dtype, backward=needs_grad) and (
+        not softcap or q.device.type in kernels.SOFTCAP_DEVICES)
+    if k.shape[2] != q.shape[2] and not (fused and q.device.type in kernels.GROUPED_HEADS_DEVICES):
+        k, v = (kernels.repeat_heads(x, q.shape[2]) for x in (k, v))
+    if fused:
         seed = dropout_seed() if dropout_p > 0 else torch.zeros((), dtype=torch.int64)
         # (The op narrows w to the keys the dilations reach: kernels.reachable_window.)
         args = (q, k, v, key_padding_mask, seed, w, kernels.dilation_argument(dilations), autoregressive, scale,

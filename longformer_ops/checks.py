@@ -120,14 +120,18 @@ def check_sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_pad
     """Validate sliding_window_attention's arguments; return ``(w, dilations, scale)``."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
+    heads = q.shape[2]
     for name, x in (("k", k), ("v", v)):
-        if x.shape != q.shape:
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)} [batch, seq_len, heads, head_dim], "
-                             f"got {name}.shape={tuple(x.shape)}")
+        grouped = x.shape[:2] == q.shape[:2] and x.shape[3] == q.shape[3] and x.shape[2] > 0 and heads % x.shape[2] == 0
+        if x.shape != q.shape and not grouped:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)} [batch, seq_len, heads, head_dim], or "
+                             f"fewer heads dividing q's {heads} (grouped key/value heads), got {name}.shape={tuple(x.shape)}")
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {name}.dtype={x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {name}.device={x.device}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got v.shape={tuple(v.shape)}")
     check_bool("autoregressive", autoregressive)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3]) if q.shape[3] else 1.0

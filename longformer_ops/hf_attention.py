@@ -17,8 +17,9 @@ Semantics, transformers' own (tested against its ``eager`` attention): a causal 
 means the keys ``q - W < kv <= q``; a bidirectional one (``module.is_causal`` False: ModernBERT,
 which passes ``config.sliding_window + 1``) ``|q - kv| < W``. Both are our one-sided ``w = W - 1``
 (causal: ``autoregressive=True``). ``scaling`` is the scores' scale, ``dropout`` attention dropout.
-Grouped keys and values (``num_key_value_heads < num_heads``) are repeated to the query heads on
-their way into the kernels, which copy them into their own layout anyway.
+Grouped keys and values (``num_key_value_heads < num_heads``) go to the kernels as they are: on a
+CPU each query head's task reads its group's key/value head (no ``repeat_kv`` copy), elsewhere
+:func:`sliding_window_attention` repeats them.
 
 Gemma 2's logit soft-capping (``softcap``) runs in the kernels (:func:`sliding_window_attention`'s
 ``softcap``); gpt-oss's attention sinks (``s_aux``) join through the rows' log-sum-exp the kernels
@@ -99,16 +100,6 @@ def _unsupported_reason(query, key, attention_mask, causal, kwargs) -> str | Non
     return None
 
 
-def _rows(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[b, h_kv, n, d]`` -> ``[b, n, heads, d]``, each key/value head repeated for its group of query
-    heads (query head ``i`` reads key head ``i // group``, as transformers' ``repeat_kv``)."""
-    b, kv_heads, n, d = x.shape
-    rows = x.transpose(1, 2)
-    if kv_heads == heads:
-        return rows
-    return rows[:, :, :, None, :].expand(b, n, kv_heads, heads // kv_heads, d).reshape(b, n, heads, d)
-
-
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """gpt-oss's attention sinks: one more logit per head, ``sinks [H]``, in each row's softmax
     denominator, with no value. From attention ``out [b, n, H, d]`` over the keys and its rows'
@@ -130,7 +121,8 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         # A static cache's slots past the tokens seen (the mask covers those; flash-attention's convention).
         key, value = key[:, :, :attention_mask.shape[1]], value[:, :, :attention_mask.shape[1]]
     if sliding_window is not None:  # (full-attention layers run sdpa, as intended: no warning)
-        if causal and query.shape[2] < key.shape[2]:  # a generation step, a chunked prefill: the window's keys
+        if causal and query.shape[2] < key.shape[2] and (attention_mask is None or attention_mask.dim() == 2):
+            # a generation step, a chunked prefill: the window's keys
             key, value, attention_mask = _window_of_keys(query.shape[2], key, value, attention_mask, sliding_window)
             if query.shape[2] < sliding_window:  # (the kernels would compute more rows for the window than asked)
                 return _transformers_attention(module, query, key, value, attention_mask, dropout, scaling,
@@ -151,20 +143,19 @@ def _window_of_keys(q_length: int, key, value, attention_mask, sliding_window: i
     """The keys (and their padding) the last ``q_length`` positions of a causal layer reach: the last
     ``q_length + W - 1``."""
     reach = min(key.shape[2], q_length + sliding_window - 1)
-    return (key[:, :, -reach:], value[:, :, -reach:],
-            None if attention_mask is None or attention_mask.dim() != 2 else attention_mask[:, -reach:])
+    return key[:, :, -reach:], value[:, :, -reach:], None if attention_mask is None else attention_mask[:, -reach:]
 
 
 def _kernels_attention(query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, s_aux, causal):
     """The call on :func:`sliding_window_attention`, ``[b, q, H, d]``. Queries fewer than the keys (a
     chunked prefill) are the last positions: zero rows before them give the kernels one length, and
     their results are dropped."""
-    heads, q_length, kv_length = query.shape[1], query.shape[2], key.shape[2]
+    q_length, kv_length = query.shape[2], key.shape[2]
     rows = query.transpose(1, 2)
     if q_length < kv_length:
         rows = torch.nn.functional.pad(rows, (0, 0, 0, 0, kv_length - q_length, 0))
     out = sliding_window_attention(
-        rows, _rows(key, heads), _rows(value, heads), one_sided_window(sliding_window), 1, causal, scaling,
+        rows, key.transpose(1, 2), value.transpose(1, 2), one_sided_window(sliding_window), 1, causal, scaling,
         key_padding_mask=None if attention_mask is None else ~attention_mask, dropout_p=dropout, softcap=softcap,
         return_lse=s_aux is not None)
     if s_aux is not None:

@@ -285,6 +285,32 @@ def query_runs(batch_heads: int, n: int, w: int, threads: int) -> int:
 SOFTCAP_DEVICES = ("cpu",)
 
 
+# Devices whose fused kernels read grouped key/value heads as they lie (the CPU libraries'): a query
+# head's task packs its group's key/value head. Elsewhere the caller repeats them (repeat_heads).
+GROUPED_HEADS_DEVICES = ("cpu",)
+
+
+def repeat_heads(x: Tensor, heads: int) -> Tensor:
+    """``[b, n, h_kv, f]`` -> ``[b, n, heads, f]``, each key/value head repeated for its group of
+    ``heads // h_kv`` query heads (query head ``i`` reads ``i // group``, as transformers' ``repeat_kv``)."""
+    b, n, kv_heads, f = x.shape
+    if kv_heads == heads:
+        return x
+    return x[:, :, :, None, :].expand(b, n, kv_heads, heads // kv_heads, f).reshape(b, n, heads, f)
+
+
+def _check_key_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """The fused ops' k and v: q's batch, length and features, and key/value heads equal to q's heads
+    or, on GROUPED_HEADS_DEVICES, dividing them (a kernel would read past k's heads otherwise)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    grouped = q.device.type in GROUPED_HEADS_DEVICES
+    if not (v.shape == k.shape and k.shape[:2] == q.shape[:2] and k.shape[3] == q.shape[3]
+            and (kv_heads == heads or (grouped and kv_heads > 0 and heads % kv_heads == 0))):
+        raise ValueError(f"k and v must be [batch, seq_len, kv_heads, head_dim] with q's batch, seq_len and head_dim "
+                         f"{(q.shape[0], q.shape[1], q.shape[3])} and kv_heads {'dividing' if grouped else 'equal to'} "
+                         f"q's {heads} heads on {q.device.type}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+
+
 def _softcap_argument(x: Tensor, softcap: float) -> tuple:
     """The fused kernels' soft-cap argument (after the scale) where they take one; 0 is none."""
     if x.device.type in SOFTCAP_DEVICES:
@@ -439,6 +465,7 @@ def _key_bias(key_padding_mask: Optional[Tensor], q: Tensor) -> Tensor:
 def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out, softcap=0.0):
     """The forward kernel into ``out`` (``[b, n, h, f]``); returns the rows' log-sum-exp."""
     lse = q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
+    _check_key_heads(q, k, v)
     dilation = check_dilation(dilation, q.shape[2])
     w = reachable_window(w, dilation, q.shape[1])
     if lse.numel() == 0:
@@ -482,29 +509,33 @@ def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
                        key_padding_mask: Optional[Tensor], seed: Tensor, out: Tensor, lse: Tensor, w: int,
                        dilation: Tensor, autoregressive: bool, scale: float,
                        dropout_p: float, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dQ, dK, dV)`` in one kernel, FlashAttention-style: per tile it recomputes the scores and
+    """``(dQ, dK, dV)`` (shaped as q, k and v: grouped key/value heads get their query heads' sums) in
+    one kernel, FlashAttention-style: per tile it recomputes the scores and
     P = exp(score - lse), then dP = dO . V^T, dS = P * (dP - delta), dQ = scale * dS . K, and
     accumulates dV += P^T dO and dK += scale * dS^T Q; no band is kept between the passes or made
     in either. delta is rowsum(dO * O) less the log-sum-exp's own gradient (d lse / d score = P, so
     it joins dS there), computed per tile in the kernel. With dropout (mask Z regenerated from the
     seed) dP = (dO . V^T) * Z and dV += (P * Z)^T dO. With a ``softcap``, P comes from the capped
     scores and dS is multiplied by the cap's derivative before dQ and dK."""
-    grads = tuple(new_output(q, q.shape) for _ in range(3))
+    _check_key_heads(q, k, v)
     dilation = check_dilation(dilation, q.shape[2])
     w = reachable_window(w, dilation, q.shape[1])
     if lse.numel() == 0:
-        return grads
+        return new_output(q, q.shape), new_output(k, k.shape), new_output(v, v.shape)
     library = _library(q)
     f = q.shape[-1]
     padded = [_fused_input(x, library.feature_multiple) for x in (grad, q, k, v, out)]
-    if padded[1].shape[-1] != f:
-        grads = tuple(new_output(padded[1], padded[1].shape) for _ in range(3))
+    grads = tuple(new_output(padded[1], padded[1].shape) for _ in range(3))  # (dK, dV per query head)
     grad, q, k, v, out = padded
     library.function(function_name(FUSED_BACKWARD, autoregressive))(
         grad, q, k, v, _key_bias(key_padding_mask, q), out, lse, grad_lse.contiguous(),
         _dilation_tensor(dilation, q.device), w, scale, *_softcap_argument(q, softcap), dropout_p, int(seed), *grads,
         *_cpu_runs(q, w))
-    return tuple(g[..., :f].contiguous() for g in grads) if grads[0].shape[-1] != f else grads
+    grad_q, grad_k, grad_v = (g[..., :f] for g in grads)
+    if k.shape[2] != q.shape[2]:  # grouped key/value heads: each sums its query heads' gradients
+        b, n, kv_heads = k.shape[:3]
+        grad_k, grad_v = (g.reshape(b, n, kv_heads, q.shape[2] // kv_heads, f).sum(3) for g in (grad_k, grad_v))
+    return tuple(g.contiguous() for g in (grad_q, grad_k, grad_v))
 
 
 @torch.library.register_fake(attention)
@@ -520,7 +551,7 @@ def _(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropo
 @torch.library.register_fake(attention_backward)
 def _(grad, grad_lse, q, k, v, key_padding_mask, seed, out, lse, w, dilation, autoregressive, scale, dropout_p,
       softcap=0.0):
-    return tuple(q.new_empty(q.shape) for _ in range(3))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _save_attention(ctx, inputs, output):

@@ -333,6 +333,101 @@ def test_softcap_must_be_positive_and_finite(softcap):
         sliding_window_attention(q, q, q, 2, softcap=softcap)
 
 
+GROUPED_SIZES = [(1, 17, 4, 31, 20, 2), (2, 40, 6, 64, 5, 3), (1, 513, 4, 64, 16, 1), (1, 200, 2, 64, 190, 1)]
+
+
+@pytest.mark.parametrize("path", ["fused", "three-steps"])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("size", GROUPED_SIZES, ids=str)
+def test_grouped_key_value_heads_match_reference(cpu_library, monkeypatch, size, dtype, autoregressive, path):
+    """k and v with fewer heads (``(b, n, heads, f, w, kv_heads)``): the result and the three
+    gradients equal the reference's on k and v repeated per query head (head i reads i // group),
+    with per-head dilations and masked keys; on the CPU's fused kernels nothing repeats them."""
+    if path == "fused":
+        monkeypatch.setattr(kernels, "repeat_heads", lambda *args: pytest.fail("repeated on the fused kernels"))
+    else:
+        monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
+    *shape, kv_heads = size
+    b, n, h, f, w = shape
+    q, _, _, w, d, mask, g = _masked_case(tuple(shape), dtype, autoregressive, "grouped")
+    k, v = (_random((b, n, kv_heads, f), dtype, "cpu", g).requires_grad_() for _ in range(2))
+    q.requires_grad_()
+    scale = 1 / math.sqrt(f)
+    out = sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=mask)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    repeated = [x.repeat_interleave(h // kv_heads, dim=2) for x in exact[1:]]
+    ref = sliding_window_attention_reference(exact[0], *repeated, w, d, autoregressive, scale, mask)
+    assert_normwise_close(out, ref, dtype, "result", zero_scale=float(exact[2].abs().max()) * ref.numel() ** 0.5)
+    want = torch.autograd.grad(ref, exact, grad)
+    terms = float(grad.norm()) * max(float(x.abs().max()) for x in exact) ** 2
+    for name, x, y in zip("qkv", got, want, strict=True):
+        assert x.shape == y.shape
+        assert_normwise_close(x, y, dtype, f"d{name}", zero_scale=terms, gradients=True)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
+def test_cuda_softcap_and_grouped_heads_match_reference(dtype, autoregressive):
+    """On CUDA (the three steps for a soft-cap; grouped heads repeated first): result and gradients."""
+    b, n, h, f, w, kv_heads = 2, 300, 4, 64, 37, 2
+    q, _, _, w, d, mask, g = _masked_case((b, n, h, f, w), dtype, autoregressive, "cuda grouped", device="cuda")
+    k, v = (_random((b, n, kv_heads, f), dtype, "cuda", g).requires_grad_() for _ in range(2))
+    q.requires_grad_()
+    scale = 4 / math.sqrt(f)
+    out = sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=mask, softcap=SOFTCAP)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype=dtype, device="cuda"))
+    exact = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
+    repeated = [x.repeat_interleave(h // kv_heads, dim=2) for x in exact[1:]]
+    ref = sliding_window_attention_reference(exact[0], *repeated, w, d, autoregressive, scale, mask.cpu(),
+                                             softcap=SOFTCAP)
+    assert_normwise_close(out.cpu(), ref, dtype, "result", zero_scale=float(exact[2].abs().max()) * ref.numel() ** 0.5)
+    terms = float(grad.norm()) * max(float(x.abs().max()) for x in exact) ** 2
+    for name, x, y in zip("qkv", got, torch.autograd.grad(ref, exact, grad), strict=True):
+        assert_normwise_close(x.cpu(), y, dtype, f"d{name}", zero_scale=terms, gradients=True)
+
+
+def test_grouped_heads_one_off_fails_the_comparison(cpu_library):
+    """The injected fault: query head i reading key/value head (i + 1) // group instead fails the check."""
+    q, k, v = (torch.randn(1, 60, 4 if i == 0 else 2, 32, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    out = sliding_window_attention(q, k, v, 6)
+    for order in ([0, 0, 1, 1], [0, 1, 1, 0]):
+        ref = sliding_window_attention_reference(*(x.double() for x in (q, k[:, :, order], v[:, :, order])), 6, 1)
+        if order == [0, 0, 1, 1]:
+            assert_normwise_close(out, ref, torch.float32, "result", zero_scale=1.0)
+        else:
+            with pytest.raises(AssertionError):
+                assert_normwise_close(out, ref, torch.float32, "result", zero_scale=1.0)
+
+
+@pytest.mark.parametrize("kv_heads", [3, 5, 8])
+def test_key_value_heads_must_divide_the_query_heads(kv_heads):
+    q = torch.randn(1, 8, 4, 16)
+    k = torch.randn(1, 8, kv_heads, 16)
+    with pytest.raises(ValueError, match=r"k must have q's shape \(1, 8, 4, 16\) .* or fewer heads dividing q's 4 "
+                                         r"\(grouped key/value heads\), got k.shape"):
+        sliding_window_attention(q, k, k, 2)
+    with pytest.raises(ValueError, match=r"v must have k's shape \(1, 8, 2, 16\), got v.shape=\(1, 8, 1, 16\)"):
+        sliding_window_attention(q, k[:, :, :2], k[:, :, :1], 2)
+
+
+@pytest.mark.parametrize("kv_heads", [3, 8])
+def test_the_fused_ops_refuse_key_heads_that_do_not_divide(cpu_library, kv_heads):
+    """The ops called directly: a clear error, not a read past k's heads."""
+    q = torch.randn(1, 8, 4, 32)
+    k = torch.randn(1, 8, kv_heads, 32)
+    args = (None, torch.zeros((), dtype=torch.int64), 2, torch.ones(4, dtype=torch.int32), False, 0.5, 0.0)
+    with pytest.raises(ValueError, match=r"kv_heads dividing q's 4 heads on cpu, got k \(1, 8, %d, 32\)" % kv_heads):
+        torch.ops.longformer_ops.attention(q, k, k, *args)
+    with pytest.raises(ValueError, match="kv_heads dividing"):
+        torch.ops.longformer_ops.attention_backward(q, torch.zeros(1, 8, 4), q, k, k, None, args[1], q,
+                                                    torch.zeros(1, 8, 4), *args[2:])
+
+
 def _assert_lse_close(lse, q, k, w, d, autoregressive, scale, dtype, key_padding_mask):
     """The rows' log-sum-exp against the float64 reference's: equal -inf at rows with no key, else
     norm-wise within the input dtype's bound for results (measured worst: float64 0, float32 2.4 u,
@@ -532,7 +627,7 @@ def test_dropout_on_the_three_steps_is_torch_dropout(monkeypatch):
     torch.testing.assert_close(out, diagonaled_mm_reference(probs, v, 5, [1, 2, 3], True, 0), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("variant", ["plain", "key-padding-mask", "dropout", "return-lse", "softcap"])
+@pytest.mark.parametrize("variant", ["plain", "key-padding-mask", "dropout", "return-lse", "softcap", "grouped"])
 @pytest.mark.parametrize("path", ["fused", "three-steps", "three-steps-band-softmax"])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 def test_gradcheck_float64(cpu_library, autoregressive, path, variant, monkeypatch):
@@ -543,6 +638,8 @@ def test_gradcheck_float64(cpu_library, autoregressive, path, variant, monkeypat
         _without_fused_kernels(monkeypatch, band_softmax=path == "three-steps-band-softmax")
     g = torch.Generator().manual_seed(stable_seed("gradcheck", autoregressive, path, variant))
     q, k, v = (torch.randn(2, 9, 3, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    if variant == "grouped":  # (three query heads on one key/value head)
+        k, v = (x[:, :, :1].detach().requires_grad_() for x in (k, v))
     mask = torch.rand(2, 9, generator=g) < 0.3 if variant == "key-padding-mask" else None
 
     def attention(a, b, c):

@@ -81,7 +81,8 @@ def test_out_rejects(call, error, message):
     "call, error, message",
     [
         (lambda q, k, v: sliding_window_attention(q, k[:, :5], v, 1), ValueError,
-         r"k must have q's shape \(1, 8, 2, 4\) \[batch, seq_len, heads, head_dim\], got k.shape=\(1, 5, 2, 4\)"),
+         r"k must have q's shape \(1, 8, 2, 4\) \[batch, seq_len, heads, head_dim\], or fewer heads dividing q's 2 "
+         r"\(grouped key/value heads\), got k.shape=\(1, 5, 2, 4\)"),
         (lambda q, k, v: sliding_window_attention(q, k, v[..., :3], 1), ValueError, r"v must have q's shape"),
         (lambda q, k, v: sliding_window_attention(q, k, v.double(), 1), TypeError,
          r"v must have q's dtype torch.float32, got v.dtype=torch.float64"),

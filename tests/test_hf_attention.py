@@ -188,6 +188,21 @@ def test_causal_families_match_eager(family, kernel_calls):
     assert set(kernel_calls) == {4}
 
 
+@pytest.mark.parametrize("left_padding", [False, True], ids=["right_padded", "left_padded"])
+def test_embeddinggemma_matches_eager(left_padding, kernel_calls):
+    """EmbeddingGemma's encoder: Gemma 3 with ``use_bidirectional_attention`` (its sliding layers see
+    ``|q - kv| < W``; the model ORs that into the causal window's mask, and its config halves the
+    window given, 5 -> 5 // 2 + 1): outputs and every gradient as eager's, the sliding layers on the
+    kernels (w = W - 1 = 2)."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=5, max_position_embeddings=128, pad_token_id=0,
+        use_bidirectional_attention=True, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    ids, mask = _batch(stable_seed("embeddinggemma", left_padding), [23, 15], 61, left_padding)
+    _assert_matches_eager(_LastHidden(transformers.Gemma3TextModel(config)), ids, mask, kernel_calls)
+    assert config.sliding_window == 3 and set(kernel_calls) == {2}
+
+
 def test_a_window_one_off_fails_the_comparison(monkeypatch, kernel_calls):
     """The comparisons above see a window one key too wide."""
     monkeypatch.setattr(hf_attention, "one_sided_window", lambda sliding_window: sliding_window)
@@ -433,3 +448,24 @@ def test_models_compile_fullgraph(family, kernel_calls):
     for eager, compiled in zip(*results, strict=True):
         scale = eager.abs().max().item()
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("q_length", [9, 3], ids=["prefill", "with-cache"])
+def test_a_callers_4d_mask_runs_sdpa_with_one_warning(q_length, kernel_calls):
+    """A 4-D mask given as it is (the caller's own) runs transformers' sdpa with that mask, also with
+    a cache (queries fewer than the keys), warning once; the kernels never run."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(4)
+    query = torch.randn(2, 4, q_length, 8, generator=g, dtype=torch.float64)
+    key, value = (torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(2, 1, q_length, 9, generator=g) < 0.7
+    mask[..., -1] = True  # (no row without a key)
+    module = type("Layer", (), {"is_causal": True, "num_key_value_groups": 2, "training": False})()
+    hf_attention._warned.clear()
+    with pytest.warns(UserWarning, match=r"an attention mask of shape \(2, 1, %d, 9\)" % q_length) as caught:
+        got, _ = hf_attention.attention_forward(module, query, key, value, mask, scaling=0.3, sliding_window=3)
+        hf_attention.attention_forward(module, query, key, value, mask, scaling=0.3, sliding_window=3)
+    assert len(caught) == 1 and not kernel_calls
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3, is_causal=True)
+    torch.testing.assert_close(got, expected)

@@ -398,7 +398,8 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
     into a buffer that stays in cache; each row is exponentiated in place (0 at its invalid
     and out-of-band keys) and summed; the probs.V micro-kernel then streams the same packed
     value rows through once, and each output row is divided by its sum as it is stored.
-    Arguments: q, k, v ``[b, n, h, f]``, key_bias ``[b, n]`` (accumulation dtype: 0, or -inf for
+    Arguments: q ``[b, n, h, f]``, k and v ``[b, n, h_kv, f]`` (grouped key/value heads: ``h_kv``
+    divides ``h``, query head i reads key/value head ``i // (h / h_kv)``), key_bias ``[b, n]`` (accumulation dtype: 0, or -inf for
     a key no query attends to), dilation ``[h]``, the one-sided window ``w``, the score scale, the
     logit soft-cap (0: none; else each valid score s becomes softcap * tanh(s / softcap) before the
     softmax, the bias's -inf kept: :func:`_soft_cap`), the dropout probability p and its seed (p = 0: none; else each probability is kept with its
@@ -427,17 +428,18 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
         n = T.int64()
         heads = T.int64()
         head_dim = T.int64()
+        kv_heads = T.int64()
         q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
-        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
-        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, kv_heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, kv_heads, head_dim), dtype)
         key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
         lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
         # The dot product's views of the inputs: bfloat16 pairs as 32-bit words, bit patterns.
         query_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=q.data) if dot else ()
-        key_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=k.data) if dot else ()
-        value_bits = T.decl_buffer((batch, n, heads, head_dim), "uint16", data=v.data) if dot else ()
+        key_words = T.decl_buffer((batch, n, kv_heads, head_dim // T.int64(2)), "int32", data=k.data) if dot else ()
+        value_bits = T.decl_buffer((batch, n, kv_heads, head_dim), "uint16", data=v.data) if dot else ()
         w: T.let = window
         band: T.let = T.int64(2 - causal) * window + T.int64(1)
         margin: T.let = w + T.int64(cols)  # packed columns before the first key
@@ -447,6 +449,7 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
             bh: T.let = item // runs
             b: T.let = bh // heads
             h: T.let = bh % heads
+            kv_h: T.let = h // (heads // kv_heads)  # its key/value head (grouped heads: kv_heads divides heads)
             d: T.let = T.Cast("int64", dilation[h])
             tile_begin: T.let = T.min(item % runs * run_tiles, tiles)
             tile_end: T.let = T.min(tile_begin + run_tiles, tiles)
@@ -482,9 +485,9 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
             _fill_residue_major(row_of, n, d)
             if dot:
                 _pack_dot_operands(keys, values, biases, key_tile, k, key_words, v, value_bits, key_bias, row_of, block_keys,
-                                   b, h, n, head_dim, run_margin, length, cols, per_line)
+                                   b, kv_h, n, head_dim, run_margin, length, cols, per_line)
             else:
-                _pack_operands(keys, values, biases, key_tile, k, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+                _pack_operands(keys, values, biases, key_tile, k, v, key_bias, row_of, block_keys, b, kv_h, n, head_dim,
                                run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, True, True)
             products.task_begin()
             for tile in range(tile_begin, tile_end):
@@ -530,8 +533,10 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
     lse from its forward call), grad_lse ``[b, n, h]`` (the gradient of lse, accumulation dtype;
     it joins the softmax's shift delta = rowsum(dO * O) - grad_lse, computed per tile), dilation, ``w``,
     the score scale, the forward's soft-cap (with one, P comes from the capped scores and dS is
-    multiplied by the cap's derivative 1 - tanh^2 before dQ and dK), the forward's dropout p and seed (its mask Z is regenerated: dP = (dO . V^T) * Z,
-    dV from P * Z), dQ, dK, dV ``[b, n, h, f]``, and ``runs`` as in the forward. Per run of
+    multiplied by the cap's derivative 1 - tanh^2 before dQ and dK), the forward's dropout p and seed
+    (its mask Z is regenerated: dP = (dO . V^T) * Z, dV from P * Z), dQ, dK, dV ``[b, n, h, f]``
+    (per query head: with grouped key/value heads the caller sums each group's dK and dV), and
+    ``runs`` as in the forward. Per run of
     query tiles K and V are packed as in the forward, and dK, dV accumulate over the run's tiles
     in packed rows (scratch of the packed operands' size), cast into place at the end; the keys
     near an edge between two runs, which both runs' queries reach, are summed after all runs (dQ
@@ -578,10 +583,11 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
         n = T.int64()
         heads = T.int64()
         head_dim = T.int64()
+        kv_heads = T.int64()
         grad = T.match_buffer(grad_handle, (batch, n, heads, head_dim), dtype)
         q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
-        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
-        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, kv_heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, kv_heads, head_dim), dtype)
         key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
         lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
@@ -595,9 +601,9 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
         grad_bits = T.decl_buffer((batch, n, heads, head_dim), "uint16", data=grad.data) if dot else ()
         query_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=q.data) if dot else ()
         query_bits = T.decl_buffer((batch, n, heads, head_dim), "uint16", data=q.data) if dot else ()
-        key_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=k.data) if dot else ()
-        key_bits = T.decl_buffer((batch, n, heads, head_dim), "uint16", data=k.data) if dot else ()
-        value_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=v.data) if dot else ()
+        key_words = T.decl_buffer((batch, n, kv_heads, head_dim // T.int64(2)), "int32", data=k.data) if dot else ()
+        key_bits = T.decl_buffer((batch, n, kv_heads, head_dim), "uint16", data=k.data) if dot else ()
+        value_words = T.decl_buffer((batch, n, kv_heads, head_dim // T.int64(2)), "int32", data=v.data) if dot else ()
         w: T.let = window
         band: T.let = T.int64(2 - causal) * window + T.int64(1)
         margin: T.let = w + T.int64(cols)
@@ -617,6 +623,7 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
             bh: T.let = item // runs
             b: T.let = bh // heads
             h: T.let = bh % heads
+            kv_h: T.let = h // (heads // kv_heads)
             d: T.let = T.Cast("int64", dilation[h])
             run: T.let = item % runs
             tile_begin: T.let = T.min(run * run_tiles, tiles)
@@ -666,13 +673,13 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
             _fill_residue_major(row_of, n, d)
             if dot:
                 _pack_dot_operands(keys_k, rows_k, biases, key_tile, k, key_words, k, key_bits, key_bias, row_of, block_keys,
-                                   b, h, n, head_dim, run_margin, length, cols, per_line)
-                bf16_dot.pack_key_pairs(keys_v, value_words, key_tile, row_of, block_keys, v, b, h, n, head_dim, run_margin,
-                                        length // T.int64(cols), cols, per_line)
+                                   b, kv_h, n, head_dim, run_margin, length, cols, per_line)
+                bf16_dot.pack_key_pairs(keys_v, value_words, key_tile, row_of, block_keys, v, b, kv_h, n, head_dim,
+                                        run_margin, length // T.int64(cols), cols, per_line)
             else:
-                _pack_operands(keys_k, rows_k, biases, key_tile, k, k, key_bias, row_of, block_keys, b, h, n, head_dim,
+                _pack_operands(keys_k, rows_k, biases, key_tile, k, k, key_bias, row_of, block_keys, b, kv_h, n, head_dim,
                                run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, True, True)
-                _pack_operands(keys_v, rows_k, biases, key_tile, v, v, key_bias, row_of, block_keys, b, h, n, head_dim,
+                _pack_operands(keys_v, rows_k, biases, key_tile, v, v, key_bias, row_of, block_keys, b, kv_h, n, head_dim,
                                run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, False, False)
             all_k = T.decl_buffer((length * head_dim,), acc_dtype, data=total_k.data)  # (either layout)
             all_v = T.decl_buffer((length * head_dim,), acc_dtype, data=total_v.data)
