@@ -33,15 +33,15 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     ``q``, ``k``, ``v``: ``[batch, seq_len, heads, head_dim]``, one dtype and device (under
     ``torch.autocast``, float32 inputs run in autocast's dtype). ``k`` and ``v`` may have fewer
-    heads, ``kv_heads`` dividing ``heads`` (grouped key/value heads, GQA/MQA): query head ``i`` reads
-    key/value head ``i // (heads // kv_heads)``, and their gradients sum over the group. The CPU's
-    fused kernels read them as they lie; elsewhere they are repeated per query head first. Query ``i`` of head ``h`` attends
-    to the keys ``i + d[h] * (j - w)`` for ``j = 0 .. 2w`` (``0 .. w`` when ``autoregressive``)
-    that fall inside the sequence; ``d`` an int or one dilation >= 1 per head (a list or an
-    integer tensor, as in :func:`diagonaled_mm`). ``scale`` multiplies
-    the scores (default ``1 / sqrt(head_dim)``). ``key_padding_mask``: optional bool
-    ``[batch, seq_len]``, True for keys no query attends to (padding); a query left with no key
-    gets 0. Returns ``[batch, seq_len, heads, head_dim]`` in the inputs' dtype.
+    heads, ``kv_heads`` dividing ``heads`` (grouped key/value heads, GQA/MQA): query head ``i``
+    reads key/value head ``i // (heads // kv_heads)``, and their gradients sum over the group (the
+    CPU's fused kernels read them as they lie; elsewhere they are repeated per query head first).
+    Query ``i`` of head ``h`` attends to the keys ``i + d[h] * (j - w)`` for ``j = 0 .. 2w`` (``0 ..
+    w`` when ``autoregressive``) that fall inside the sequence; ``d`` an int or one dilation >= 1
+    per head (a list or an integer tensor, as in :func:`diagonaled_mm`). ``scale`` multiplies the
+    scores (default ``1 / sqrt(head_dim)``). ``key_padding_mask``: optional bool ``[batch,
+    seq_len]``, True for keys no query attends to (padding); a query left with no key gets 0.
+    Returns ``[batch, seq_len, heads, head_dim]`` in the inputs' dtype.
 
     A NaN or infinity in the inputs is carried as a dense softmax carries it: a NaN or +inf score
     makes its row NaN, also at a key flagged in ``key_padding_mask`` (the mask is added as -inf,

@@ -218,11 +218,17 @@ def test_mistral_generates_eagers_tokens(kernel_calls, cache, sliding_window):
     its static one, whose unwritten slots the keys must leave out while the prompt and the tokens
     so far are shorter than the window): the prefill on the kernels, the steps on sdpa over the
     window, no warning, the same tokens as eager."""
-    hf.register()
     model = _randomize(_mistral(sliding_window=sliding_window), 3, std=0.3).eval()  # (float32: eager gives NaN in float64)
-    ids, mask = _batch(8, [11, 7], 61, left_padding=True)
-    options = dict(attention_mask=mask, max_new_tokens=9, min_new_tokens=9, do_sample=False, num_beams=1,
-                   pad_token_id=0, cache_implementation=cache)
+    _assert_generates_eagers_tokens(model, 8, 9, kernel_calls, cache_implementation=cache)
+
+
+def _assert_generates_eagers_tokens(model, seed, tokens, kernel_calls, **options):
+    """Greedy ``generate()`` on "longformer_ops" gives eager's tokens for a left-padded batch, with no
+    warning, the kernels having run."""
+    hf.register()
+    ids, mask = _batch(seed, [11, 7], 61, left_padding=True)
+    options = dict(attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1,
+                   pad_token_id=0, **options)
     model.set_attn_implementation("eager")
     expected = model.generate(ids, **options)
     model.set_attn_implementation(hf_attention.NAME)
@@ -237,19 +243,8 @@ def test_mistral_generates_eagers_tokens(kernel_calls, cache, sliding_window):
 def test_softcap_and_sink_models_generate_eagers_tokens(kernel_calls, family):
     """Greedy generation of Gemma 2 (soft-cap) and gpt-oss (sinks): the prefill on the kernels, the
     steps on the model's eager over the window's keys, no warning, the same tokens as eager."""
-    hf.register()
     model = _randomize(_gemma2(4) if family == "Gemma2" else _gpt_oss(4), 7, std=0.3).eval()
-    ids, mask = _batch(9, [11, 7], 61, left_padding=True)
-    options = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, num_beams=1,
-                   pad_token_id=0)
-    model.set_attn_implementation("eager")
-    expected = model.generate(ids, **options)
-    model.set_attn_implementation(hf_attention.NAME)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        got = model.generate(ids, **options)
-    assert kernel_calls
-    assert torch.equal(got, expected), (got, expected)
+    _assert_generates_eagers_tokens(model, 9, 8, kernel_calls)
 
 
 @pytest.mark.parametrize("chunks", [(10, 9), (10, 2, 7), (6, 6, 7)], ids=str)
