@@ -17,8 +17,9 @@ Three attention implementations for the same weights:
 - ``longformer_ops``: the sliding layers on our fused local-attention kernels
   (:mod:`longformer_ops.hf_attention`), the full layers on sdpa;
 - ``stub``: the sliding layers' attention replaced by one that costs nothing (zeros of the output's
-  shape), the full layers on sdpa: every other cost unchanged, the lower bound for any kernel of the
-  sliding layers.
+  shape, and in a backward zero gradients for the query, key and value, so that the projections'
+  backward still runs), the full layers on sdpa: every other cost unchanged, the lower bound for any
+  kernel of the sliding layers.
 
 Per length: the peak extra RSS of one call of each in a fresh process (after a warm-up call on 512
 tokens there), then times interleaved in shuffled rounds, medians. The passes: a forward in eval
@@ -46,14 +47,30 @@ PASSES = {"forward": "forward", "training step": "forward+backward"}
 WARM_UP_TOKENS = 512
 
 
+class _FreeAttention(torch.autograd.Function):
+    """Attention that costs nothing: zeros ``[b, n, H, d]``, and zero gradients for the query, key and
+    value. An output that did not depend on them (plain zeros) would also spare the training step
+    the backward of the projections that make them (a third fewer GEMMs in ModernBERT's sliding
+    layers), which no kernel can spare: the stub would not be a lower bound there."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        ctx.shapes = [(x.shape, x.dtype) for x in (query, key, value)]
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(grad.new_zeros(shape, dtype=dtype) for shape, dtype in ctx.shapes)
+
+
 def _stub_attention(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
-    """Zero-cost attention for the sliding layers (zeros of the output's shape); the full layers as
+    """Zero-cost attention for the sliding layers (:class:`_FreeAttention`); the full layers as
     "longformer_ops" runs them (sdpa)."""
     if sliding_window is None:
         from longformer_ops.hf_attention import attention_forward
 
         return attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+    return _FreeAttention.apply(query, key, value), None
 
 
 def _config(model: str, layers: int, seq_len: int):

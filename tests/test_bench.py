@@ -529,3 +529,14 @@ def test_grouped_heads_bench_times_both_calls(tmp_path, capsys):
     assert next(tmp_path.glob("*-grouped-heads.md")).read_text().count("| forward") == 2
     with pytest.raises(SystemExit):
         grouped_heads.main(["--heads", "4", "--kv-heads", "3"])
+
+
+def test_hf_attention_stub_keeps_the_projections_backward():
+    """The stub's training step still reaches every parameter (its zero-cost attention passes zero
+    gradients to the query, key and value), so it stays a lower bound for a kernel's step."""
+    from bench import hf_attention
+
+    model, inputs = hf_attention.build(40, 2, "float32")
+    hf_attention.runner(model, "stub", inputs, "training step")()
+    assert model.layers[1].attn.Wqkv.weight.grad is not None  # (layer 1: a sliding layer)
+    assert all(parameter.grad is not None for parameter in model.parameters())
