@@ -127,6 +127,18 @@ def plot_title(device_name: str, rows: list[dict]) -> str:
     return f"{device_name}: w={row['window']}, {row['heads']}x{row['head_dim']}, batch {row['batch']}, {dtypes}"
 
 
+def log_log_axis(axis, xlabel: str, ylabel: str, title: str | None = None) -> None:
+    """A plot panel's look: n in powers of 2 against a log scale, a light grid, a legend."""
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    if title:
+        axis.set_title(title, fontsize=9)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8)
+
+
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -153,13 +165,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             if not axis.lines:  # e.g. memory with --no-memory
                 axis.text(0.5, 0.5, "not measured", ha="center", va="center", transform=axis.transAxes)
                 continue
-            axis.set_xscale("log", base=2)
-            axis.set_yscale("log")
-            axis.set_xlabel("sequence length")
-            axis.set_ylabel(label)
-            axis.set_title(f"{op}, {pass_name}, dilation {dilation}, {dtype}", fontsize=9)
-            axis.grid(True, which="both", alpha=0.3)
-            axis.legend(fontsize=8)
+            log_log_axis(axis, "sequence length", label, f"{op}, {pass_name}, dilation {dilation}, {dtype}")
     figure.suptitle(title, fontsize=10)
     figure.tight_layout(rect=(0, 0, 1, 0.98))
     figure.savefig(path, dpi=110)

@@ -35,7 +35,7 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ``torch.autocast``, float32 inputs run in autocast's dtype). ``k`` and ``v`` may have fewer
     heads, ``kv_heads`` dividing ``heads`` (grouped key/value heads, GQA/MQA): query head ``i``
     reads key/value head ``i // (heads // kv_heads)``, and their gradients sum over the group (the
-    CPU's fused kernels read them as they lie; elsewhere they are repeated per query head first).
+    fused kernels read them as they lie; the three steps repeat them per query head first).
     Query ``i`` of head ``h`` attends to the keys ``i + d[h] * (j - w)`` for ``j = 0 .. 2w`` (``0 ..
     w`` when ``autoregressive``) that fall inside the sequence; ``d`` an int or one dilation >= 1
     per head (a list or an integer tensor, as in :func:`diagonaled_mm`). ``scale`` multiplies the
@@ -59,8 +59,7 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     so the backward regenerates it instead of keeping it; on the three steps it is torch's dropout.
     ``softcap``: logit soft-capping (Gemma 2): each score ``s`` (scaled) becomes ``softcap *
     tanh(s / softcap)`` before the key padding's ``-inf`` is added and the softmax taken; a
-    positive number, or None for none. In the fused kernels on a CPU, forward and backward; elsewhere
-    (CUDA) on the three steps below.
+    positive number, or None for none (in the fused kernels, forward and backward).
     ``out``: a contiguous tensor of the result's shape, dtype and device to write into and return
     (not differentiable).
 
@@ -79,9 +78,8 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if out is not None:
         checks.check_out(out, tuple(q.shape), {"q": q, "k": k, "v": v})
     # (head_dim 0: the three steps, whose band of zero scores gives each row's log-sum-exp.)
-    fused = q.shape[-1] > 0 and kernels.fused_attention_available(q.device, q.dtype, backward=needs_grad) and (
-        not softcap or q.device.type in kernels.SOFTCAP_DEVICES)
-    if k.shape[2] != q.shape[2] and not (fused and q.device.type in kernels.GROUPED_HEADS_DEVICES):
+    fused = q.shape[-1] > 0 and kernels.fused_attention_available(q.device, q.dtype, backward=needs_grad)
+    if k.shape[2] != q.shape[2] and not fused:  # (the fused kernels read grouped heads as they lie)
         k, v = (kernels.repeat_heads(x, q.shape[2]) for x in (k, v))
     if fused:
         seed = dropout_seed() if dropout_p > 0 else torch.zeros((), dtype=torch.int64)

@@ -17,7 +17,7 @@ already checked by the public functions in :mod:`longformer_ops.diagonaled` and
 - ``band_transposed(band, x, w, dilation, autoregressive) -> rows``: the backward's P^T.dO;
 - ``attention(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p,
   softcap=0.0) -> (out, lse)`` and ``attention_backward(...)``: the fused local attention (CPU
-  and CUDA libraries; the soft-cap in SOFTCAP_DEVICES' only);
+  and CUDA libraries; k and v may have fewer heads, dividing q's);
 - ``band_softmax_(band, key_padding_mask, w, dilation, autoregressive) -> lse`` (in place) and
   ``band_softmax_backward(...)``: the band softmax of the unfused path (CPU libraries), whose
   autograd is :class:`BandSoftmax` (an op that mutates cannot carry its own);
@@ -280,19 +280,10 @@ def query_runs(batch_heads: int, n: int, w: int, threads: int) -> int:
     return min(range(1, most + 1), key=lambda runs: -(-batch_heads * runs // threads) / runs)
 
 
-# Devices whose fused kernels take a logit soft-cap (the CPU libraries'; CUDA's not yet: the three
-# steps serve a soft-capped call there, see attention.sliding_window_attention).
-SOFTCAP_DEVICES = ("cpu",)
-
-
-# Devices whose fused kernels read grouped key/value heads as they lie (the CPU libraries'): a query
-# head's task packs its group's key/value head. Elsewhere the caller repeats them (repeat_heads).
-GROUPED_HEADS_DEVICES = ("cpu",)
-
-
 def repeat_heads(x: Tensor, heads: int) -> Tensor:
     """``[b, n, h_kv, f]`` -> ``[b, n, heads, f]``, each key/value head repeated for its group of
-    ``heads // h_kv`` query heads (query head ``i`` reads ``i // group``, as transformers' ``repeat_kv``)."""
+    ``heads // h_kv`` query heads (query head ``i`` reads ``i // group``, as transformers' ``repeat_kv``):
+    for the band products, which take equal heads (the fused kernels read grouped heads as they lie)."""
     b, n, kv_heads, f = x.shape
     if kv_heads == heads:
         return x
@@ -300,24 +291,14 @@ def repeat_heads(x: Tensor, heads: int) -> Tensor:
 
 
 def _check_key_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """The fused ops' k and v: q's batch, length and features, and key/value heads equal to q's heads
-    or, on GROUPED_HEADS_DEVICES, dividing them (a kernel would read past k's heads otherwise)."""
+    """The fused ops' k and v: q's batch, length and features, and key/value heads dividing q's heads
+    (a kernel would read past k's heads otherwise)."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    grouped = q.device.type in GROUPED_HEADS_DEVICES
     if not (v.shape == k.shape and k.shape[:2] == q.shape[:2] and k.shape[3] == q.shape[3]
-            and (kv_heads == heads or (grouped and kv_heads > 0 and heads % kv_heads == 0))):
+            and kv_heads > 0 and heads % kv_heads == 0):
         raise ValueError(f"k and v must be [batch, seq_len, kv_heads, head_dim] with q's batch, seq_len and head_dim "
-                         f"{(q.shape[0], q.shape[1], q.shape[3])} and kv_heads {'dividing' if grouped else 'equal to'} "
-                         f"q's {heads} heads on {q.device.type}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-
-
-def _softcap_argument(x: Tensor, softcap: float) -> tuple:
-    """The fused kernels' soft-cap argument (after the scale) where they take one; 0 is none."""
-    if x.device.type in SOFTCAP_DEVICES:
-        return (softcap,)
-    if softcap:
-        raise ValueError(f"the fused kernels on {x.device.type} take no softcap (got {softcap}); the three steps do")
-    return ()
+                         f"{(q.shape[0], q.shape[1], q.shape[3])} and kv_heads dividing q's {heads} heads, "
+                         f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
 
 
 def _cpu_runs(x: Tensor, w: int) -> tuple:
@@ -477,7 +458,7 @@ def _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressi
     kernel_out = out if q.shape[-1] == f else new_output(q, q.shape)
     library.function(function_name(FUSED, autoregressive))(
         q, k, v, _key_bias(key_padding_mask, q), _dilation_tensor(dilation, q.device), w, scale,
-        *_softcap_argument(q, softcap), dropout_p, int(seed), kernel_out, lse, *_cpu_runs(q, w))
+        softcap, dropout_p, int(seed), kernel_out, lse, *_cpu_runs(q, w))
     if kernel_out is not out:
         out.copy_(kernel_out[..., :f])
     return lse
@@ -489,7 +470,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
               softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Fused local attention: ``(out [b, n, h, f], lse [b, n, h])``. ``seed`` (an int64 scalar tensor)
     seeds the dropout mask, which the backward regenerates from it. ``softcap`` > 0: each score s
-    becomes ``softcap * tanh(s / softcap)`` before the softmax (the libraries of SOFTCAP_DEVICES)."""
+    becomes ``softcap * tanh(s / softcap)`` before the softmax (0: none)."""
     out = new_output(q, q.shape)
     return out, _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out,
                                   softcap)
@@ -529,7 +510,7 @@ def attention_backward(grad: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: 
     grad, q, k, v, out = padded
     library.function(function_name(FUSED_BACKWARD, autoregressive))(
         grad, q, k, v, _key_bias(key_padding_mask, q), out, lse, grad_lse.contiguous(),
-        _dilation_tensor(dilation, q.device), w, scale, *_softcap_argument(q, softcap), dropout_p, int(seed), *grads,
+        _dilation_tensor(dilation, q.device), w, scale, softcap, dropout_p, int(seed), *grads,
         *_cpu_runs(q, w))
     grad_q, grad_k, grad_v = (g[..., :f] for g in grads)
     if k.shape[2] != q.shape[2]:  # grouped key/value heads: each sums its query heads' gradients

@@ -229,9 +229,9 @@ static void launch(int64_t grid_x, int64_t grid_y, unsigned threads, const std::
 ARGUMENTS = [("dilation", "int*"), ("out", "float*"), ("t1", "float*"), ("t2", "float*"), ("q", "float*"),
              ("k", "float*"), ("v", "float*"), ("key_bias", "float*"), ("lse", "float*"), ("grad", "float*"),
              ("grad_lse", "float*"), ("grad_q", "float*"), ("grad_k", "float*"), ("grad_v", "float*"), ("band", "int64_t"),
-             ("batch", "int64_t"), ("head_dim", "int64_t"), ("heads", "int64_t"), ("n", "int64_t"),
-             ("padding", "double"), ("window", "int64_t"), ("scale", "double"), ("dropout", "double"),
-             ("seed", "int64_t")]
+             ("batch", "int64_t"), ("head_dim", "int64_t"), ("heads", "int64_t"), ("kv_heads", "int64_t"),
+             ("n", "int64_t"), ("padding", "double"), ("window", "int64_t"), ("scale", "double"),
+             ("softcap", "double"), ("dropout", "double"), ("seed", "int64_t")]
 
 # A PrimFunc of several kernels (the fused backward) is generated on its own without TVM's common
 # subexpression elimination: with it, expressions its kernels share are computed by the host code

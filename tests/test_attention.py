@@ -371,8 +371,10 @@ def test_grouped_key_value_heads_match_reference(cpu_library, monkeypatch, size,
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
-def test_cuda_softcap_and_grouped_heads_match_reference(dtype, autoregressive):
-    """On CUDA (the three steps for a soft-cap; grouped heads repeated first): result and gradients."""
+def test_cuda_softcap_and_grouped_heads_match_reference(monkeypatch, dtype, autoregressive):
+    """On CUDA's fused kernels (nothing repeats k and v): result and gradients with a soft-cap and
+    grouped heads."""
+    monkeypatch.setattr(kernels, "repeat_heads", lambda *args: pytest.fail("repeated on the fused kernels"))
     b, n, h, f, w, kv_heads = 2, 300, 4, 64, 37, 2
     q, _, _, w, d, mask, g = _masked_case((b, n, h, f, w), dtype, autoregressive, "cuda grouped", device="cuda")
     k, v = (_random((b, n, kv_heads, f), dtype, "cuda", g).requires_grad_() for _ in range(2))
@@ -421,7 +423,7 @@ def test_the_fused_ops_refuse_key_heads_that_do_not_divide(cpu_library, kv_heads
     q = torch.randn(1, 8, 4, 32)
     k = torch.randn(1, 8, kv_heads, 32)
     args = (None, torch.zeros((), dtype=torch.int64), 2, torch.ones(4, dtype=torch.int32), False, 0.5, 0.0)
-    with pytest.raises(ValueError, match=r"kv_heads dividing q's 4 heads on cpu, got k \(1, 8, %d, 32\)" % kv_heads):
+    with pytest.raises(ValueError, match=r"kv_heads dividing q's 4 heads, got k \(1, 8, %d, 32\)" % kv_heads):
         torch.ops.longformer_ops.attention(q, k, k, *args)
     with pytest.raises(ValueError, match="kv_heads dividing"):
         torch.ops.longformer_ops.attention_backward(q, torch.zeros(1, 8, 4), q, k, k, None, args[1], q,

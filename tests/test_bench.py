@@ -510,10 +510,31 @@ def test_hf_attention_bench_times_three_implementations(tmp_path, model):
                               "--passes", "forward", "--out", str(tmp_path)]) == 0
     written = next(tmp_path.glob(f"*-hf-{model}.md")).read_text()
     rows = [line.split("|")[1:-1] for line in written.splitlines() if line.startswith("| forward")]
-    assert len(rows) == 1 and rows[0][1].strip() == "80", written
-    assert all(float(cell) > 0 for cell in rows[0][2:7])
+    assert len(rows) == 1 and rows[0][1].strip() == "80" and rows[0][2].strip() == "80", written
+    assert all(float(cell) > 0 for cell in rows[0][3:10])
     with pytest.raises(SystemExit):
         hf_attention.main(["--passes", "generation"])
+    plot = next(tmp_path.glob(f"*-hf-{model}.png"))
+    plot.unlink()
+    assert hf_attention.main(["--plot", str(plot.with_suffix(".csv"))]) == 0 and plot.stat().st_size > 0
+    with pytest.raises(SystemExit):
+        hf_attention.main(["--plot", str(tmp_path / "missing.csv")])
+
+
+def test_hf_attention_bench_times_decode_steps(tmp_path):
+    """The decode pass times --decode-tokens steps after a prefill (tokens per second from those
+    steps), and is refused for an encoder."""
+    from bench import hf_attention
+
+    assert hf_attention.main(["--model", "gemma3", "--seq-lens", "70", "--rounds", "1", "--layers", "2",
+                              "--passes", "decode", "--decode-tokens", "3", "--out", str(tmp_path)]) == 0
+    written = next(tmp_path.glob("*-hf-gemma3.md")).read_text()
+    rows = [line.split("|")[1:-1] for line in written.splitlines() if line.startswith("| decode")]
+    assert len(rows) == 1 and [cell.strip() for cell in rows[0][1:3]] == ["70", "3"], written
+    assert all(float(cell) > 0 for cell in rows[0][3:10])
+    assert "--decode-tokens 3" in written
+    with pytest.raises(SystemExit):
+        hf_attention.main(["--model", "modernbert", "--passes", "decode"])
 
 
 def test_grouped_heads_bench_times_both_calls(tmp_path, capsys):

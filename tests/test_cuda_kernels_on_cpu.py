@@ -79,7 +79,7 @@ def kernels(generated, tmp_path_factory):
 def _call(kernels, name, shape, **arguments):
     """run_<name> with ``arguments`` (tensors by pointer, the rest by value) and ``shape``'s sizes."""
     batch, n, heads, head_dim = shape
-    arguments = dict(dict(batch=batch, n=n, heads=heads, head_dim=head_dim), **arguments)
+    arguments = dict(dict(batch=batch, n=n, heads=heads, kv_heads=heads, head_dim=head_dim), **arguments)
     converted = []
     for argument, ctype in cuda_on_cpu.ARGUMENTS:
         value = arguments.get(argument, 0)
@@ -256,6 +256,120 @@ def test_cuda_attention_backward_code_carries_a_nan(kernels, case, kernel, which
             f"d{name} with a NaN in {which}: rows {(expected & ~nan_rows).nonzero().tolist()} came out finite"
 
 
+# (batch, n, heads, head_dim, w, dilation per head, autoregressive, kv_heads, dropout)
+CAPPED_CASES = [
+    (2, 130, 4, 32, 9, [1, 3, 7, 2], True, 2, 0.0),
+    (1, 150, 3, 144, 20, [1, 3, 2], False, 1, 0.0),
+    (1, 100, 2, 80, 60, [1, 5], True, 2, 0.3),
+    (1, 70, 2, 16, 3, [1, 2], False, 1, 0.3),
+]
+SOFTCAP = 1.5  # (scale 0.6 on unit features: most scores well into tanh's bend)
+
+
+def _capped_case(case, what):
+    batch, n, heads, head_dim, w, dilation, autoregressive, kv_heads, dropout = case
+    seed = stable_seed("cuda_on_cpu capped", what, str(case))
+    g = torch.Generator().manual_seed(seed)
+    q, grad = (torch.randn(batch, n, heads, head_dim, generator=g) for _ in range(2))
+    k, v = (torch.randn(batch, n, kv_heads, head_dim, generator=g) for _ in range(2))
+    mask = torch.rand(batch, n, generator=g) < 0.2
+    factor = (dropout_factor_reference(1234, batch, n, heads, band_width(w, autoregressive), dropout)
+              if dropout else None)
+    return seed, g, q, k, v, grad, mask, factor
+
+
+def _repeated(x, heads):
+    return x.repeat_interleave(heads // x.shape[2], dim=2)
+
+
+def _capped_forward(kernels, kernel, case, q, k, v, mask, softcap):
+    batch, n, heads, head_dim, w, dilation, autoregressive, kv_heads, dropout = case
+    out, lse = torch.full_like(q, float("nan")), torch.full((batch, n, heads), float("nan"))
+    _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, q=q, k=k, v=v, kv_heads=kv_heads,
+          key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")),
+          dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=0.6, softcap=softcap, dropout=dropout,
+          seed=1234, out=out, lse=lse)
+    return out, lse
+
+
+@pytest.mark.parametrize("kernel", ["attention", "attention_mma"])
+@pytest.mark.parametrize("case", CAPPED_CASES, ids=case_id)
+def test_cuda_attention_code_soft_caps_and_reads_grouped_heads(kernels, case, kernel):
+    """The fused forwards with a logit soft-cap and k, v of fewer heads (query head i reads i //
+    group): result and log-sum-exp against the float64 reference on k and v repeated per query head;
+    the same comparison fails without the cap, or with each group's heads read one off."""
+    batch, n, heads, head_dim, w, dilation, autoregressive, kv_heads, dropout = case
+    seed, g, q, k, v, grad, mask, factor = _capped_case(case, "forward")
+    out, lse = _capped_forward(kernels, kernel, case, q, k, v, mask, SOFTCAP)
+    exact = [q.double(), _repeated(k.double(), heads), _repeated(v.double(), heads)]
+    ref = sliding_window_attention_reference(*exact, w, dilation, autoregressive, 0.6, mask, factor, softcap=SOFTCAP)
+    ref_lse = sliding_window_lse_reference(*exact[:2], w, dilation, autoregressive, 0.6, mask, softcap=SOFTCAP)
+    terms = float((v.abs().amax() * (factor.amax() if dropout else 1)) * n ** 0.5)
+    finite = ref_lse.isfinite()
+    try:
+        assert not out.isnan().any() and torch.equal(lse.isfinite(), finite)
+        assert_normwise_close(out.double(), ref, torch.float32, "result", zero_scale=terms)
+        assert_normwise_close(lse.double()[finite], ref_lse[finite], torch.float32, "lse",
+                              zero_scale=float(ref_lse[finite].norm()))
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None
+    uncapped, _ = _capped_forward(kernels, kernel, case, q, k, v, mask, 0.0)
+    with pytest.raises(AssertionError):
+        assert_normwise_close(uncapped.double(), ref, torch.float32, "result", zero_scale=terms)
+    if kv_heads > 1:
+        one_off = [x.roll(1, dims=2) for x in exact[1:]]
+        wrong = sliding_window_attention_reference(exact[0], *one_off, w, dilation, autoregressive, 0.6, mask, factor,
+                                                   softcap=SOFTCAP)
+        with pytest.raises(AssertionError):
+            assert_normwise_close(out.double(), wrong, torch.float32, "result", zero_scale=terms)
+
+
+@pytest.mark.parametrize("kernel", ["attention_backward", "attention_backward_mma"])
+@pytest.mark.parametrize("case", CAPPED_CASES, ids=case_id)
+def test_cuda_attention_backward_code_soft_caps_and_reads_grouped_heads(kernels, case, kernel):
+    """The fused backwards with a soft-cap and grouped heads: dQ, and dK, dV per query head summed
+    over each group, against autograd of the float64 references (result and log-sum-exp) on k and v
+    repeated per query head; without the cap the same comparison fails."""
+    batch, n, heads, head_dim, w, dilation, autoregressive, kv_heads, dropout = case
+    seed, g, q, k, v, grad, mask, factor = _capped_case(case, "backward")
+    exact = [x.double().requires_grad_() for x in (q, k, v)]
+    repeated = [exact[0], _repeated(exact[1], heads), _repeated(exact[2], heads)]
+    ref_out = sliding_window_attention_reference(*repeated, w, dilation, autoregressive, 0.6, mask, factor, softcap=SOFTCAP)
+    ref_lse = sliding_window_lse_reference(*repeated[:2], w, dilation, autoregressive, 0.6, mask, softcap=SOFTCAP)
+    grad_lse = torch.randn(batch, n, heads, generator=g).masked_fill_(ref_lse.isinf(), 0)
+    loss = (ref_out * grad.double()).sum() + (ref_lse.masked_fill(ref_lse.isinf(), 0) * grad_lse.double()).sum()
+    want = torch.autograd.grad(loss, exact)
+    terms = float(grad.norm() + grad_lse.norm()) * max(float(x.abs().max()) for x in (q, k, v)) ** 2
+
+    def run(softcap):
+        got = [torch.full_like(q, float("nan")) for _ in range(3)]  # dK, dV per query head
+        _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, grad=grad, q=q, k=k, v=v,
+              kv_heads=kv_heads, key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")),
+              out=ref_out.detach().float(), lse=ref_lse.detach().float(), grad_lse=grad_lse,
+              dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=0.6, softcap=softcap,
+              dropout=dropout, seed=1234, grad_q=got[0], grad_k=got[1], grad_v=got[2])
+        return [got[0]] + [x.reshape(batch, n, kv_heads, heads // kv_heads, head_dim).sum(3) for x in got[1:]]
+
+    try:
+        for name, x, y in zip("qkv", run(SOFTCAP), want, strict=True):
+            assert not x.isnan().any(), f"d{name}: an element was not written"
+            assert_normwise_close(x.double(), y, torch.float32, f"d{name}", zero_scale=terms, gradients=True)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None
+    with pytest.raises(AssertionError):
+        assert_normwise_close(run(0.0)[0].double(), want[0], torch.float32, "dq", zero_scale=terms, gradients=True)
+
+
+def _child_environment(**settings) -> dict:
+    """A pytest child process's environment: ours with ``settings``, less pytest-xdist's worker name.
+    Inherited, it made the child build its harness in the directory shared by every run of the
+    user (``_run_wide_directory`` takes the basetemp's parent for a worker), where another child, or
+    an earlier run with older kernels, had left a library built otherwise, which it then reused."""
+    environment = dict(os.environ, **settings)
+    environment.pop("PYTEST_XDIST_WORKER", None)
+    return environment
+
+
 @pytest.mark.skipif(os.environ.get(cuda_on_cpu.ASYNC_ENV) is not None, reason="the run with deferred copies itself")
 def test_tensor_core_kernels_wait_for_their_copies(tmp_path, generated):
     """The tensor-core forward loads each step's keys and values with cp.async while the step
@@ -264,7 +378,7 @@ def test_tensor_core_kernels_wait_for_their_copies(tmp_path, generated):
     results stay right on three cases (one of three feature blocks), so neither reads an operand
     before waiting for it; without the wait, 16 of the 18 forward cases fail that way, and 16 of
     the 18 backward ones (all pass with the copies done at once, as in the tests above)."""
-    environment = dict(os.environ, **{cuda_on_cpu.ASYNC_ENV: "deferred", cuda_on_cpu.GENERATED_ENV: str(generated)})
+    environment = _child_environment(**{cuda_on_cpu.ASYNC_ENV: "deferred", cuda_on_cpu.GENERATED_ENV: str(generated)})
     tests = [f"{__file__}::test_cuda_attention{part}_code_matches_reference[{case_id(case)}-{dropout}-{kernel}]"
              for case in (CASES[0], CASES[3], CASES[-1]) for dropout in ("no-dropout", "dropout")
              for part, kernel in (("", "attention_mma"), ("_backward", "attention_backward_mma"))]
@@ -282,9 +396,9 @@ def test_tensor_core_kernels_stay_inside_their_arrays(tmp_path, generated):
     head_dim past a feature block) touch nothing outside those arrays. An array sized for a
     pointer's first element only passed every case above on the CPU and failed 206 tests on an H200
     (bench/NOTES.md); this test fails on it."""
-    environment = dict(os.environ, **{cuda_on_cpu.SANITIZE_ENV: "address", "LD_PRELOAD": cuda_on_cpu.asan_preload(),
-                                      cuda_on_cpu.GENERATED_ENV: str(generated),
-                                      "ASAN_OPTIONS": f"detect_leaks=0:log_path={tmp_path / 'asan'}"})
+    environment = _child_environment(**{cuda_on_cpu.SANITIZE_ENV: "address", "LD_PRELOAD": cuda_on_cpu.asan_preload(),
+                                        cuda_on_cpu.GENERATED_ENV: str(generated),
+                                        "ASAN_OPTIONS": f"detect_leaks=0:log_path={tmp_path / 'asan'}"})
     tests = [f"{__file__}::test_cuda_attention{part}_code_matches_reference[{case_id(case)}-{dropout}-{kernel}]"
              for case in (CASES[0], CASES[3], CASES[-1]) for dropout in ("no-dropout", "dropout")
              for part, kernel in (("", "attention_mma"), ("_backward", "attention_backward_mma"))]

@@ -1,5 +1,6 @@
 """Run every CUDA kernel (each band product and the fused attention forward and backward; each dtype,
-symmetric/causal, mixed dilation) once at an awkward size.
+symmetric/causal, mixed dilation; the fused ones also soft-capped with one key/value head) once at an
+awkward size.
 
 Meant to run under NVIDIA's compute-sanitizer on a GPU machine (`make gpu-check`):
 
@@ -51,10 +52,20 @@ def main() -> int:
             exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
             ref_grads = torch.autograd.grad(
                 sliding_window_attention_reference(*exact, w, d, autoregressive, 0.5, mask), exact, grad.double())
+            # Soft-capped, with one key/value head for the three query heads (grouped heads read in place).
+            capped = [q.detach().requires_grad_(), *(x[:, :, :1].detach().requires_grad_() for x in (k, v))]
+            capped_out = sliding_window_attention(*capped, w, d, autoregressive, 0.5, key_padding_mask=mask, softcap=1.5)
+            capped_grads = torch.autograd.grad(capped_out, capped, grad)
+            exact = [x.detach().double().requires_grad_() for x in capped]
+            ref_capped = sliding_window_attention_reference(exact[0], *(x.expand(-1, -1, h, -1) for x in exact[1:]), w, d,
+                                                            autoregressive, 0.5, mask, softcap=1.5)
+            ref_capped_grads = torch.autograd.grad(ref_capped, exact, grad.double())
             torch.cuda.synchronize()
             tol = 1e-3 if dtype == torch.float32 else 0.1
-            checks = [("qk", s, ref_s), ("pv", o, ref_o), ("attention", a, ref_a)]
+            checks = [("qk", s, ref_s), ("pv", o, ref_o), ("attention", a, ref_a), ("capped", capped_out, ref_capped)]
             checks += [(f"d{name} (attention)", got, ref) for name, got, ref in zip("qkv", grads, ref_grads, strict=True)]
+            checks += [(f"d{name} (capped)", got, ref) for name, got, ref in zip("qkv", capped_grads, ref_capped_grads,
+                                                                                 strict=True)]
             for name, got, ref in checks:
                 error = (got.double() - ref).abs().max().item()
                 ok = error <= tol * (1 + ref.abs().max().item())

@@ -28,6 +28,9 @@ each a 4 x 4 register tile (rows x columns of the block's 64 x 64 sub-product):
   attention_backward: dQ per query tile, dK and dV per key tile, two kernels that recompute the
   scores from the log-sum-exp, both on tensor cores for the half types, the dK/dV kernel's queries
   and dO double buffered as the forward's keys and values (:func:`attention_backward`).
+  As the CPU's, the fused kernels read grouped key/value heads as they lie (k and v with kv_heads
+  dividing the heads; dK and dV per query head, summed by the op) and take a logit soft-cap (a
+  runtime argument after the scale, 0: none; :func:`_cap_tanh`).
 
 Packed position p of a head with dilation d belongs to class r at index s of that class;
 classes r < n % d hold n // d + 1 rows, the rest n // d (:func:`_packed_row`). A band
@@ -104,6 +107,29 @@ def _block_ids(ids, bh, heads, dilation):
     ids[0] = bh // heads
     ids[1] = bh % heads
     ids[2] = T.Cast("int64", dilation[bh % heads])
+
+
+@T.macro
+def _key_head(ids, heads, kv_heads):
+    """ids[3] = the key/value head of block row's query head ids[1] (grouped heads: kv_heads divides
+    heads, each key/value head serving heads // kv_heads consecutive query heads, as transformers'
+    repeat_kv), once per thread (int64 divisions are software on a GPU)."""
+    ids[3] = ids[1] // (heads // kv_heads)
+
+
+def _cap_tanh(acc, scale, softcap, acc_dtype):
+    """tanh(score / softcap) of the scaled score ``acc * scale``: Gemma 2's logit soft-cap makes the
+    score ``softcap`` times it (before the key's bias: a padding key's -inf stays -inf), and a
+    backward's dS takes its derivative, 1 - tanh^2. The kernels branch on ``softcap > 0`` (0: none)
+    outside their score loops, so the uncapped code is as before (but for one multiply per score in
+    the FMA backward, :func:`_soft_cap_fma`)."""
+    return T.tanh(acc * T.Cast(acc_dtype, scale / softcap))
+
+
+def _score_scale(scale, softcap, acc_dtype):
+    """What the kernels multiply a chunk's accumulators by for its scores: ``scale``, or 1 where the
+    soft-cap (applied to them first, :func:`_cap_tanh`) has scaled them."""
+    return T.Cast(acc_dtype, T.Select(softcap > T.float64(0), T.float64(1), scale))
 
 
 @T.macro
@@ -188,9 +214,10 @@ def _whole_chunk_in_band(bounds):
 
 
 @T.macro
-def _qk_chunk(acc, queries, keys, t1, t2, query_row, key_row, b, h, head_dim, tx, acc_dtype):
+def _qk_chunk(acc, queries, keys, t1, t2, query_row, key_row, b, h1, h2, head_dim, tx, acc_dtype):
     """acc = the 4 x 4 results of this thread in the tile's queries . the chunk's keys^T, the
-    features staged 16 at a time (feature-major; rows and keys of -1 give 0)."""
+    features staged 16 at a time (feature-major; rows and keys of -1 give 0); t1 read at head h1, t2
+    at head h2 (grouped key/value heads: another)."""
     for i in T.unroll(4):
         for u in T.unroll(4):
             acc[i, u] = T.Cast(acc_dtype, 0)
@@ -201,14 +228,14 @@ def _qk_chunk(acc, queries, keys, t1, t2, query_row, key_row, b, h, head_dim, tx
             f: T.let = (tx + e * THREADS) % QK_FEATURES
             queries[f * Q_STRIDE + a] = T.Select(
                 query_row[a] >= T.int64(0),
-                T.Cast(acc_dtype, t1[b, T.max(query_row[a], T.int64(0)), h, g * T.int64(QK_FEATURES) + f]),
+                T.Cast(acc_dtype, t1[b, T.max(query_row[a], T.int64(0)), h1, g * T.int64(QK_FEATURES) + f]),
                 T.Cast(acc_dtype, 0))
         for e in T.unroll(QK_KEYS * QK_FEATURES // THREADS):
             kk: T.let = (tx + e * THREADS) // QK_FEATURES
             f: T.let = (tx + e * THREADS) % QK_FEATURES
             keys[f * K_STRIDE + kk] = T.Select(
                 key_row[kk] >= T.int64(0),
-                T.Cast(acc_dtype, t2[b, T.max(key_row[kk], T.int64(0)), h, g * T.int64(QK_FEATURES) + f]),
+                T.Cast(acc_dtype, t2[b, T.max(key_row[kk], T.int64(0)), h2, g * T.int64(QK_FEATURES) + f]),
                 T.Cast(acc_dtype, 0))
         T.tvm_storage_sync("shared")
         for f in T.unroll(QK_FEATURES):
@@ -260,7 +287,7 @@ def qk(dtype: str, autoregressive: bool, isa: str = ""):
                     # is packed key p0 + a + j - w, i.e. chunk column 64k + kk = a + j.
                     for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
                         _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
-                        _qk_chunk(acc, queries, keys, t1, t2, query_row, key_row, b, h, head_dim, tx, acc_dtype)
+                        _qk_chunk(acc, queries, keys, t1, t2, query_row, key_row, b, h, h, head_dim, tx, acc_dtype)
                         for i in T.unroll(4):
                             for u in T.unroll(4):
                                 a: T.let = ty * 4 + i
@@ -459,16 +486,17 @@ def attention_fma(dtype: str, autoregressive: bool):
 
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
-             dilation_handle: T.handle, window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64,
-             out_handle: T.handle, lse_handle: T.handle):
+             dilation_handle: T.handle, window: T.int64, scale: T.float64, softcap: T.float64, dropout: T.float64,
+             seed: T.int64, out_handle: T.handle, lse_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
         heads = T.int64()
         head_dim = T.int64()
+        kv_heads = T.int64()  # grouped key/value heads: dividing heads
         q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
-        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
-        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, kv_heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, kv_heads, head_dim), dtype)
         key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
@@ -491,11 +519,13 @@ def attention_fma(dtype: str, autoregressive: bool):
                     part_sum = T.alloc_buffer((THREADS,), acc_dtype, scope="shared")
                     acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
                     context = T.alloc_buffer((4, 4), acc_dtype, scope="local")
-                    ids = T.alloc_buffer((3,), "int64", scope="local")
+                    ids = T.alloc_buffer((4,), "int64", scope="local")
                     _block_ids(ids, bh, heads, dilation)
+                    _key_head(ids, heads, k.shape[2])
                     b: T.let = ids[0]
                     h: T.let = ids[1]
                     d: T.let = ids[2]
+                    kv_h: T.let = ids[3]
                     w: T.let = window
                     band: T.let = T.int64(2 - causal) * window + T.int64(1)
                     p0: T.let = tile * T.int64(TILE_ROWS)
@@ -512,7 +542,11 @@ def attention_fma(dtype: str, autoregressive: bool):
                                 context[i, u] = T.Cast(acc_dtype, 0)
                         for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
                             _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
-                            _qk_chunk(acc, queries, keys, q, k, query_row, key_row, b, h, head_dim, tx, acc_dtype)
+                            _qk_chunk(acc, queries, keys, q, k, query_row, key_row, b, h, kv_h, head_dim, tx, acc_dtype)
+                            if softcap > T.float64(0):
+                                for i in T.unroll(4):
+                                    for u in T.unroll(4):
+                                        acc[i, u] = T.Cast(acc_dtype, softcap) * _cap_tanh(acc[i, u], scale, softcap, acc_dtype)
                             for i in T.unroll(4):
                                 for u in T.unroll(4):
                                     # Band column j of row a is chunk column a + j (see qk).
@@ -520,14 +554,15 @@ def attention_fma(dtype: str, autoregressive: bool):
                                     j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", tc + u * SPAN - a)
                                     scores[a * S_STRIDE + tc + u * SPAN] = T.Select(
                                         j >= valid_from[a] and j < valid_to[a],
-                                        acc[i, u] * T.Cast(acc_dtype, scale) + key_bias[b, T.max(key_row[tc + u * SPAN], T.int64(0))],
+                                        acc[i, u] * _score_scale(scale, softcap, acc_dtype)
+                                        + key_bias[b, T.max(key_row[tc + u * SPAN], T.int64(0))],
                                         minus_inf)
                             for e in T.unroll(QK_KEYS * OUT_FEATURES // THREADS):
                                 kk: T.let = (tx + e * THREADS) // OUT_FEATURES
                                 f: T.let = (tx + e * THREADS) % OUT_FEATURES
                                 values[kk * OUT_FEATURES + f] = T.Select(
                                     key_row[kk] >= T.int64(0) and f0 * T.int64(OUT_FEATURES) + f < head_dim,
-                                    T.Cast(acc_dtype, v[b, T.max(key_row[kk], T.int64(0)), h,
+                                    T.Cast(acc_dtype, v[b, T.max(key_row[kk], T.int64(0)), kv_h,
                                                         T.min(f0 * T.int64(OUT_FEATURES) + f, head_dim - T.int64(1))]),
                                     T.Cast(acc_dtype, 0))
                             T.tvm_storage_sync("shared")
@@ -817,16 +852,30 @@ def _quad(reduction: str, x):
 
 
 @T.macro
-def _chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, acc_dtype, masked):
+def _chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, softcap, acc_dtype, masked, capped):
     """The forward's scores of a chunk in base 2 (scale x log2 e, the key's bias staged times log2 e),
-    -inf off the band where ``masked`` (a Python bool: the code without the mask is another branch),
-    and each of this thread's two rows' maximum into ``reduced``."""
+    soft-capped where ``capped``, -inf off the band where ``masked`` (Python bools: the code without
+    the cap or the mask is another branch), and each of this thread's two rows' maximum into
+    ``reduced``."""
     for x in T.unroll(QK_KEYS // 8 * 4):
         kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-        acc[x] = acc[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E)) + chunk_bias[slot * T.int64(QK_KEYS) + T.Cast("int64", kk)]
+        if capped:
+            acc[x] = T.Cast(acc_dtype, softcap * T.float64(LOG2E)) * _cap_tanh(acc[x], scale, softcap, acc_dtype) + chunk_bias[
+                slot * T.int64(QK_KEYS) + T.Cast("int64", kk)]
+        else:
+            acc[x] = acc[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E)) + chunk_bias[slot * T.int64(QK_KEYS) + T.Cast("int64", kk)]
         if masked:
             acc[x] = T.Select(_in_bounds(bounds, x), acc[x], tirx.const(float("-inf"), acc_dtype))
         reduced[x % 4 // 2] = T.max(reduced[x % 4 // 2], acc[x])
+
+
+@T.macro
+def _masked_chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, softcap, acc_dtype, capped):
+    """:func:`_chunk_scores`, masked only where this thread has an element off the band."""
+    if _whole_chunk_in_band(bounds):
+        _chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, softcap, acc_dtype, False, capped)
+    else:
+        _chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, softcap, acc_dtype, True, capped)
 
 
 def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = None):
@@ -852,16 +901,17 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
 
     @T.prim_func
     def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
-             dilation_handle: T.handle, window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64,
-             out_handle: T.handle, lse_handle: T.handle):
+             dilation_handle: T.handle, window: T.int64, scale: T.float64, softcap: T.float64, dropout: T.float64,
+             seed: T.int64, out_handle: T.handle, lse_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
         heads = T.int64()
         head_dim = T.int64()
+        kv_heads = T.int64()  # grouped key/value heads: dividing heads
         q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
-        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
-        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, kv_heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, kv_heads, head_dim), dtype)
         key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
         dilation = T.match_buffer(dilation_handle, (heads,), "int32")
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
@@ -888,14 +938,16 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                     reduced = T.alloc_buffer((2,), acc_dtype, scope="local")
                     a_frag = T.alloc_buffer((8,), operand, scope="local")
                     b_frag = T.alloc_buffer((8,), operand, scope="local")  # two tiles' B
-                    ids = T.alloc_buffer((3,), "int64", scope="local")
+                    ids = T.alloc_buffer((4,), "int64", scope="local")
                     # Every barrier below is placed by hand (two a step): TVM's planner would add one
                     # before the products, as it cannot tell the slots apart.
                     with T.attr(0, "hand_threaded", 1):
                         _block_ids(ids, bh, heads, dilation)
+                        _key_head(ids, heads, k.shape[2])
                         b: T.let = ids[0]
                         h: T.let = ids[1]
                         d: T.let = ids[2]
+                        kv_h: T.let = ids[3]
                         w: T.let = window
                         band: T.let = T.int64(2 - causal) * window + T.int64(1)
                         p0: T.let = tile * T.int64(TILE_ROWS)
@@ -927,8 +979,8 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                             _chunk_rows(key_row, QK_KEYS, tx, p0 - w, n, d)
                             _chunk_key_bias(chunk_bias, key_bias, key_row, b, tx)
                             T.tvm_storage_sync("shared")
-                            _stage_operand(keys, k, key_row, b, h, T.int64(0), head_dim, tx, operand, 0, 0, "copy_async")
-                            _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand, 0, 0,
+                            _stage_operand(keys, k, key_row, b, kv_h, T.int64(0), head_dim, tx, operand, 0, 0, "copy_async")
+                            _stage_operand(values, v, key_row, b, kv_h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand, 0, 0,
                                            "copy_async")
                             T.evaluate(_async("commit", operand))
                             for chunk in range(chunks):
@@ -947,11 +999,11 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                     if step + T.int64(1) < chunks * blocks:  # the next step's operands, in flight
                                         next_fb: T.let = T.Select(fb + T.int64(1) < blocks, fb + T.int64(1), T.int64(0))
                                         next_slot: T.let = T.Select(fb + T.int64(1) < blocks, slot, T.int64(1) - slot)
-                                        _stage_operand(keys, k, key_row, b, h, next_fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand,
+                                        _stage_operand(keys, k, key_row, b, kv_h, next_fb * T.int64(FEATURE_BLOCK), head_dim, tx, operand,
                                                        (step + T.int64(1)) % T.int64(2) * T.int64(QK_KEYS * OP_STRIDE),
                                                        next_slot * T.int64(QK_KEYS), "copy_async")
                                         if next_fb == T.int64(0):
-                                            _stage_operand(values, v, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand,
+                                            _stage_operand(values, v, key_row, b, kv_h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand,
                                                            next_slot * T.int64(QK_KEYS * OP_STRIDE), next_slot * T.int64(QK_KEYS),
                                                            "copy_async")
                                         T.evaluate(_async("commit", operand))
@@ -968,10 +1020,12 @@ def attention_mma(dtype: str, autoregressive: bool, operand_dtype: str | None = 
                                         _chunk_column_bounds(bounds, valid_from, valid_to, row0, chunk, t2)
                                         for r in T.unroll(2):
                                             reduced[r] = minus_inf
-                                        if _whole_chunk_in_band(bounds):
-                                            _chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, acc_dtype, False)
+                                        if softcap > T.float64(0):
+                                            _masked_chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, softcap, acc_dtype,
+                                                                 True)
                                         else:
-                                            _chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, acc_dtype, True)
+                                            _masked_chunk_scores(acc, reduced, chunk_bias, bounds, slot, t2, scale, softcap, acc_dtype,
+                                                                 False)
                                         for r in T.unroll(2):
                                             reduced[r] = _quad("max", reduced[r])  # (stored: a let would repeat the shuffles)
                                         for r in T.unroll(2):
@@ -1092,7 +1146,19 @@ def _accumulate_rows(acc, weights, rows, tx):
 
 
 @T.macro
-def _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q):
+def _soft_cap_fma(acc, derivatives, scale, softcap, acc_dtype):
+    """The FMA backward kernels' soft-cap of this thread's 4 x 4 scores: acc becomes the capped score
+    (scaled: see :func:`_score_scale`), derivatives its derivative, which dS takes (1 without a
+    cap: a multiply in a store loop that cannot sit in a branch, as it writes shared memory)."""
+    for i in T.unroll(4):
+        for u in T.unroll(4):
+            acc[i, u] = _cap_tanh(acc[i, u], scale, softcap, acc_dtype)
+            derivatives[i, u] = T.Cast(acc_dtype, 1) - acc[i, u] * acc[i, u]
+            acc[i, u] = T.Cast(acc_dtype, softcap) * acc[i, u]
+
+
+@T.macro
+def _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, softcap, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q):
     """dQ, per query tile: the first kernel of :func:`attention_backward` on float32 FMAs."""
     for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
         for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
@@ -1111,14 +1177,20 @@ def _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                 acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
                 grad_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
                 factors = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                derivatives = T.alloc_buffer((4, 4), acc_dtype, scope="local")  # of the soft-cap
                 my_rows = T.alloc_buffer((4,), "int64", scope="local")
-                ids = T.alloc_buffer((3,), "int64", scope="local")
+                ids = T.alloc_buffer((4,), "int64", scope="local")
                 _block_ids(ids, bh, heads, dilation)
+                _key_head(ids, heads, k.shape[2])
                 b: T.let = ids[0]
                 h: T.let = ids[1]
                 d: T.let = ids[2]
+                kv_h: T.let = ids[3]
                 w: T.let = window
                 band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                for i in T.unroll(4):
+                    for u in T.unroll(4):
+                        derivatives[i, u] = T.Cast(acc_dtype, 1)  # (no soft-cap: dS unchanged)
                 p0: T.let = tile * T.int64(TILE_ROWS)
                 ty: T.let = tx // SPAN
                 tc: T.let = tx % SPAN
@@ -1134,7 +1206,9 @@ def _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                             grad_acc[i, u] = T.Cast(acc_dtype, 0)
                     for chunk in range((T.int64(TILE_ROWS) + band - T.int64(1) + T.int64(QK_KEYS - 1)) // T.int64(QK_KEYS)):
                         _chunk_rows(key_row, QK_KEYS, tx, p0 - w + chunk * T.int64(QK_KEYS), n, d)
-                        _qk_chunk(acc, queries, keys, q, k, query_row, key_row, b, h, head_dim, tx, acc_dtype)
+                        _qk_chunk(acc, queries, keys, q, k, query_row, key_row, b, h, kv_h, head_dim, tx, acc_dtype)
+                        if softcap > T.float64(0):
+                            _soft_cap_fma(acc, derivatives, scale, softcap, acc_dtype)
                         for i in T.unroll(4):
                             for u in T.unroll(4):
                                 # Band column j of row a is chunk column a + j (see qk).
@@ -1142,18 +1216,18 @@ def _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                                 j: T.let = chunk * T.int64(QK_KEYS) + T.Cast("int64", tc + u * SPAN - a)
                                 scores[a * S_STRIDE + tc + u * SPAN] = T.Select(
                                     j >= valid_from[a] and j < valid_to[a],
-                                    T.exp(acc[i, u] * T.Cast(acc_dtype, scale)
+                                    T.exp(acc[i, u] * _score_scale(scale, softcap, acc_dtype)
                                           + key_bias[b, T.max(key_row[tc + u * SPAN], T.int64(0))] - row_lse[a]),
                                     T.Cast(acc_dtype, 0))
-                        _qk_chunk(acc, queries, keys, grad, v, query_row, key_row, b, h, head_dim, tx, acc_dtype)
+                        _qk_chunk(acc, queries, keys, grad, v, query_row, key_row, b, h, kv_h, head_dim, tx, acc_dtype)
                         _dropout_factors(factors, my_rows, seed, bh, chunk * T.int64(QK_KEYS) + T.Cast("int64", tc - ty * 4),
                                          SPAN, -1, False, dropout, acc_dtype)
                         for i in T.unroll(4):
                             for u in T.unroll(4):
                                 a: T.let = ty * 4 + i
                                 scores[a * S_STRIDE + tc + u * SPAN] = scores[a * S_STRIDE + tc + u * SPAN] * (
-                                    acc[i, u] * factors[i, u] - delta[a])
-                        _stage_rows(key_rows, k, key_row, b, h, f0, head_dim, tx, acc_dtype)
+                                    acc[i, u] * factors[i, u] - delta[a]) * derivatives[i, u]
+                        _stage_rows(key_rows, k, key_row, b, kv_h, f0, head_dim, tx, acc_dtype)
                         T.tvm_storage_sync("shared")
                         _accumulate_rows(grad_acc, scores, key_rows, tx)
                         T.tvm_storage_sync("shared")
@@ -1165,22 +1239,45 @@ def _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
 
 
 @T.macro
-def _chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, acc_dtype, operand, masked):
+def _chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, softcap, cap_tanh, acc_dtype, operand,
+                       masked, capped):
     """The dQ kernel's dS = P * (dP - delta) of a chunk, P = 2^(score in base 2 - lse), 0 off the band
-    where ``masked`` (a Python bool: the code without the mask is another branch)."""
+    where ``masked``; with the soft-cap where ``capped`` (its tanh in ``cap_tanh``, a register), dS
+    times the cap's derivative. (Python bools: the code without the mask or the cap is another
+    branch.)"""
     for x in T.unroll(QK_KEYS // 8 * 4):
         # P (its exponent unconditionally: inside the Select its load would be a branch).
         kk: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-        scores[x] = _exp2(scores[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E)) + chunk_bias[kk]
-                          - row_lse[x % 4 // 2], operand)
+        if capped:
+            cap_tanh[0] = _cap_tanh(scores[x], scale, softcap, acc_dtype)
+            scores[x] = _exp2(T.Cast(acc_dtype, softcap * T.float64(LOG2E)) * cap_tanh[0] + chunk_bias[kk]
+                              - row_lse[x % 4 // 2], operand)
+        else:
+            scores[x] = _exp2(scores[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E)) + chunk_bias[kk]
+                              - row_lse[x % 4 // 2], operand)
         if masked:
             scores[x] = T.Select(_in_bounds(bounds, x), scores[x], T.Cast(acc_dtype, 0))
-        scores[x] = scores[x] * (grad_p[x] - delta[x % 4 // 2])
+        if capped:
+            scores[x] = scores[x] * (grad_p[x] - delta[x % 4 // 2]) * (T.Cast(acc_dtype, 1) - cap_tanh[0] * cap_tanh[0])
+        else:
+            scores[x] = scores[x] * (grad_p[x] - delta[x % 4 // 2])
 
 
 @T.macro
-def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n,
-                          heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q, operand, source):
+def _masked_chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, softcap, cap_tanh, acc_dtype,
+                              operand, capped):
+    """:func:`_chunk_score_grads`, masked only where this thread has an element off the band."""
+    if _whole_chunk_in_band(bounds):
+        _chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, softcap, cap_tanh, acc_dtype, operand,
+                           False, capped)
+    else:
+        _chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, softcap, cap_tanh, acc_dtype, operand,
+                           True, capped)
+
+
+@T.macro
+def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, softcap, dropout, seed,
+                          batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q, operand, source):
     """dQ, per query tile, on tensor cores in the forward's layout (:func:`attention_mma`): per chunk
     of 64 keys each warp's 16 rows get S = Q K^T and dP = dO V^T as accumulator tiles, then in
     registers P = exp(S - lse), dS = P (dP Z - delta), and dQ += dS . K with dS as the A fragments
@@ -1200,16 +1297,19 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                 scores = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # S, then P, then dS
                 bounds = T.alloc_buffer((4,), "int32", scope="local")  # this chunk's band, as columns
                 grad_p = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # dP
+                cap_tanh = T.alloc_buffer((1,), acc_dtype, scope="local")  # a score's soft-cap tanh
                 grad_acc = T.alloc_buffer((FEATURE_BLOCK // 8 * 4,), acc_dtype, scope="local")  # dQ / scale
                 row_lse = T.alloc_buffer((2,), acc_dtype, scope="local")  # of rows g and g + 8 (0 for no key)
                 delta = T.alloc_buffer((2,), acc_dtype, scope="local")
                 a_frag = T.alloc_buffer((8,), operand, scope="local")
                 b_frag = T.alloc_buffer((8,), operand, scope="local")  # two tiles' B
-                ids = T.alloc_buffer((3,), "int64", scope="local")
+                ids = T.alloc_buffer((4,), "int64", scope="local")
                 _block_ids(ids, bh, heads, dilation)
+                _key_head(ids, heads, k.shape[2])
                 b: T.let = ids[0]
                 h: T.let = ids[1]
                 d: T.let = ids[2]
+                kv_h: T.let = ids[3]
                 w: T.let = window
                 band: T.let = T.int64(2 - causal) * window + T.int64(1)
                 p0: T.let = tile * T.int64(TILE_ROWS)
@@ -1258,8 +1358,8 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                             if blocks > T.int64(1) or chunk == T.int64(0):  # else the tile's Q and dO stay
                                 _stage_operand(queries, q, query_row, b, h, feature0, head_dim, tx, operand)
                                 _stage_operand(grads, grad, query_row, b, h, feature0, head_dim, tx, operand)
-                            _stage_operand(keys, k, key_row, b, h, feature0, head_dim, tx, operand)
-                            _stage_operand(values, v, key_row, b, h, feature0, head_dim, tx, operand)
+                            _stage_operand(keys, k, key_row, b, kv_h, feature0, head_dim, tx, operand)
+                            _stage_operand(values, v, key_row, b, kv_h, feature0, head_dim, tx, operand)
                             T.tvm_storage_sync("shared")
                             _rows_times_rows(scores, queries, keys, a_frag, b_frag, warp_row, lo, m1, m2, operand, source)
                             _rows_times_rows(grad_p, grads, values, a_frag, b_frag, warp_row, lo, m1, m2, operand, source)
@@ -1272,13 +1372,15 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
                                         row_key, T.max(chunk * T.int64(QK_KEYS) + T.Cast("int64", kk - row0 - r * 8), T.int64(0)),
                                         dropout, acc_dtype, bind=True)
                         _chunk_column_bounds(bounds, valid_from, valid_to, row0, chunk, t2)
-                        if _whole_chunk_in_band(bounds):
-                            _chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, acc_dtype, operand, False)
+                        if softcap > T.float64(0):
+                            _masked_chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, softcap,
+                                                      cap_tanh, acc_dtype, operand, True)
                         else:
-                            _chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, acc_dtype, operand, True)
+                            _masked_chunk_score_grads(scores, grad_p, delta, row_lse, chunk_bias, bounds, t2, scale, softcap,
+                                                      cap_tanh, acc_dtype, operand, False)
                         if blocks > T.int64(1):  # dQ's features f0 of these keys (one block: already there)
                             T.tvm_storage_sync("shared")
-                            _stage_operand(keys, k, key_row, b, h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                            _stage_operand(keys, k, key_row, b, kv_h, f0 * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
                             T.tvm_storage_sync("shared")
                         _weights_times_rows(grad_acc, scores, keys, a_frag, b_frag, lo, m1, m2, operand, source)  # dS.K
                     for x in T.unroll(FEATURE_BLOCK // 8 * 4):
@@ -1289,7 +1391,7 @@ def _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation,
 
 
 @T.macro
-def _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v):
+def _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, softcap, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v):
     """dK and dV, per key tile: the second kernel of :func:`attention_backward` (float32 FMAs)."""
     for bh in T.thread_binding(batch * heads, thread="blockIdx.y"):
         for tile in T.thread_binding((n + T.int64(TILE_ROWS - 1)) // T.int64(TILE_ROWS), thread="blockIdx.x"):
@@ -1310,14 +1412,20 @@ def _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                 grad_k_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
                 grad_v_acc = T.alloc_buffer((4, 4), acc_dtype, scope="local")
                 factors = T.alloc_buffer((4, 4), acc_dtype, scope="local")
+                derivatives = T.alloc_buffer((4, 4), acc_dtype, scope="local")  # of the soft-cap
                 their_rows = T.alloc_buffer((4,), "int64", scope="local")
-                ids = T.alloc_buffer((3,), "int64", scope="local")
+                ids = T.alloc_buffer((4,), "int64", scope="local")
                 _block_ids(ids, bh, heads, dilation)
+                _key_head(ids, heads, k.shape[2])
                 b: T.let = ids[0]
                 h: T.let = ids[1]
                 d: T.let = ids[2]
+                kv_h: T.let = ids[3]
                 w: T.let = window
                 band: T.let = T.int64(2 - causal) * window + T.int64(1)
+                for i in T.unroll(4):
+                    for u in T.unroll(4):
+                        derivatives[i, u] = T.Cast(acc_dtype, 1)  # (no soft-cap: dS unchanged)
                 p0: T.let = tile * T.int64(TILE_ROWS)
                 ty: T.let = tx // SPAN
                 tc: T.let = tx % SPAN
@@ -1338,7 +1446,9 @@ def _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                                     acc_dtype, minus_inf)
                         for u in T.unroll(4):
                             their_rows[u] = query_row[tc + u * SPAN]
-                        _qk_chunk(acc, keys_t, queries_t, k, q, key_row, query_row, b, h, head_dim, tx, acc_dtype)
+                        _qk_chunk(acc, keys_t, queries_t, k, q, key_row, query_row, b, kv_h, h, head_dim, tx, acc_dtype)
+                        if softcap > T.float64(0):
+                            _soft_cap_fma(acc, derivatives, scale, softcap, acc_dtype)
                         for i in T.unroll(4):
                             for u in T.unroll(4):
                                 x: T.let = tc + u * SPAN
@@ -1346,10 +1456,10 @@ def _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                                 probs[i, u] = T.Select(
                                     query_row[x] >= T.int64(0) and key_row[ty * 4 + i] >= T.int64(0)
                                     and j >= valid_from[x] and j < valid_to[x],
-                                    T.exp(acc[i, u] * T.Cast(acc_dtype, scale)
+                                    T.exp(acc[i, u] * _score_scale(scale, softcap, acc_dtype)
                                           + key_bias[b, T.max(key_row[ty * 4 + i], T.int64(0))] - row_lse[x]),
                                     T.Cast(acc_dtype, 0))
-                        _qk_chunk(acc, keys_t, queries_t, v, grad, key_row, query_row, b, h, head_dim, tx, acc_dtype)
+                        _qk_chunk(acc, keys_t, queries_t, v, grad, key_row, query_row, b, kv_h, h, head_dim, tx, acc_dtype)
                         _dropout_factors(factors, their_rows, seed, bh,
                                          T.Cast("int64", ty * 4 - tc) + band - T.int64(1) - chunk * T.int64(QK_KEYS),
                                          -SPAN, 1, True, dropout, acc_dtype)
@@ -1363,7 +1473,7 @@ def _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                         for i in T.unroll(4):
                             for u in T.unroll(4):
                                 weights[(ty * 4 + i) * S_STRIDE + tc + u * SPAN] = probs[i, u] * (
-                                    acc[i, u] * factors[i, u] - delta[tc + u * SPAN])
+                                    acc[i, u] * factors[i, u] - delta[tc + u * SPAN]) * derivatives[i, u]
                         _stage_rows(query_rows, q, query_row, b, h, f0, head_dim, tx, acc_dtype)
                         T.tvm_storage_sync("shared")
                         _accumulate_rows(grad_k_acc, weights, query_rows, tx)
@@ -1407,8 +1517,34 @@ def _delta_combine(delta, row_lse, part_sum, part_lse, tx, base):
 
 
 @T.macro
-def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n,
-                        heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v, operand, source):
+def _key_tile_capped_grads(probs, grad_p, delta, row_lse, key_spans, query_row, my_bias, cap_tanh, row0, t2, slot, chunk,
+                           band, bh, seed, scale, softcap, dropout, acc_dtype, operand, with_dropout):
+    """The dK/dV kernel's soft-capped chunk, in registers (:func:`_key_tile_grads_mma`): from S^T in
+    ``probs`` and dP^T in ``grad_p``, P^T = 2^(capped score in base 2 - lse) (0 off the band), dS^T
+    = P^T (dP^T Z - delta) (1 - tanh^2) and P^T Z, one pass per score (its tanh in ``cap_tanh``);
+    Z = 1 unless ``with_dropout`` (a Python bool: the code without it is another branch)."""
+    for x in T.unroll(QK_KEYS // 8 * 4):
+        a: T.let = row0 + _c_element(x % 4)[0]
+        col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+        at: T.let = slot * T.int64(QK_KEYS) + T.Cast("int64", col)
+        cap_tanh[0] = _cap_tanh(probs[x], scale, softcap, acc_dtype)
+        probs[x] = _exp2(T.Cast(acc_dtype, softcap * T.float64(LOG2E)) * cap_tanh[0] + my_bias[x % 4 // 2] - row_lse[at],
+                         operand)
+        probs[x] = T.Select(tirx.all(a >= key_spans[at * T.int64(2)], a < key_spans[at * T.int64(2) + T.int64(1)]),
+                            probs[x], T.Cast(acc_dtype, 0))
+        if with_dropout:
+            j: T.let = T.Cast("int64", a - col) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
+            factor: T.let = dropout_factor(dropout_row_key(seed, bh, query_row[at], bind=True), T.max(j, T.int64(0)),
+                                           dropout, acc_dtype, bind=True)
+            grad_p[x] = probs[x] * (grad_p[x] * factor - delta[at]) * (T.Cast(acc_dtype, 1) - cap_tanh[0] * cap_tanh[0])
+            probs[x] = probs[x] * factor
+        else:
+            grad_p[x] = probs[x] * (grad_p[x] - delta[at]) * (T.Cast(acc_dtype, 1) - cap_tanh[0] * cap_tanh[0])
+
+
+@T.macro
+def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, softcap, dropout, seed,
+                        batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v, operand, source):
     """dK and dV, per key tile, on tensor cores: 4 warps of 16 keys; per chunk of 64 packed queries
     whose bands reach the tile, S^T = K Q^T and dP^T = V dO^T as accumulator tiles (keys x
     queries), then in registers P^T, P^T Z and dS^T = P^T (dP^T Z - delta), which are the A
@@ -1446,6 +1582,7 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                 part_lse = T.alloc_buffer((MMA_THREADS,), acc_dtype, scope="shared")
                 probs = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # S^T, then P^T Z
                 grad_p = T.alloc_buffer((QK_KEYS // 8 * 4,), acc_dtype, scope="local")  # dP^T, then dS^T
+                cap_tanh = T.alloc_buffer((1,), acc_dtype, scope="local")  # a score's soft-cap tanh
                 grad_k_acc = T.alloc_buffer((FEATURE_BLOCK // 8 * 4,), acc_dtype, scope="local")  # dK / scale
                 grad_v_acc = T.alloc_buffer((FEATURE_BLOCK // 8 * 4,), acc_dtype, scope="local")
                 my_key = T.alloc_buffer((2,), "int64", scope="local")  # sequence rows of keys g and g + 8
@@ -1453,16 +1590,18 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                 total = T.alloc_buffer((1,), acc_dtype, scope="local")
                 a_frag = T.alloc_buffer((8,), operand, scope="local")
                 b_frag = T.alloc_buffer((8,), operand, scope="local")  # two tiles' B
-                ids = T.alloc_buffer((3,), "int64", scope="local")
+                ids = T.alloc_buffer((4,), "int64", scope="local")
                 # Every barrier below is placed by hand (two a step): TVM's planner, which would add its own
                 # wherever two accesses of a buffer might overlap, cannot tell the slots apart. The
                 # extern scope gives TVM's merging of the shared.dyn buffers a scope that holds the lets
                 # reading ``ids`` (a read at the allocations' own level stops it).
                 with T.attr(0, "hand_threaded", 1), T.attr(0, "extern_scope", 0):
                     _block_ids(ids, bh, heads, dilation)
+                    _key_head(ids, heads, k.shape[2])
                     b: T.let = ids[0]
                     h: T.let = ids[1]
                     d: T.let = ids[2]
+                    kv_h: T.let = ids[3]
                     w: T.let = window
                     band: T.let = T.int64(2 - causal) * window + T.int64(1)
                     p0: T.let = tile * T.int64(TILE_ROWS)
@@ -1513,8 +1652,8 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                                                          (T.int64(1) - slot) * T.int64(QK_KEYS))
                                     _delta_combine(delta, row_lse, part_sum, part_lse, tx, slot * T.int64(QK_KEYS))
                                 if stage < blocks and (blocks > T.int64(1) or step == T.int64(0)):  # else the tile's K and V stay
-                                    _stage_operand(keys, k, key_row, b, h, stage * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
-                                    _stage_operand(values, v, key_row, b, h, stage * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                                    _stage_operand(keys, k, key_row, b, kv_h, stage * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
+                                    _stage_operand(values, v, key_row, b, kv_h, stage * T.int64(FEATURE_BLOCK), head_dim, tx, operand)
                                 T.evaluate(_async("wait", operand))
                                 T.tvm_storage_sync("shared")
                                 if step + T.int64(1) < chunks * stages:  # the next step's Q and dO, in flight
@@ -1548,28 +1687,38 @@ def _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w
                                     # (The exponent unconditionally: inside the Select its load would be a
                                     # branch. Keys outside the sequence need no mask: their rows of dK and
                                     # dV are not stored.)
-                                    for x in T.unroll(QK_KEYS // 8 * 4):
-                                        a: T.let = row0 + _c_element(x % 4)[0]
-                                        col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
-                                        at: T.let = slot * T.int64(QK_KEYS) + T.Cast("int64", col)
-                                        probs[x] = _exp2(probs[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E)) + my_bias[x % 4 // 2]
-                                                         - row_lse[at], operand)
-                                        probs[x] = T.Select(tirx.all(a >= key_spans[at * T.int64(2)], a < key_spans[at * T.int64(2) + T.int64(1)]),
-                                                            probs[x], T.Cast(acc_dtype, 0))
-                                    if dropout > T.float64(0):
+                                    if softcap > T.float64(0):
+                                        if dropout > T.float64(0):
+                                            _key_tile_capped_grads(probs, grad_p, delta, row_lse, key_spans, query_row, my_bias,
+                                                                   cap_tanh, row0, t2, slot, chunk, band, bh, seed, scale, softcap,
+                                                                   dropout, acc_dtype, operand, True)
+                                        else:
+                                            _key_tile_capped_grads(probs, grad_p, delta, row_lse, key_spans, query_row, my_bias,
+                                                                   cap_tanh, row0, t2, slot, chunk, band, bh, seed, scale, softcap,
+                                                                   dropout, acc_dtype, operand, False)
+                                    else:
                                         for x in T.unroll(QK_KEYS // 8 * 4):
                                             a: T.let = row0 + _c_element(x % 4)[0]
                                             col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
                                             at: T.let = slot * T.int64(QK_KEYS) + T.Cast("int64", col)
-                                            j: T.let = T.Cast("int64", a - col) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
-                                            factor: T.let = dropout_factor(dropout_row_key(seed, bh, query_row[at], bind=True),
-                                                                           T.max(j, T.int64(0)), dropout, acc_dtype, bind=True)
-                                            grad_p[x] = probs[x] * (grad_p[x] * factor - delta[at])
-                                            probs[x] = probs[x] * factor
-                                    else:
-                                        for x in T.unroll(QK_KEYS // 8 * 4):
-                                            at: T.let = slot * T.int64(QK_KEYS) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
-                                            grad_p[x] = probs[x] * (grad_p[x] - delta[at])
+                                            probs[x] = _exp2(probs[x] * T.Cast(acc_dtype, scale * T.float64(LOG2E)) + my_bias[x % 4 // 2]
+                                                             - row_lse[at], operand)
+                                            probs[x] = T.Select(tirx.all(a >= key_spans[at * T.int64(2)], a < key_spans[at * T.int64(2) + T.int64(1)]),
+                                                                probs[x], T.Cast(acc_dtype, 0))
+                                        if dropout > T.float64(0):
+                                            for x in T.unroll(QK_KEYS // 8 * 4):
+                                                a: T.let = row0 + _c_element(x % 4)[0]
+                                                col: T.let = x // 4 * 8 + t2 + _c_element(x % 4)[1]
+                                                at: T.let = slot * T.int64(QK_KEYS) + T.Cast("int64", col)
+                                                j: T.let = T.Cast("int64", a - col) + band - T.int64(1) - chunk * T.int64(QK_KEYS)
+                                                factor: T.let = dropout_factor(dropout_row_key(seed, bh, query_row[at], bind=True),
+                                                                               T.max(j, T.int64(0)), dropout, acc_dtype, bind=True)
+                                                grad_p[x] = probs[x] * (grad_p[x] * factor - delta[at])
+                                                probs[x] = probs[x] * factor
+                                        else:
+                                            for x in T.unroll(QK_KEYS // 8 * 4):
+                                                at: T.let = slot * T.int64(QK_KEYS) + T.Cast("int64", x // 4 * 8 + t2 + _c_element(x % 4)[1])
+                                                grad_p[x] = probs[x] * (grad_p[x] - delta[at])
                                     _weights_times_rows(grad_v_acc, probs, grads, a_frag, b_frag, lo, m1, m2, operand, source,
                                                         operands)  # (P^T Z).dO
                                     _weights_times_rows(grad_k_acc, grad_p, queries, a_frag, b_frag, lo, m1, m2, operand, source,
@@ -1608,17 +1757,18 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str = "", operand_
     @T.prim_func
     def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
              key_bias_handle: T.handle, out_handle: T.handle, lse_handle: T.handle, grad_lse_handle: T.handle,
-             dilation_handle: T.handle, window: T.int64, scale: T.float64, dropout: T.float64, seed: T.int64,
-             grad_q_handle: T.handle, grad_k_handle: T.handle, grad_v_handle: T.handle):
+             dilation_handle: T.handle, window: T.int64, scale: T.float64, softcap: T.float64, dropout: T.float64,
+             seed: T.int64, grad_q_handle: T.handle, grad_k_handle: T.handle, grad_v_handle: T.handle):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
         heads = T.int64()
         head_dim = T.int64()
+        kv_heads = T.int64()  # grouped key/value heads: dividing heads (dK, dV per query head: the op sums them)
         grad = T.match_buffer(grad_handle, (batch, n, heads, head_dim), dtype)
         q = T.match_buffer(q_handle, (batch, n, heads, head_dim), dtype)
-        k = T.match_buffer(k_handle, (batch, n, heads, head_dim), dtype)
-        v = T.match_buffer(v_handle, (batch, n, heads, head_dim), dtype)
+        k = T.match_buffer(k_handle, (batch, n, kv_heads, head_dim), dtype)
+        v = T.match_buffer(v_handle, (batch, n, kv_heads, head_dim), dtype)
         key_bias = T.match_buffer(key_bias_handle, (batch, n), acc_dtype)
         out = T.match_buffer(out_handle, (batch, n, heads, head_dim), dtype)
         lse = T.match_buffer(lse_handle, (batch, n, heads), acc_dtype)
@@ -1629,14 +1779,14 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str = "", operand_
         grad_v = T.match_buffer(grad_v_handle, (batch, n, heads, head_dim), dtype)
         # dQ, per query tile.
         if tensor_cores:
-            _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q, operand, source)
+            _query_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, softcap, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q, operand, source)
         else:
-            _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q)
+            _query_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, softcap, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_q)
         # dK and dV, per key tile.
         if tensor_cores:
-            _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v, operand, source)
+            _key_tile_grads_mma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, softcap, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v, operand, source)
         else:
-            _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v)
+            _key_tile_grads_fma(grad, q, k, v, key_bias, out, lse, grad_lse, dilation, window, scale, softcap, dropout, seed, batch, n, heads, head_dim, dtype, acc_dtype, causal, minus_inf, grad_k, grad_v)
     return main
 
 
