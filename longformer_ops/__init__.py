@@ -8,7 +8,7 @@ from ``prebuilt/`` (see :mod:`longformer_ops._loader`) and called through the
 which ``torch.compile`` and ``torch.export`` trace. Plain-PyTorch references live in
 :mod:`longformer_ops.reference`. ``longformer_ops.hf`` (transformers' own models on the kernels) and
 ``longformer_ops.info`` are imported on first access, so that importing this package never imports
-transformers.
+transformers; so is ``longformer_ops.distributed`` (sequence parallelism on torch.distributed).
 """
 
 import importlib
@@ -30,7 +30,7 @@ __all__ = ["diagonaled_mm", "mask_invalid_locations", "band_softmax_", "sliding_
            "LongformerForSequenceClassification", "LongformerForTokenClassification", "LongformerForQuestionAnswering",
            "LongformerForMultipleChoice", "from_hf_pretrained"]
 
-_LAZY_SUBMODULES = ("hf", "info")
+_LAZY_SUBMODULES = ("hf", "info", "distributed")
 
 
 def __getattr__(name: str):

@@ -4,6 +4,7 @@ far back as its windows and dilations say, and splits its corpus by file; tiny r
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -112,3 +113,16 @@ def test_a_tiny_char_lm_run_writes_its_curves(tmp_path):
     table = (tmp_path / "char_lm.md").read_text()
     assert "| longformer | [4, 8] |" in table and "| short | [4, 4] |" in table
     assert "| staged | [4, 4], then [4, 8] |" in table and runs["staged"]["widened_at"] is not None
+
+
+def test_the_sequence_parallel_example_runs_under_torchrun():
+    """The README's command: two ranks under torchrun, each matching one process on its shard."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             "2", "examples/sequence_parallel.py", "--seq-len", "150", "--window",
+                             "4", "--dilation", "2", "--heads", "2", "--head-dim", "16", "--check"],
+                            capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("matches one process on the whole sequence") == 2, result.stdout
