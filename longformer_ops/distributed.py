@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from longformer_ops import checks
+from longformer_ops import checks, kernels
 from longformer_ops.attention import sliding_window_attention as _local_attention
+from longformer_ops.dropout import dropout_seed
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,12 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Differentiable: the halo rows' gradients go back to the ranks that own them, so every rank must
     backpropagate through the result. Every other argument must be the same on every rank.
 
+    ``dropout_p``: attention dropout with the whole sequence's mask (rank 0's draw of the seed, its
+    rows offset to this shard's: the result does not depend on the number of ranks); it needs the
+    fused kernels (the CPU and CUDA libraries).
+
     Raises ValueError on every rank (never a hang) when the ranks disagree on an argument or a
     shape, or when a shard is shorter than the halo (``w * max(d)`` rows) a neighbour needs from it.
-    ``dropout_p`` > 0 is refused for now: the fused kernels key their dropout mask by the row of the
-    call, which here is not the row of the whole sequence.
     """
     group = dist.group.WORLD if group is None else group
     if not dist.is_initialized():
@@ -162,21 +165,23 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                            "(torch.distributed.init_process_group)")
     error, described, seq_len, halo = None, None, 0, 0
     try:
+        q, k, v = kernels.autocast_inputs(q, k, v)
         w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale,
                                                                      key_padding_mask)
         dropout_p = checks.check_dropout_p(dropout_p)
         checks.check_bool("return_lse", return_lse)
-        if dropout_p > 0:
-            raise NotImplementedError("dropout_p > 0 is not supported by longformer_ops.distributed yet (the fused "
-                                      "kernels' dropout mask is keyed by the call's row, not the whole sequence's); "
-                                      f"got dropout_p={dropout_p}")
+        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        if dropout_p > 0 and not kernels.fused_attention_available(q.device, q.dtype, backward=needs_grad):
+            raise NotImplementedError(f"dropout_p > 0 needs the fused local-attention kernels, which this machine's "
+                                      f"libraries lack for {q.device.type} and {q.dtype}; got dropout_p={dropout_p}")
         described, seq_len, halo = _describe(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p,
                                              return_lse)
     except (TypeError, ValueError, NotImplementedError) as caught:
         error = caught
+    seed = int(dropout_seed()) if error is None and dropout_p > 0 else 0  # (rank 0's serves every rank)
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (None if error is None else f"{type(error).__name__}: {error}", described, seq_len,
-                                      halo), group=group)
+                                      halo, seed), group=group)
     rank = dist.get_rank(group)
     if error is not None:
         raise error
@@ -194,8 +199,16 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q_all = torch.cat([q.new_zeros(q.shape[0], plan.before, *q.shape[2:]), q,
                        q.new_zeros(q.shape[0], plan.after, *q.shape[2:])], dim=1)
     mask_all = None if key_padding_mask is None else _exchange_mask(plan, key_padding_mask)
-    out, lse = _local_attention(q_all, k_all, v_all, w, dilations, autoregressive, scale, key_padding_mask=mask_all,
-                                return_lse=True)
+    if dropout_p > 0:
+        # The fused op, given the seed: its high 32 bits offset the mask's rows by this call's first
+        # row in the whole sequence (tvm_kernels.compute.dropout_row_key).
+        offset_seed = torch.tensor(everyone[0][4] + ((plan.start - plan.before) << 32), dtype=torch.int64)
+        out, lse = torch.ops.longformer_ops.attention(q_all, k_all, v_all, mask_all, offset_seed, w,
+                                                      kernels.dilation_argument(dilations), autoregressive, scale,
+                                                      dropout_p)
+    else:
+        out, lse = _local_attention(q_all, k_all, v_all, w, dilations, autoregressive, scale, key_padding_mask=mask_all,
+                                    return_lse=True)
     rows = slice(plan.before, plan.before + seq_len)
     out = out[:, rows].contiguous()
     return (out, lse[:, rows].contiguous()) if return_lse else out

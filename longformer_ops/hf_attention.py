@@ -17,9 +17,8 @@ Semantics, transformers' own (tested against its ``eager`` attention): a causal 
 means the keys ``q - W < kv <= q``; a bidirectional one (``module.is_causal`` False: ModernBERT,
 which passes ``config.sliding_window + 1``) ``|q - kv| < W``. Both are our one-sided ``w = W - 1``
 (causal: ``autoregressive=True``). ``scaling`` is the scores' scale, ``dropout`` attention dropout.
-Grouped keys and values (``num_key_value_heads < num_heads``) go to the kernels as they are: on a
-CPU each query head's task reads its group's key/value head (no ``repeat_kv`` copy), elsewhere
-:func:`sliding_window_attention` repeats them.
+Grouped keys and values (``num_key_value_heads < num_heads``) go to the kernels as they are: each
+query head reads its group's key/value head (no ``repeat_kv`` copy).
 
 Gemma 2's logit soft-capping (``softcap``) runs in the kernels (:func:`sliding_window_attention`'s
 ``softcap``); gpt-oss's attention sinks (``s_aux``) join through the rows' log-sum-exp the kernels

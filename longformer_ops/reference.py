@@ -179,9 +179,11 @@ def dropout_factor_reference(seed: int, batch: int, seq_len: int, heads: int, ba
     """The fused kernels' dropout mask as factors ``[b, n, h, c]`` in float64: ``1 / (1 - p)`` where band
     column j of query i in head h of example b is kept, else 0. Each row's key is murmur3's finaliser
     chained over (seed, b * heads + h, i); column j is kept when the top 24 bits of
-    mix(key + j * 0x9E3779B9) are >= int(p * 2^24) (``tvm_kernels/compute.py``, ``dropout_factor``)."""
+    mix(key + j * 0x9E3779B9) are >= int(p * 2^24) (``tvm_kernels/compute.py``, ``dropout_factor``).
+    The seed's low 32 bits seed it; its high 32 bits are added to each row i (a shard's first row in
+    a longer sequence)."""
     bh = (torch.arange(batch)[:, None] * heads + torch.arange(heads)[None, :])[:, None, :]          # [b, 1, h]
-    row = torch.arange(seq_len)[None, :, None]                                                     # [1, n, 1]
+    row = (torch.arange(seq_len)[None, :, None] + (seed >> 32)) & _UINT32                          # [1, n, 1]
     key = _mix32((seed & _UINT32) ^ _mix32(((bh * _GOLDEN) & _UINT32) ^ _mix32(row)))              # [b, n, h]
     bits = _mix32((key[..., None] + torch.arange(band) * _GOLDEN) & _UINT32) >> 8                  # [b, n, h, c]
     kept = bits >= int(p * 2**24)

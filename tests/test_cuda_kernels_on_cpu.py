@@ -264,6 +264,7 @@ CAPPED_CASES = [
     (1, 70, 2, 16, 3, [1, 2], False, 1, 0.3),
 ]
 SOFTCAP = 1.5  # (scale 0.6 on unit features: most scores well into tanh's bend)
+SHARD_SEED = 1234 + (5 << 32)  # the dropout mask's rows offset by 5, as a shard's (compute.dropout_row_key)
 
 
 def _capped_case(case, what):
@@ -273,7 +274,7 @@ def _capped_case(case, what):
     q, grad = (torch.randn(batch, n, heads, head_dim, generator=g) for _ in range(2))
     k, v = (torch.randn(batch, n, kv_heads, head_dim, generator=g) for _ in range(2))
     mask = torch.rand(batch, n, generator=g) < 0.2
-    factor = (dropout_factor_reference(1234, batch, n, heads, band_width(w, autoregressive), dropout)
+    factor = (dropout_factor_reference(SHARD_SEED, batch, n, heads, band_width(w, autoregressive), dropout)
               if dropout else None)
     return seed, g, q, k, v, grad, mask, factor
 
@@ -288,7 +289,7 @@ def _capped_forward(kernels, kernel, case, q, k, v, mask, softcap):
     _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, q=q, k=k, v=v, kv_heads=kv_heads,
           key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")),
           dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=0.6, softcap=softcap, dropout=dropout,
-          seed=1234, out=out, lse=lse)
+          seed=SHARD_SEED, out=out, lse=lse)
     return out, lse
 
 
@@ -296,7 +297,8 @@ def _capped_forward(kernels, kernel, case, q, k, v, mask, softcap):
 @pytest.mark.parametrize("case", CAPPED_CASES, ids=case_id)
 def test_cuda_attention_code_soft_caps_and_reads_grouped_heads(kernels, case, kernel):
     """The fused forwards with a logit soft-cap and k, v of fewer heads (query head i reads i //
-    group): result and log-sum-exp against the float64 reference on k and v repeated per query head;
+    group), and dropout whose rows are offset by the seed's high half (a shard's): result and
+    log-sum-exp against the float64 reference on k and v repeated per query head;
     the same comparison fails without the cap, or with each group's heads read one off."""
     batch, n, heads, head_dim, w, dilation, autoregressive, kv_heads, dropout = case
     seed, g, q, k, v, grad, mask, factor = _capped_case(case, "forward")
@@ -347,7 +349,7 @@ def test_cuda_attention_backward_code_soft_caps_and_reads_grouped_heads(kernels,
               kv_heads=kv_heads, key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")),
               out=ref_out.detach().float(), lse=ref_lse.detach().float(), grad_lse=grad_lse,
               dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=0.6, softcap=softcap,
-              dropout=dropout, seed=1234, grad_q=got[0], grad_k=got[1], grad_v=got[2])
+              dropout=dropout, seed=SHARD_SEED, grad_q=got[0], grad_k=got[1], grad_v=got[2])
         return [got[0]] + [x.reshape(batch, n, kv_heads, heads // kv_heads, head_dim).sum(3) for x in got[1:]]
 
     try:

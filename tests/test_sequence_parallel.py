@@ -6,7 +6,8 @@ q, k and v (through both), within float64's bound.
 The ranks run every case in one spawn per world size (each spawn costs seconds) and write what they
 found; the tests read it. Refusals (a shard shorter than the halo a neighbour needs, ranks that
 disagree on a shape, an argument one rank gets wrong) must raise on every rank, not hang. A halo one
-row short (the plan's ``halo`` less one) must fail the comparison.
+row short (the plan's ``halo`` less one) must fail the comparison. Dropout uses the whole sequence's
+mask: with the same ``torch.manual_seed``, the shards' results are the one-process call's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import datetime
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -29,15 +31,31 @@ DEADLINE_S = 180  # ... and the parent stops waiting after this
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with the gloo backend is not available")
 
-# name: (world size, shard lengths, batch, heads, kv_heads, head_dim, w, dilation per head, causal, key padding)
+class Case(NamedTuple):
+    world: int  # ranks
+    lengths: list[int]  # each rank's shard
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    w: int
+    dilation: list[int]  # per head
+    causal: bool
+    padded: bool  # a key padding mask
+    dropout_p: float = 0.0
+
+
 CASES = {
-    "even-2": (2, [20, 20], 1, 2, 2, 8, 3, [1, 1], False, False),
-    "uneven-2": (2, [23, 17], 2, 2, 2, 16, 4, [1, 2], False, True),
-    "dilated-3": (3, [10, 19, 12], 1, 4, 4, 8, 2, [1, 2, 3, 4], False, False),
-    "causal-dilated-3": (3, [12, 9, 15], 2, 4, 2, 8, 2, [1, 2, 3, 4], True, True),
-    "causal-2": (2, [30, 11], 1, 3, 1, 8, 5, [1, 1, 2], True, False),
-    "halo-is-shard-3": (3, [8, 8, 9], 1, 2, 2, 8, 4, [2, 1], False, True),  # halo 8: a middle shard all halo
+    "even-2": Case(2, [20, 20], 1, 2, 2, 8, 3, [1, 1], False, False),
+    "uneven-2": Case(2, [23, 17], 2, 2, 2, 16, 4, [1, 2], False, True),
+    "dilated-3": Case(3, [10, 19, 12], 1, 4, 4, 8, 2, [1, 2, 3, 4], False, False),
+    "causal-dilated-3": Case(3, [12, 9, 15], 2, 4, 2, 8, 2, [1, 2, 3, 4], True, True),
+    "causal-2": Case(2, [30, 11], 1, 3, 1, 8, 5, [1, 1, 2], True, False),
+    "halo-is-shard-3": Case(3, [8, 8, 9], 1, 2, 2, 8, 4, [2, 1], False, True),  # halo 8: a middle shard all halo
+    "dropout-2": Case(2, [23, 17], 2, 2, 1, 16, 4, [1, 2], False, True, 0.3),
+    "causal-dropout-3": Case(3, [12, 9, 15], 1, 4, 2, 8, 2, [1, 2, 3, 4], True, False, 0.2),
 }
+DROPOUT_SEED = 77  # torch.manual_seed before each call: the one-process call and every rank draw the same seed
 # Refused on every rank: (world size, what to pass, the message expected)
 REFUSALS = {
     "shard-shorter-than-halo": (3, "lengths [10, 3, 10], w 2, dilation up to 4: halo 8", r"rank 1's 3 rows are fewer "
@@ -46,19 +64,19 @@ REFUSALS = {
     # (rank 1 raises its own error; the others say which rank's arguments were refused, and why)
     "w-refused-on-one-rank": (2, "rank 1 with w = -1", r"^(ValueError: rank 1's arguments were refused: )?"
                               r"ValueError: w \(one-sided window\) must be >= 0"),
-    "dropout": (2, "dropout_p = 0.1", r"dropout_p > 0 is not supported by longformer_ops.distributed yet"),
+    "dropout_p-differs": (2, "rank 1 with dropout_p = 0.1", r"every rank must pass the same dropout_p: got \[0.0, 0.1\]"),
 }
 
 
 def _inputs(name: str):
-    world, lengths, batch, heads, kv_heads, head_dim, w, dilation, causal, padded = CASES[name]
+    case = CASES[name]
     g = torch.Generator().manual_seed(stable_seed("sequence parallel", name))
-    n = sum(lengths)
-    q = torch.randn(batch, n, heads, head_dim, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(batch, n, kv_heads, head_dim, generator=g, dtype=torch.float64) for _ in range(2))
-    mask = (torch.rand(batch, n, generator=g) < 0.25) if padded else None
-    grad_out = torch.randn(batch, n, heads, head_dim, generator=g, dtype=torch.float64)
-    grad_lse = torch.randn(batch, n, heads, generator=g, dtype=torch.float64)
+    n = sum(case.lengths)
+    q = torch.randn(case.batch, n, case.heads, case.head_dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(case.batch, n, case.kv_heads, case.head_dim, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = (torch.rand(case.batch, n, generator=g) < 0.25) if case.padded else None
+    grad_out = torch.randn(case.batch, n, case.heads, case.head_dim, generator=g, dtype=torch.float64)
+    grad_lse = torch.randn(case.batch, n, case.heads, generator=g, dtype=torch.float64)
     return q, k, v, mask, grad_out, grad_lse
 
 
@@ -70,10 +88,12 @@ def _one_process(name: str):
     """The whole sequence in one call: result, lse and the gradients of q, k, v."""
     from longformer_ops import sliding_window_attention
 
-    world, lengths, batch, heads, kv_heads, head_dim, w, dilation, causal, padded = CASES[name]
+    case = CASES[name]
     q, k, v, mask, grad_out, grad_lse = _inputs(name)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out, lse = sliding_window_attention(*leaves, w, dilation, causal, 0.5, key_padding_mask=mask, return_lse=True)
+    torch.manual_seed(DROPOUT_SEED)
+    out, lse = sliding_window_attention(*leaves, case.w, case.dilation, case.causal, 0.5, key_padding_mask=mask,
+                                        dropout_p=case.dropout_p, return_lse=True)
     grads = torch.autograd.grad(_loss(out, lse, grad_out, grad_lse), leaves)
     return out.detach(), lse.detach(), grads
 
@@ -83,17 +103,18 @@ def _sharded(name: str, rank: int, halo_short_by: int = 0):
     ``halo_short_by`` rows short, for the injected fault)."""
     from longformer_ops import distributed
 
-    world, lengths, batch, heads, kv_heads, head_dim, w, dilation, causal, padded = CASES[name]
+    case = CASES[name]
     q, k, v, mask, grad_out, grad_lse = _inputs(name)
-    rows = slice(sum(lengths[:rank]), sum(lengths[:rank + 1]))
+    rows = slice(sum(case.lengths[:rank]), sum(case.lengths[:rank + 1]))
     leaves = [x[:, rows].clone().requires_grad_() for x in (q, k, v)]
     plan_halo = distributed.plan_halo
     if halo_short_by:
         distributed.plan_halo = lambda lens, r, halo, *args: plan_halo(lens, r, halo - halo_short_by, *args)
     try:
-        out, lse = distributed.sliding_window_attention(*leaves, w, dilation, causal, 0.5,
+        torch.manual_seed(DROPOUT_SEED)
+        out, lse = distributed.sliding_window_attention(*leaves, case.w, case.dilation, case.causal, 0.5,
                                                         key_padding_mask=None if mask is None else mask[:, rows],
-                                                        return_lse=True)
+                                                        dropout_p=case.dropout_p, return_lse=True)
     finally:
         distributed.plan_halo = plan_halo
     grads = torch.autograd.grad(_loss(out, lse, grad_out[:, rows], grad_lse[:, rows]), leaves)
@@ -127,7 +148,7 @@ def _refusal(name: str, rank: int) -> str:
         q = torch.randn(1, 10, 4, 16, dtype=torch.float64)
     if name == "w-refused-on-one-rank" and rank == 1:
         w = -1
-    if name == "dropout":
+    if name == "dropout_p-differs" and rank == 1:
         dropout_p = 0.1
     assert world == dist.get_world_size()
     try:
@@ -145,7 +166,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     try:
         found = {}
         for name, case in CASES.items():
-            if case[0] == world:
+            if case.world == world:
                 found[name] = _compare(name, rank)
                 found[f"{name} (halo one row short)"] = _compare(name, rank, halo_short_by=1)
         for name, refusal in REFUSALS.items():
@@ -160,7 +181,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def ranks_found(tmp_path_factory):
     """{world size: [what each rank found]} after one spawn per world size."""
     found = {}
-    for world in sorted({case[0] for case in CASES.values()}):
+    for world in sorted({case.world for case in CASES.values()}):
         out = tmp_path_factory.mktemp(f"world{world}")
         context = mp.spawn(_worker, args=(world, str(out / "rendezvous"), str(out)), nprocs=world, join=False)
         deadline = time.monotonic() + DEADLINE_S
@@ -179,14 +200,14 @@ def ranks_found(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_rank_gets_its_shard_of_the_one_process_result(ranks_found, name):
-    for rank, found in enumerate(ranks_found[CASES[name][0]]):
+    for rank, found in enumerate(ranks_found[CASES[name].world]):
         assert found[name] is None, f"rank {rank} of case {name} {CASES[name]}: {found[name]}"
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_halo_one_row_short_fails(ranks_found, name):
     """The injected fault: with the plan's halo one row short, some rank's shard differs."""
-    results = [found[f"{name} (halo one row short)"] for found in ranks_found[CASES[name][0]]]
+    results = [found[f"{name} (halo one row short)"] for found in ranks_found[CASES[name].world]]
     assert any(result is not None for result in results), f"case {name}: a halo one row short went unnoticed"
 
 

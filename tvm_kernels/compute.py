@@ -193,9 +193,13 @@ def _mix32(x, bind: bool):
 
 
 def dropout_row_key(seed, bh, row, bind: bool = False):
-    """The dropout key of one row (``bind``: see :func:`_mix32`)."""
+    """The dropout key of one row (``bind``: see :func:`_mix32`). The int64 seed's low 32 bits seed
+    the mask; its high 32 bits are added to the row: a call on a shard of a longer sequence whose
+    first row is row ``o`` of the whole passes ``seed + (o << 32)`` and gets the whole sequence's
+    mask for its rows (sequence parallelism, ``longformer_ops.distributed``)."""
+    row_of_whole = T.Cast("uint32", row) + T.Cast("uint32", T.shift_right(seed, T.int64(32)))
     return _mix32(T.Cast("uint32", seed) ^ _mix32(T.Cast("uint32", bh) * T.uint32(_GOLDEN)
-                                                  ^ _mix32(T.Cast("uint32", row), bind), bind), bind)
+                                                  ^ _mix32(row_of_whole, bind), bind), bind)
 
 
 def dropout_factor(key, column, dropout, acc_dtype, bind: bool = False):
