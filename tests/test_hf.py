@@ -99,11 +99,14 @@ def test_import_does_not_import_transformers():
 
 def test_hf_is_reachable_from_a_plain_import():
     """The README's two lines after ``import longformer_ops`` alone: ``longformer_ops.hf`` is imported on
-    first access (not with the package), as is ``longformer_ops.info``; other names still fail."""
+    first access (not with the package), as are ``longformer_ops.info`` and ``longformer_ops.distributed``;
+    other names still fail."""
     code = ("import sys, longformer_ops\n"
             "assert 'longformer_ops.hf' not in sys.modules, 'hf was imported with the package'\n"
+            "assert 'longformer_ops.distributed' not in sys.modules, 'distributed was imported with the package'\n"
             "assert callable(longformer_ops.hf.patch) and callable(longformer_ops.hf.unpatch)\n"
             "assert longformer_ops.info.__name__ == 'longformer_ops.info'\n"
+            "assert callable(longformer_ops.distributed.sliding_window_attention)\n"
             "try:\n    longformer_ops.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e), e\n"
             "else:\n    raise AssertionError('no AttributeError')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
