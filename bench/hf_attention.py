@@ -188,7 +188,8 @@ def time_rounds(seq_len: int, layers: int, dtype: str, step: str, rounds: int,
     model, inputs = build(seq_len, layers, dtype, model_name)
     calls = {method: runner(model, method, inputs, step, decode_tokens) for method in METHODS}
     for method in METHODS:  # warm-up on a short prefix: libraries load
-        warm_up = runner(model, method, inputs, step, 2) if step == "decode" else runner(model, method, _prefix(inputs), step)
+        warm_up = (runner(model, method, inputs, step, 2) if step == "decode"  # (two steps)
+                   else runner(model, method, _prefix(inputs), step))
         getattr(warm_up, "prepare", lambda: None)()
         warm_up()
     samples = {method: [] for method in METHODS}
@@ -237,7 +238,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             if not axis.lines:
                 axis.text(0.5, 0.5, "not measured", ha="center", va="center", transform=axis.transAxes)
                 continue
-            log_log_axis(axis, "sequence length n" + (f" (then {tokens} decode steps)" if step == "decode" else ""), label)
+            then = f" (then {tokens} decode steps)" if step == "decode" else ""
+            log_log_axis(axis, f"sequence length n{then}", label)
     figure.suptitle(title, fontsize=10)
     figure.tight_layout(rect=(0, 0, 1, 0.97))
     figure.savefig(path, dpi=110)
@@ -304,7 +306,8 @@ def main(argv=None) -> int:
              f"{torch.get_num_threads()} threads, at {source_commit()})", "",
              f"`python -m bench.hf_attention --model {args.model} --seq-lens {args.seq_lens} --rounds {args.rounds} --dtype {args.dtype} "
              f"--passes {shlex.quote(args.passes)} --layers {args.layers}"
-             + (f" --decode-tokens {args.decode_tokens}" if "decode" in passes else "") + f"`; batch 1, no padding, medians of {args.rounds} "
+             + (f" --decode-tokens {args.decode_tokens}" if "decode" in passes else "")
+             + f"`; batch 1, no padding, medians of {args.rounds} "
              "shuffled rounds; memory: peak extra RSS of one call in a fresh process.", "",
              "| pass | n | tokens | sdpa s | longformer_ops s | stub s | ours / sdpa | ours / stub | sdpa tokens/s | "
              "longformer_ops tokens/s | sdpa MiB | longformer_ops MiB | stub MiB |",

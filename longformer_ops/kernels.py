@@ -470,8 +470,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
               softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Fused local attention: ``(out [b, n, h, f], lse [b, n, h])``. ``seed`` (an int64 scalar tensor)
     seeds the dropout mask, which the backward regenerates from it: its low 32 bits the mask, its
-    high 32 bits an offset added to every row (a shard's first row in the whole sequence). ``softcap`` > 0: each score s
-    becomes ``softcap * tanh(s / softcap)`` before the softmax (0: none)."""
+    high 32 bits an offset added to every row (a shard's first row in the whole sequence).
+    ``softcap`` > 0: each score s becomes ``softcap * tanh(s / softcap)`` before the softmax (0: none)."""
     out = new_output(q, q.shape)
     return out, _attention_kernel(q, k, v, key_padding_mask, seed, w, dilation, autoregressive, scale, dropout_p, out,
                                   softcap)
