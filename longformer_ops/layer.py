@@ -191,36 +191,39 @@ class LongformerSelfAttention(nn.Module):
                 probs = probs.masked_fill(is_padding[:, :, None, None], 0)
         return nn.functional.dropout(probs, p=self.dropout, training=self.training)
 
-    def _global_key_scores(self, q, k, globals_: GlobalTokens, hidden_score: float | None = None):
-        """Scores of every query against the global tokens' (local) keys: ``[b, n, h, g]``; keys a
-        query does not see (empty slots, later tokens when autoregressive) get ``hidden_score``
-        (default: the dtype's lowest finite value)."""
+    def _global_key_scores(self, q, key_slots, globals_: GlobalTokens, hidden_score: float | None = None,
+                           first_row: int = 0):
+        """Scores of every query against the global tokens' (local) keys ``key_slots [b, g, h, d]``:
+        ``[b, n, h, g]``; keys a query does not see (empty slots, later tokens when autoregressive) get
+        ``hidden_score`` (default: the dtype's lowest finite value). The queries are the sequence's
+        rows ``first_row ...`` (``globals_.positions`` count from its first)."""
         n = q.shape[1]
-        scores = _against_slots(q, globals_.gather(k))                    # [b, n, h, g]
+        scores = _against_slots(q, key_slots)                             # [b, n, h, g]
         hidden = ~globals_.valid[:, None, None, :]                        # empty slots
         if self.autoregressive:  # no query sees a global token to its right
-            later = globals_.positions[:, None, :] > torch.arange(n, device=q.device)[None, :, None]
+            rows = torch.arange(first_row, first_row + n, device=q.device)
+            later = globals_.positions[:, None, :] > rows[None, :, None]
             hidden = hidden | later[:, :, None, :]
         return scores.masked_fill(hidden, torch.finfo(q.dtype).min if hidden_score is None else hidden_score)
 
-    def _merge_global_keys(self, context, lse, q, k, v, globals_: GlobalTokens, dropout_p: float):
+    def _merge_global_keys(self, context, lse, q, key_slots, value_slots, globals_: GlobalTokens, dropout_p: float,
+                           first_row: int = 0):
         """One softmax over [band keys | global keys] from the band part's normalised ``context`` and its
         rows' log-sum-exp ``lse``: the band part weighs exp(lse - m), each global key exp(score - m),
         over their sum (m any finite shift: the row's largest term). Differentiable, and no NaN for a
         row that sees no global key (or no key at all: its weights stay 0). ``context`` had its
         dropout in the kernel; the global columns get theirs here (the sum is of undropped terms)."""
-        scores = self._global_key_scores(q, k, globals_, hidden_score=float("-inf")).to(lse.dtype)  # [b, n, h, g]
+        scores = self._global_key_scores(q, key_slots, globals_, float("-inf"), first_row).to(lse.dtype)  # [b, n, h, g]
         if torch.is_grad_enabled():
             keep = nn.functional.dropout(torch.ones_like(scores), dropout_p) if dropout_p > 0 else None
-            return _GlobalKeyMerge.apply(context, lse, scores, globals_.gather(v), keep)
+            return _GlobalKeyMerge.apply(context, lse, scores, value_slots, keep)
         band_weight, global_weights, total = _merge_weights(lse, scores)
         dropped = nn.functional.dropout(global_weights, dropout_p, training=dropout_p > 0)
         if context.is_contiguous() and _merge_kernel_serves(context, lse):  # in place in the context: no temporary
-            torch.ops.longformer_ops.global_merge_(context, band_weight / total, dropped / total[..., None],
-                                                   globals_.gather(v))
+            torch.ops.longformer_ops.global_merge_(context, band_weight / total, dropped / total[..., None], value_slots)
             return context
         # Inference: the same operations in place, in the input dtype: one temporary.
-        merged = _weighted_slots(dropped.to(v.dtype), globals_.gather(v))
+        merged = _weighted_slots(dropped.to(value_slots.dtype), value_slots)
         merged.add_(context.mul_(band_weight.to(context.dtype)[..., None]))
         return merged.div_(total.to(merged.dtype)[..., None])
 
@@ -240,7 +243,8 @@ class LongformerSelfAttention(nn.Module):
                 band_keys_hidden = is_global if is_padding is None else is_padding | is_global
                 context, lse = sliding_window_attention(q, k, v, w, dil, ar, scale=1.0, key_padding_mask=band_keys_hidden,
                                                         dropout_p=dropout_p, return_lse=True)
-                context = self._merge_global_keys(context, lse, q, k, v, globals_, dropout_p)
+                context = self._merge_global_keys(context, lse, q, globals_.gather(k), globals_.gather(v), globals_,
+                                                  dropout_p)
             return (context if is_padding is None else context.masked_fill(is_padding[:, :, None, None], 0)), None
         # Keys outside the sequence get -inf from the band product itself.
         if self.attention_mode is AttentionMode.TVM:
@@ -256,7 +260,7 @@ class LongformerSelfAttention(nn.Module):
         g = 0 if globals_ is None else globals_.positions.shape[1]
         scores = band
         if g:  # the global keys' scores go first
-            scores = torch.cat([self._global_key_scores(q, k, globals_), band], dim=-1)  # [b, n, h, g + c]
+            scores = torch.cat([self._global_key_scores(q, globals_.gather(k), globals_), band], dim=-1)  # [b, n, h, g + c]
         # scores is this call's own tensor; without autograd the softmax can overwrite it.
         probs = self._softmax(scores, is_padding, in_place=not (torch.is_grad_enabled() and scores.requires_grad))
 
@@ -317,32 +321,49 @@ class LongformerSelfAttention(nn.Module):
         Returns ``(context [b, g, h, d], probs [b, h, g, n])``. Scores and probabilities are laid out
         ``[b, n, h, g]``, the projections' own order (see :func:`_against_slots`).
         """
-        b, n, hidden = hidden_states.shape
-        q = self._heads(dense.apply_linear(self.query_global, globals_.gather(hidden_states)))
-        q = q / math.sqrt(self.head_dim)                                                           # [b, g, h, d]
+        queries = self._global_queries(globals_.gather(hidden_states))
+        scores, through_weights = self._global_row_scores(hidden_states, queries, is_padding, globals_)
+        probs = self._global_row_dropout(torch.softmax(scores, dim=1))
+        return self._global_row_context(probs, hidden_states, through_weights), probs.permute(0, 2, 3, 1)
+
+    def _global_queries(self, slot_states: torch.Tensor) -> torch.Tensor:
+        """The global tokens' inputs ``[b, g, hidden]`` -> their scaled queries ``[b, g, h, d]``."""
+        return self._heads(dense.apply_linear(self.query_global, slot_states)) / math.sqrt(self.head_dim)
+
+    def _global_row_scores(self, hidden_states, queries, is_padding, globals_: GlobalTokens, first_row: int = 0):
+        """The global queries ``[b, g, h, d]`` against the key_global projections of ``hidden_states``
+        (the sequence's rows ``first_row ...``): ``([b, n, h, g] scores, keys hidden at the dtype's lowest
+        finite value; whether through the weights)``."""
+        n, hidden = hidden_states.shape[1:]
         # Few slots: the slots' queries go through the key weights and the probabilities meet the
         # rows before the value weights (see _keys_through_weights): no keys or values of all rows.
-        through_weights = (_global_rows_through_weights(self.num_heads, q.shape[1], hidden)
+        through_weights = (_global_rows_through_weights(self.num_heads, queries.shape[1], hidden)
                            and dense.plain_linear(self.key_global) and dense.plain_linear(self.value_global))
         if through_weights:
-            scores = _keys_through_weights(hidden_states, q, self.key_global)                         # [b, n, h, g]
+            scores = _keys_through_weights(hidden_states, queries, self.key_global)                         # [b, n, h, g]
         else:
-            scores = _against_slots(self._heads(dense.apply_linear(self.key_global, hidden_states)), q)  # [b, n, h, g]
+            scores = _against_slots(self._heads(dense.apply_linear(self.key_global, hidden_states)), queries)
         hidden_keys = is_padding[:, :, None, None]
         if self.autoregressive:
-            later = torch.arange(n, device=q.device)[None, :, None] > globals_.positions[:, None, :]  # [b, n, g]
+            rows = torch.arange(first_row, first_row + n, device=queries.device)
+            later = rows[None, :, None] > globals_.positions[:, None, :]  # [b, n, g]
             hidden_keys = hidden_keys | later[:, :, None, :]
-        scores = scores.masked_fill(hidden_keys, torch.finfo(q.dtype).min)
-        probs = torch.softmax(scores, dim=1)
-        if self.training and self.dropout > 0:  # the mask drawn in [b, h, g, n] order, as it always was
-            keep = nn.functional.dropout(torch.ones_like(probs.permute(0, 2, 3, 1), memory_format=torch.contiguous_format),
-                                         self.dropout)
-            probs = probs * keep.permute(0, 3, 1, 2)
+        return scores.masked_fill(hidden_keys, torch.finfo(queries.dtype).min), through_weights
+
+    def _global_row_dropout(self, probs: torch.Tensor) -> torch.Tensor:
+        """Attention dropout on the global rows' ``probs [b, n, h, g]`` (in training)."""
+        if not (self.training and self.dropout > 0):
+            return probs
+        # The mask drawn in [b, h, g, n] order, as it always was.
+        keep = nn.functional.dropout(torch.ones_like(probs.permute(0, 2, 3, 1), memory_format=torch.contiguous_format),
+                                     self.dropout)
+        return probs * keep.permute(0, 3, 1, 2)
+
+    def _global_row_context(self, probs, hidden_states, through_weights: bool) -> torch.Tensor:
+        """``probs [b, n, h, g]`` -> the rows' value_global projections weighted and summed: ``[b, g, h, d]``."""
         if through_weights:
-            context = _values_through_weights(probs, hidden_states, self.value_global)
-        else:
-            context = _slots_weighted(probs, self._heads(dense.apply_linear(self.value_global, hidden_states)))
-        return context, probs.permute(0, 2, 3, 1)
+            return _values_through_weights(probs, hidden_states, self.value_global)
+        return _slots_weighted(probs, self._heads(dense.apply_linear(self.value_global, hidden_states)))
 
 
 class PoolingformerSelfAttention(LongformerSelfAttention):

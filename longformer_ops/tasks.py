@@ -102,8 +102,9 @@ def choice_global_mask(input_ids: torch.Tensor, sep_token_id: int) -> torch.Tens
     return (positions > _first_separator(rows, sep_token_id)[:, None] + 1).long().reshape(input_ids.shape)
 
 
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
-    # Half types in float32 (a softmax over the classes); float32 and float64 as they are.
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The task models' cross-entropy: ``torch.nn.functional.cross_entropy(logits, labels, **kwargs)``
+    with half types in float32 (a softmax over the classes); float32 and float64 as they are."""
     scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     return nn.functional.cross_entropy(scores, labels, **kwargs)
 
@@ -144,7 +145,7 @@ class LongformerForMaskedLM(_PreTrained):
         out = self.longformer(input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids,
                               inputs_embeds, output_attentions, output_hidden_states)
         logits = self.lm_head(out.last_hidden_state)  # [b, n, vocab]
-        loss = None if labels is None else _cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss = None if labels is None else cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         return TaskOutput(loss, logits, out.hidden_states, out.attentions, out.global_attentions)
 
 
@@ -206,7 +207,7 @@ class LongformerForSequenceClassification(_PreTrained):
                 return nn.functional.mse_loss(logits.squeeze(), labels.squeeze())
             return nn.functional.mse_loss(logits, labels)
         if self.config.problem_type == "single_label_classification":
-            return _cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
+            return cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
         return nn.functional.binary_cross_entropy_with_logits(logits, labels)
 
 
@@ -230,7 +231,7 @@ class LongformerForTokenClassification(_PreTrained):
         out = self.longformer(input_ids, attention_mask, global_attention_mask, token_type_ids, position_ids,
                               inputs_embeds, output_attentions, output_hidden_states)
         logits = dense.apply_linear(self.classifier, self.dropout(out.last_hidden_state))  # [b, n, num_labels]
-        loss = None if labels is None else _cross_entropy(logits.view(-1, self.num_labels),
+        loss = None if labels is None else cross_entropy(logits.view(-1, self.num_labels),
                                                           labels.to(logits.device).view(-1))
         return TaskOutput(loss, logits, out.hidden_states, out.attentions, out.global_attentions)
 
@@ -269,13 +270,20 @@ class LongformerForQuestionAnswering(_PreTrained):
         start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
-            outside = start_logits.shape[1]  # positions past the sequence: clamped here, then ignored
-            start = start_positions.reshape(-1).to(logits.device).clamp(0, outside)
-            end = end_positions.reshape(-1).to(logits.device).clamp(0, outside)
-            loss = (_cross_entropy(start_logits, start, ignore_index=outside)
-                    + _cross_entropy(end_logits, end, ignore_index=outside)) / 2
+            loss = span_loss(start_logits, end_logits, start_positions, end_positions)
         return QuestionAnsweringOutput(loss, start_logits, end_logits, out.hidden_states, out.attentions,
                                        out.global_attentions)
+
+
+def span_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, start_positions: torch.Tensor,
+              end_positions: torch.Tensor) -> torch.Tensor:
+    """Question answering's loss: the mean of the start and end cross-entropies over ``[b, n]`` logits;
+    positions past the sequence are clamped to its length and ignored, as in transformers."""
+    outside = start_logits.shape[1]
+    start = start_positions.reshape(-1).to(start_logits.device).clamp(0, outside)
+    end = end_positions.reshape(-1).to(start_logits.device).clamp(0, outside)
+    return (cross_entropy(start_logits, start, ignore_index=outside)
+            + cross_entropy(end_logits, end, ignore_index=outside)) / 2
 
 
 # --------------------------------------------------------------------------- multiple choice
@@ -310,7 +318,7 @@ class LongformerForMultipleChoice(_PreTrained):
                               flat(token_type_ids), flat(position_ids), flat(inputs_embeds, 2),
                               output_attentions, output_hidden_states)
         logits = dense.apply_linear(self.classifier, self.dropout(out.pooler_output)).view(-1, choices)  # [b, choices]
-        loss = None if labels is None else _cross_entropy(logits, labels.to(logits.device))
+        loss = None if labels is None else cross_entropy(logits, labels.to(logits.device))
         return TaskOutput(loss, logits, out.hidden_states, out.attentions, out.global_attentions)
 
 
