@@ -181,6 +181,8 @@ MODEL_CASES = {
     "question-answering-2": ModelCase(2, [6, 16], "LongformerForQuestionAnswering", [2, 3], [[1, 2], 1], False),
     "multiple-choice-3": ModelCase(3, [4, 9, 8], "LongformerForMultipleChoice", [2, 1], [1, [1, 3]], False),
 }
+LAYOUT_2X2_CASE = "masked-lm-2x2"  # run on 4 ranks: 2 replicas (data parallel) x 2 ranks (sequence parallel)
+MODEL_CASES[LAYOUT_2X2_CASE] = ModelCase(2, [11, 12], "LongformerForMaskedLM", [2, 3], [[1, 2], 1], False)
 # Outputs compared: (per-token: this rank's rows, per-sequence: the same on every rank)
 MODEL_OUTPUTS = {
     "LongformerModel": (["last_hidden_state"], ["pooler_output"]),
@@ -192,9 +194,10 @@ MODEL_OUTPUTS = {
 }
 
 
-def _model_and_inputs(name: str):
+def _model_and_inputs(name: str, replica: int = 0):
     """The case's model (float64, training mode with no dropout: checkpointing runs) and its whole
-    inputs; the per-token keys of the inputs are sliced along their last dimension."""
+    inputs (``replica``'s: data parallelism gives each its own); the per-token keys of the inputs are
+    sliced along their last dimension."""
     import longformer_ops
 
     case = MODEL_CASES[name]
@@ -209,6 +212,7 @@ def _model_and_inputs(name: str):
         parameter.data.normal_(0, 0.3)
     if case.checkpointing:
         model.gradient_checkpointing_enable()
+    torch.manual_seed(stable_seed("sequence parallel inputs", name, replica))
     n, b = sum(case.lengths), 2
     ids = torch.randint(SEP + 1, VOCAB, (b, n))
     ids[:, 0] = BOS
@@ -254,31 +258,53 @@ def _model_weights(name: str, whole_out) -> dict:
     return {key: torch.randn(getattr(whole_out, key).shape, generator=g, dtype=torch.float64) for key in keys}
 
 
-def _compare_model(name: str, rank: int, halo_short_by: int = 0) -> str | None:
+def _compare_model(name: str, rank: int, halo_short_by: int = 0, layout_2x2: bool = False) -> str | None:
     """None if this rank's outputs and the ranks' summed parameter gradients are the one-process
-    model's within float64's bound, else why not."""
+    model's within float64's bound, else why not. ``layout_2x2``: 4 ranks, two replicas (ranks 0-1 and
+    2-3, each its own inputs) of the model sequence-parallel over 2 ranks, under DistributedDataParallel
+    over the replicas (ranks 0 and 2, 1 and 3): the gradients are the mean of the replicas' one-process ones."""
     from longformer_ops import distributed
 
     case = MODEL_CASES[name]
-    model, inputs = _model_and_inputs(name)
-    out = model(**inputs)
-    weights = _model_weights(name, out)
-    want_grads = torch.autograd.grad(_model_loss(case, out, weights, slice(None), 1), list(model.parameters()))
+    sequence_group = data_group = None
+    replicas = [0]
+    if layout_2x2:  # (every rank creates every group, in the same order)
+        sequence_group = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])][rank // 2]
+        data_group = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])][rank % 2]
+        replicas = [0, 1]
+    wants, replica_grads = [], []
+    for replica in replicas:
+        model, inputs = _model_and_inputs(name, replica)
+        out = model(**inputs)
+        weights = _model_weights(name, out)
+        replica_grads.append(torch.autograd.grad(_model_loss(case, out, weights, slice(None), 1),
+                                                 list(model.parameters())))
+        wants.append((inputs, out, weights))
+    want_grads = [sum(grads) / len(replicas) for grads in zip(*replica_grads)]
+    inputs, out, weights = wants[rank // 2 if layout_2x2 else 0]
 
-    rows = slice(sum(case.lengths[:rank]), sum(case.lengths[:rank + 1]))
-    distributed.sequence_parallel(model)
+    shard = rank % 2 if layout_2x2 else rank
+    rows = slice(sum(case.lengths[:shard]), sum(case.lengths[:shard + 1]))
+    runner = distributed.sequence_parallel(model, sequence_group)
+    if layout_2x2:
+        runner = torch.nn.parallel.DistributedDataParallel(model, process_group=data_group)
     plan_halo = distributed.plan_halo
     if halo_short_by:
         distributed.plan_halo = lambda lens, r, halo, *args: plan_halo(lens, r, halo - halo_short_by, *args)
     try:
-        mine = model(**{key: x[..., rows] if key in _SLICED or (key == "labels" and x.dim() == 2 and "Token" in
-                                                                case.task or "Masked" in case.task) else x
-                        for key, x in inputs.items()})
-        grads = torch.autograd.grad(_model_loss(case, mine, weights, rows, case.world), list(model.parameters()))
+        mine = runner(**{key: x[..., rows] if key in _SLICED or (key == "labels" and x.dim() == 2 and "Token" in
+                                                                 case.task or "Masked" in case.task) else x
+                         for key, x in inputs.items()})
+        loss = _model_loss(case, mine, weights, rows, len(case.lengths))
+        if layout_2x2:  # (DDP's gradients arrive in .grad, averaged over the replicas)
+            loss.backward()
+            grads = [parameter.grad for parameter in model.parameters()]
+        else:
+            grads = torch.autograd.grad(loss, list(model.parameters()))
     finally:
         distributed.plan_halo = plan_halo
-    for grad in grads:
-        dist.all_reduce(grad)
+    for grad in grads:  # the shares of the sequence's ranks
+        dist.all_reduce(grad, group=sequence_group)
     per_token, per_sequence = MODEL_OUTPUTS[case.task]
     try:
         for key in per_token:
@@ -350,6 +376,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             if case.world == world:
                 found[name] = _compare_model(name, rank)
                 found[f"{name} (halo one row short)"] = _compare_model(name, rank, halo_short_by=1)
+        if world == 4:
+            found["2x2"] = _compare_model(LAYOUT_2X2_CASE, rank, layout_2x2=True)
         if world == 2:
             for name in MODEL_REFUSALS:
                 found[f"refused: model {name}"] = _model_refusal(name, rank)
@@ -369,7 +397,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def ranks_found(tmp_path_factory):
     """{world size: [what each rank found]} after one spawn per world size."""
     found = {}
-    for world in sorted({case.world for case in (*CASES.values(), *MODEL_CASES.values())}):
+    for world in sorted({4, *(case.world for case in (*CASES.values(), *MODEL_CASES.values()))}):
         out = tmp_path_factory.mktemp(f"world{world}")
         context = mp.spawn(_worker, args=(world, str(out / "rendezvous"), str(out)), nprocs=world, join=False)
         deadline = time.monotonic() + DEADLINE_S
@@ -430,3 +458,11 @@ def test_sequence_parallel_refusals_raise_on_every_rank(ranks_found, name):
     for rank, found in enumerate(ranks_found[2]):
         assert re.search(message, found[f"refused: model {name}"]), f"{what}, rank {rank}: " \
                                                                     f"{found[f'refused: model {name}']!r}"
+
+
+def test_data_parallel_replicas_of_a_sequence_parallel_model(ranks_found):
+    """The 2 x 2 layout: DistributedDataParallel over replicas (each its own batch) of a model that is
+    sequence-parallel over 2 ranks. Each rank's gradients, summed over its sequence's ranks, are the
+    mean of the replicas' one-process gradients."""
+    for rank, found in enumerate(ranks_found[4]):
+        assert found["2x2"] is None, f"rank {rank}: {found['2x2']}"
