@@ -14,7 +14,11 @@ it on its slice of the input, global tokens included.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import inspect
+import pickle
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +30,36 @@ from longformer_ops import model as model_module
 from longformer_ops.attention import sliding_window_attention as _local_attention
 from longformer_ops.dropout import dropout_seed
 from longformer_ops.layer import GlobalTokens, LongformerSelfAttention, PoolingformerSelfAttention
+
+
+traffic: collections.Counter = collections.Counter()
+"""Bytes this process has sent through this module, by kind: ``halo`` (K and V rows), ``halo gradients``,
+``mask`` (key padding rows), ``sums`` (all-reduced tensors: the global tokens' rows and partial softmax
+sums, per-sequence outputs; counted once, a ring all-reduce sends about twice that), ``objects`` (the
+pickled lengths and arguments every call agrees on). ``traffic.clear()`` starts a count."""
+waited: collections.Counter = collections.Counter()
+"""Seconds this process has spent in this module's communication, by the same kinds as ``traffic``
+(waiting for the other ranks included)."""
+
+
+@contextlib.contextmanager
+def _counted(kind: str, sent: int):
+    traffic[kind] += sent
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        waited[kind] += time.perf_counter() - started
+
+
+def _all_gather_object(everyone: list, mine, group) -> None:
+    with _counted("objects", len(pickle.dumps(mine))):
+        dist.all_gather_object(everyone, mine, group=group)
+
+
+def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    with _counted("sums", tensor.numel() * tensor.element_size()):
+        dist.all_reduce(tensor, op=op, group=group)
 
 
 @dataclass(frozen=True)
@@ -85,16 +119,19 @@ def plan_halo(seq_lens: list[int], rank: int, halo: int, autoregressive: bool, g
 
 
 def _swap(plan: HaloPlan, first: torch.Tensor | None, last: torch.Tensor | None, from_previous: torch.Tensor | None,
-          from_next: torch.Tensor | None) -> None:
+          from_next: torch.Tensor | None, kind: str) -> None:
     """One round of point-to-point messages along dim 1: ``first`` to the previous rank, ``last`` to the
-    next, ``from_previous`` and ``from_next`` filled from them (None: nothing that way)."""
-    ops = []
+    next, ``from_previous`` and ``from_next`` filled from them (None: nothing that way); the bytes sent
+    counted in ``traffic[kind]``."""
+    ops, sent = [], 0
     for tensor, offset, send in ((first, -1, True), (last, 1, True), (from_previous, -1, False), (from_next, 1, False)):
         if tensor is not None and tensor.shape[1] > 0:
             ops.append(dist.P2POp(dist.isend if send else dist.irecv, tensor, plan.peer(offset), plan.group))
+            sent += tensor.numel() * tensor.element_size() if send else 0
     if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+        with _counted(kind, sent):
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
 
 
 class _HaloExchange(torch.autograd.Function):
@@ -110,7 +147,7 @@ class _HaloExchange(torch.autograd.Function):
         last = packed(k[:, n - plan.to_next:], v[:, n - plan.to_next:]) if plan.to_next else None
         received_before = k.new_empty(b, plan.before, kv_heads, 2 * f)
         received_after = k.new_empty(b, plan.after, kv_heads, 2 * f)
-        _swap(plan, first, last, received_before, received_after)
+        _swap(plan, first, last, received_before, received_after, "halo")
         k_all = torch.cat([received_before[..., :f], k, received_after[..., :f]], dim=1)
         v_all = torch.cat([received_before[..., f:], v, received_after[..., f:]], dim=1)
         return k_all, v_all
@@ -126,7 +163,7 @@ class _HaloExchange(torch.autograd.Function):
         to_next = grad[:, plan.before + n:].contiguous() if plan.after else None
         from_previous = grad.new_empty(grad.shape[0], plan.to_previous, *grad.shape[2:])
         from_next = grad.new_empty(grad.shape[0], plan.to_next, *grad.shape[2:])
-        _swap(plan, to_previous, to_next, from_previous, from_next)
+        _swap(plan, to_previous, to_next, from_previous, from_next, "halo gradients")
         own = grad[:, plan.before:plan.before + n].clone()
         own[:, :plan.to_previous] += from_previous
         own[:, n - plan.to_next:] += from_next
@@ -141,7 +178,7 @@ def _exchange_mask(plan: HaloPlan, mask: torch.Tensor) -> torch.Tensor:
     last = as_bytes[:, n - plan.to_next:].contiguous() if plan.to_next else None
     before = as_bytes.new_empty(b, plan.before, 1, 1)
     after = as_bytes.new_empty(b, plan.after, 1, 1)
-    _swap(plan, first, last, before, after)
+    _swap(plan, first, last, before, after, "mask")
     return torch.cat([before, as_bytes, after], dim=1)[..., 0, 0].bool()
 
 
@@ -187,8 +224,8 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         error = caught
     seed = int(dropout_seed()) if error is None and dropout_p > 0 else 0  # (rank 0's serves every rank)
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (None if error is None else f"{type(error).__name__}: {error}", described, seq_len,
-                                      halo, seed), group=group)
+    _all_gather_object(everyone, (None if error is None else f"{type(error).__name__}: {error}", described, seq_len,
+                                   halo, seed), group)
     rank = dist.get_rank(group)
     if error is not None:
         raise error
@@ -242,7 +279,7 @@ class _SumOverRanks(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         total = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, group=group)
+        _all_reduce(total, group)
         return total
 
     @staticmethod
@@ -271,7 +308,7 @@ class _Extent:
                                                                              - self.length])
         if x.is_floating_point():
             return _sum_over_ranks(placed, group)
-        dist.all_reduce(placed, group=group)
+        _all_reduce(placed, group)
         return placed
 
 
@@ -279,7 +316,7 @@ def _gather_from_ranks(group, batch: int, length: int, payload=None) -> tuple[_E
     """One ``all_gather_object``: this rank's extent, and every rank's first row and ``payload``. Raises
     ValueError on every rank when the ranks' batch sizes differ."""
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (batch, length, payload), group=group)
+    _all_gather_object(everyone, (batch, length, payload), group)
     batches = [entry[0] for entry in everyone]
     if len(set(batches)) > 1:
         raise ValueError(f"every rank must pass the same batch size (its slice of the same sequences): got {batches} "
@@ -385,7 +422,7 @@ class _SequenceParallelSelfAttention:
         b, n, h, g = scores.shape
         # Any shift common to the ranks gives the same result, so it needs no gradient.
         shift = scores.detach().amax(1) if n else scores.new_full((b, h, g), torch.finfo(scores.dtype).min)
-        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+        _all_reduce(shift, group, dist.ReduceOp.MAX)
         weights = torch.exp(scores - shift[:, None])
         total = _sum_over_ranks(weights.sum(1), group)                                         # [b, h, g]
         context = self._global_row_context(self._global_row_dropout(weights), hidden_states, through_weights)
@@ -456,7 +493,7 @@ def _token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, group) -> torch
     labels = labels.to(logits.device).reshape(-1)
     total = tasks.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels, reduction="sum")
     counted = (labels != -100).sum().to(total.dtype)
-    dist.all_reduce(counted, group=group)
+    _all_reduce(counted, group)
     return _sum_over_ranks(total, group) / counted
 
 
