@@ -406,6 +406,7 @@ class _SequenceParallelSelfAttention:
                                       for projection in (self.key, self.value))
             context = self._merge_global_keys(context, lse, q, key_slots, value_slots, slots.tokens, dropout_p,
                                               slots.extent.start)
+        del q, k, v  # (autograd keeps what its backward needs) before the global rows'
         context = context.masked_fill(is_padding[:, :, None, None], 0)
         if slots is not None:  # the global tokens' own rows replace their local ones
             global_context = self._global_rows_over_ranks(hidden_states, is_padding, slot_states, slots)

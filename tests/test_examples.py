@@ -126,3 +126,21 @@ def test_the_sequence_parallel_example_runs_under_torchrun():
                             capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("matches one process on the whole sequence") == 2, result.stdout
+
+
+def test_the_sequence_parallel_model_example_runs_under_torchrun():
+    """The README's first command, tiny: two ranks train a classifier on one document; rank 0's loss and
+    summed gradients match one process, and both ranks see the same loss at every step."""
+    import re
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "examples/sequence_parallel_model.py", "--seq-len", "150", "--layers", "2", "--hidden",
+                             "32", "--heads", "4", "--window", "4", "--steps", "2", "--check"],
+                            capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0: loss and gradients match one process on the whole document" in result.stdout, result.stdout
+    losses = re.findall(r"rank (\d)/2: step (\d), rows \d+\.\.\d+ of 150, loss ([0-9.]+)", result.stdout)
+    by_step = {step: {loss for _, s, loss in losses if s == step} for _, step, _ in losses}
+    assert len(losses) == 4 and all(len(seen) == 1 for seen in by_step.values()), result.stdout
