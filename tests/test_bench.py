@@ -561,3 +561,22 @@ def test_hf_attention_stub_keeps_the_projections_backward():
     hf_attention.runner(model, "stub", inputs, "training step")()
     assert model.layers[1].attn.Wqkv.weight.grad is not None  # (layer 1: a sliding layer)
     assert all(parameter.grad is not None for parameter in model.parameters())
+
+
+def test_distributed_bench_measures_one_process_and_two_ranks_and_writes(tmp_path):
+    """bench.distributed: a layer's training step in one process and on two gloo ranks (tiny length),
+    each rank's traffic counted (the halo: K and V rows forward, their gradients back), and its CSV,
+    table (with the fit summary) and plot written."""
+    from bench import distributed
+
+    one = distributed.measure("layer", 1, 600, 1, 240)
+    two = distributed.measure("layer", 2, 600, 1, 240)
+    assert one["status"] == "ok" and two["status"] == "ok", (one, two)
+    assert one["halo_kib_per_layer"] == 0 and one["peak_mib"] > 0
+    # Each rank sends its neighbour w = 256 rows of K and V (768 float32 each) and their gradients back.
+    assert two["halo_kib_per_layer"] == 2 * 2 * 256 * 768 * 4 / 1024 and two["other_kib_per_layer"] > 0
+    distributed.write([one, two], {"latency_us": 70.0, "bandwidth_gb_s": 1.5}, tmp_path, "test-distributed",
+                      "python -m bench.distributed --quick", "a test", budget_gib=4)
+    table = (tmp_path / "test-distributed.md").read_text()
+    assert "one process fits 600 tokens" in table and "two ranks 600" in table
+    assert "| layer | 2 | " in table and (tmp_path / "test-distributed.png").stat().st_size > 0

@@ -8,6 +8,11 @@ found; the tests read it. Refusals (a shard shorter than the halo a neighbour ne
 disagree on a shape, an argument one rank gets wrong) must raise on every rank, not hang. A halo one
 row short (the plan's ``halo`` less one) must fail the comparison. Dropout uses the whole sequence's
 mask: with the same ``torch.manual_seed``, the shards' results are the one-process call's.
+
+The model (``sequence_parallel``), in the same spawns: every task head on 2 or 3 ranks, global
+tokens at the borders, against the one-process model in float64 (outputs, and the parameter
+gradients summed over the ranks); one 4-rank spawn runs DistributedDataParallel over two replicas of
+a model sequence-parallel over two ranks each (the 2 x 2 layout).
 """
 
 from __future__ import annotations
@@ -414,16 +419,22 @@ def ranks_found(tmp_path_factory):
     return found
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_each_rank_gets_its_shard_of_the_one_process_result(ranks_found, name):
-    for rank, found in enumerate(ranks_found[CASES[name].world]):
-        assert found[name] is None, f"rank {rank} of case {name} {CASES[name]}: {found[name]}"
+ALL_CASES = {**CASES, **MODEL_CASES}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(ALL_CASES))
+def test_each_rank_gets_its_share_of_the_one_process_result(ranks_found, name):
+    """The attention: each rank's shard of the result, lse and gradients. The model: each rank's rows of
+    the per-token outputs, the whole per-sequence outputs (and loss), and the parameter gradients
+    summed over the ranks."""
+    for rank, found in enumerate(ranks_found[ALL_CASES[name].world]):
+        assert found[name] is None, f"rank {rank} of case {name} {ALL_CASES[name]}: {found[name]}"
+
+
+@pytest.mark.parametrize("name", list(ALL_CASES))
 def test_a_halo_one_row_short_fails(ranks_found, name):
-    """The injected fault: with the plan's halo one row short, some rank's shard differs."""
-    results = [found[f"{name} (halo one row short)"] for found in ranks_found[CASES[name].world]]
+    """The injected fault: with the plan's halo one row short, some rank's result differs."""
+    results = [found[f"{name} (halo one row short)"] for found in ranks_found[ALL_CASES[name].world]]
     assert any(result is not None for result in results), f"case {name}: a halo one row short went unnoticed"
 
 
@@ -434,20 +445,6 @@ def test_refusals_raise_on_every_rank(ranks_found, name):
 
     for rank, found in enumerate(ranks_found[world]):
         assert re.search(message, found[f"refused: {name}"]), f"{what}, rank {rank}: {found[f'refused: {name}']!r}"
-
-
-@pytest.mark.parametrize("name", list(MODEL_CASES))
-def test_the_sequence_parallel_model_matches_the_one_process_model(ranks_found, name):
-    """Each rank's per-token outputs are its rows of the one-process model's, its per-sequence ones
-    (and the loss) the whole model's; the parameter gradients summed over the ranks are the one-process ones."""
-    for rank, found in enumerate(ranks_found[MODEL_CASES[name].world]):
-        assert found[name] is None, f"rank {rank} of case {name} {MODEL_CASES[name]}: {found[name]}"
-
-
-@pytest.mark.parametrize("name", list(MODEL_CASES))
-def test_the_model_with_a_halo_one_row_short_fails(ranks_found, name):
-    results = [found[f"{name} (halo one row short)"] for found in ranks_found[MODEL_CASES[name].world]]
-    assert any(result is not None for result in results), f"case {name}: a halo one row short went unnoticed"
 
 
 @pytest.mark.parametrize("name", list(MODEL_REFUSALS))
