@@ -14,7 +14,7 @@ JOBS ?=
 # Extra arguments for the benchmark, e.g. BENCH_ARGS="--seq-lens 512,1024 --out /tmp/quick".
 BENCH_ARGS ?=
 
-.PHONY: setup kernels test bench info wheel gpu-check clean
+.PHONY: setup kernels test lint bench info wheel gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[build,test,bench]"
+	$(PY) -m pip install --quiet -e ".[build,test,bench,lint]"
 	touch $@
 
 kernels: setup
@@ -33,6 +33,12 @@ kernels: setup
 # A worker per core (pytest-xdist; conftest gives each one intra-op thread).
 test: setup
 	$(PY) -m pytest -n auto
+
+# ruff's lint and format check (configured in pyproject.toml) and mypy on the public API's modules.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 bench: kernels
 	$(PY) -m bench $(BENCH_ARGS)
@@ -46,10 +52,10 @@ wheel: setup
 	rm -rf build/lib* build/bdist.*
 	$(PY) -m pip wheel --no-deps -w dist .
 
-# On a machine with a CUDA GPU (and a CUDA build of torch: TORCH_SPEC=torch): the CUDA tests,
-# then every kernel under compute-sanitizer's memcheck and racecheck.
+# On a machine with a CUDA GPU (and a CUDA build of torch: TORCH_SPEC=torch): the tests marked
+# `gpu`, then every kernel under compute-sanitizer's memcheck and racecheck.
 gpu-check: setup
-	$(PY) -m pytest tests -k "cuda or layer or model"
+	$(PY) -m pytest tests -m gpu
 	compute-sanitizer --tool memcheck --error-exitcode 1 $(PY) tools/sanitize_cuda_kernels.py
 	compute-sanitizer --tool racecheck --error-exitcode 1 $(PY) tools/sanitize_cuda_kernels.py
 

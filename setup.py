@@ -4,12 +4,13 @@ The wheel carries the repository's ``prebuilt/`` as ``longformer_ops/prebuilt/``
 ``build_py`` copies it, rather than a ``package-dir`` mapping of ``longformer_ops.prebuilt``
 onto ``prebuilt/``, because the copy is the one place that can also refuse stale kernels, and
 because the editable install then needs nothing: it skips the copy and the loader finds
-``<repo>/prebuilt`` itself (see longformer_ops/_loader.py). The libraries are x86-64 Linux
+``<repo>/prebuilt`` itself (see longformer_ops/runtime/loader.py). The libraries are x86-64 Linux
 binaries that don't link libpython, so the wheel is tagged ``py3-none-<platform>``.
 """
 
 import importlib.util
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import Distribution, setup
@@ -19,8 +20,9 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).resolve().parent
 
 # By file path: importing the package would run longformer_ops/__init__.py, which needs torch.
-_spec = importlib.util.spec_from_file_location("_manifest", ROOT / "longformer_ops" / "_manifest.py")
+_spec = importlib.util.spec_from_file_location("_manifest", ROOT / "longformer_ops" / "runtime" / "manifest.py")
 _manifest = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _manifest  # its dataclasses look their module up there
 _spec.loader.exec_module(_manifest)
 
 
@@ -31,8 +33,10 @@ class BuildPyWithKernels(build_py):
             return
         problems = _manifest.problems(_manifest.DEFAULT_PREBUILT, _manifest.KERNEL_SOURCES)
         if problems:
-            raise SystemExit("prebuilt/ does not match tvm_kernels/; run `make kernels` (and commit prebuilt/) "
-                             "before building a wheel:\n  " + "\n  ".join(problems))
+            raise SystemExit(
+                "prebuilt/ does not match tvm_kernels/; run `make kernels` (and commit prebuilt/) "
+                "before building a wheel:\n  " + "\n  ".join(problems)
+            )
         target = Path(self.build_lib) / "longformer_ops" / _manifest.PACKAGED_PREBUILT_NAME
         shutil.rmtree(target, ignore_errors=True)  # nothing left from an earlier build
         shutil.copytree(_manifest.DEFAULT_PREBUILT, target, ignore=shutil.ignore_patterns("*.tmp*"))

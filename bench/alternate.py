@@ -19,7 +19,7 @@ the figure is the median of the per-round ratios. The switches:
   dropout kernel and torch's add;
 - ``all``: every switch above at once.
 
-Writes ``bench/results/<cpu>-<switch>.md``.
+Writes ``bench/results/<machine kind>/<cpu>-<switch>.md`` (``--out`` for another folder).
 """
 
 from __future__ import annotations
@@ -33,13 +33,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def _torch_ffn_forward(self, x):
     """``LongformerIntermediate.forward`` on torch's ops (the encoder's before the bias-GELU kernel)."""
-    from longformer_ops._output_cache import new_output
-    from longformer_ops.model import _ACTIVATE_IN_PLACE
+    from longformer_ops.models.model import _ACTIVATE_IN_PLACE
+    from longformer_ops.runtime.output_cache import new_output
 
     if torch.is_grad_enabled():
         return self.act(self.dense(x))
@@ -50,7 +48,7 @@ def _torch_ffn_forward(self, x):
 
 @contextlib.contextmanager
 def _torch_ffn():
-    from longformer_ops.model import LongformerIntermediate
+    from longformer_ops.models.model import LongformerIntermediate
 
     shipped = LongformerIntermediate.forward
     LongformerIntermediate.forward = _torch_ffn_forward
@@ -69,7 +67,7 @@ def _torch_residual_forward(self, h, x):
 
 @contextlib.contextmanager
 def _torch_residual():
-    from longformer_ops.model import _DenseResidualNorm
+    from longformer_ops.models.model import _DenseResidualNorm
 
     shipped = _DenseResidualNorm.forward
     _DenseResidualNorm.forward = _torch_residual_forward
@@ -80,27 +78,35 @@ def _torch_residual():
 
 
 @contextlib.contextmanager
-def _without_kernel(available: str):
-    """The encoder with ``kernels.<available>`` answering False: the callers' own fallback to torch's ops."""
-    from longformer_ops import kernels
+def _without_kernel(family: str):
+    """The encoder with ``kernels.available`` answering False for kernel ``family``: the callers' own
+    fallback to torch's ops."""
+    from longformer_ops.runtime import kernels
 
-    shipped = getattr(kernels, available)
-    setattr(kernels, available, lambda device, dtype: False)
+    shipped = kernels.available
+    kernels.available = lambda name, device, dtype: name != family and shipped(name, device, dtype)
     try:
         yield
     finally:
-        setattr(kernels, available, shipped)
+        kernels.available = shipped
 
 
 # switch -> (what it compares, a context manager putting torch's ops in its place)
 SWITCHES = {
     "ffn": ("The encoder's FFN: bias-GELU kernel against torch's addmm + GELU", _torch_ffn),
-    "global-merge": ("The layer's global-key merge: its kernels against torch's ops",
-                     functools.partial(_without_kernel, "global_merge_available")),
-    "layer-norm": ("The layer norms: our kernels against torch's layer_norm",
-                   functools.partial(_without_kernel, "layer_norm_available")),
-    "residual": ("The blocks' way back into the residual stream: the bias-dropout-residual kernel against "
-                 "torch's addmm, dropout and add", _torch_residual),
+    "global-merge": (
+        "The layer's global-key merge: its kernels against torch's ops",
+        functools.partial(_without_kernel, "global_merge"),
+    ),
+    "layer-norm": (
+        "The layer norms: our kernels against torch's layer_norm",
+        functools.partial(_without_kernel, "layer_norm"),
+    ),
+    "residual": (
+        "The blocks' way back into the residual stream: the bias-dropout-residual kernel against "
+        "torch's addmm, dropout and add",
+        _torch_residual,
+    ),
 }
 
 
@@ -116,7 +122,9 @@ def _torch_everywhere():
 SWITCHES["all"] = ("Every switch above at once: our kernels against torch's ops for all of them", _torch_everywhere)
 
 
-def alternate(switch: str, dtype: torch.dtype, backward: bool, rounds: int, seq_len: int = 4096) -> dict[str, list[float]]:
+def alternate(
+    switch: str, dtype: torch.dtype, backward: bool, rounds: int, seq_len: int = 4096
+) -> dict[str, list[float]]:
     """Seconds per pass of the bench's encoder as shipped ("ours") and with ``switch`` on torch's
     ops ("torch"), ``rounds`` rounds after a warm-up."""
     from bench import methods
@@ -142,23 +150,32 @@ def main(argv=None) -> None:
     parser.add_argument("--passes", default="forward,forward+backward")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench/results/<machine kind>)")
     args = parser.parse_args(argv)
-    from bench.machine import cpu_results_name, source_commit
+    from bench.machine import cpu_results_name, results_dir, source_commit
 
-    lines = [f"# {SWITCHES[args.switch][0]} ({cpu_results_name()})", "",
-             f"Command: `python -m bench.alternate --switch {args.switch} --dtypes {args.dtypes} --passes {args.passes} "
-             f"--rounds {args.rounds} --seq-len {args.seq_len}` (commit {source_commit()}, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads). Base encoder, n = {args.seq_len}, batch 1, token 0 global; one "
-             "process, the two alternating, seconds per pass.", "",
-             "| dtype | pass | ours (s) | torch's (s) | median ours / torch's |", "|---|---|---|---|---:|"]
+    args.out = args.out or results_dir()
+    lines = [
+        f"# {SWITCHES[args.switch][0]} ({cpu_results_name()})",
+        "",
+        f"Command: `python -m bench.alternate --switch {args.switch} --dtypes {args.dtypes} --passes {args.passes} "
+        f"--rounds {args.rounds} --seq-len {args.seq_len}` (commit {source_commit()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads). Base encoder, n = {args.seq_len}, batch 1, token 0 global; one "
+        "process, the two alternating, seconds per pass.",
+        "",
+        "| dtype | pass | ours (s) | torch's (s) | median ours / torch's |",
+        "|---|---|---|---|---:|",
+    ]
     for dtype in args.dtypes.split(","):
         for pass_ in args.passes.split(","):
-            times = alternate(args.switch, getattr(torch, dtype), pass_ == "forward+backward", args.rounds, args.seq_len)
+            times = alternate(
+                args.switch, getattr(torch, dtype), pass_ == "forward+backward", args.rounds, args.seq_len
+            )
             ratio = statistics.median(o / t for o, t in zip(times["ours"], times["torch"]))
             cells = [" ".join(f"{t:.2f}" for t in times[name]) for name in ("ours", "torch")]
             lines.append(f"| {dtype} | {pass_} | {cells[0]} | {cells[1]} | {ratio:.3f} |")
             print(lines[-1], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{cpu_results_name()}-{args.switch}.md"
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")

@@ -15,7 +15,8 @@ parameters and inputs are made before), and the bytes each rank sent per layer
 (``longformer_ops.distributed.traffic``). Then gloo's loopback latency and bandwidth (a 2-rank ping-pong)
 for the scaling model in ``bench/README.md``.
 
-Writes ``<out>/<cpu>-distributed.csv``, ``.md`` and ``.png``.
+Writes ``<out>/<cpu>-distributed.csv``, ``.md`` and ``.png`` (``<out>``: ``bench/results/<machine kind>/``
+unless ``--out`` names another).
 """
 
 from __future__ import annotations
@@ -40,8 +41,20 @@ from tqdm import tqdm
 HIDDEN, HEADS, W, LAYERS = 768, 12, 256, 12
 WARM_UP_TOKENS = 2048
 WORKLOADS = ("layer", "model")
-COLUMNS = ["workload", "ranks", "threads_per_rank", "seq_len", "time_s", "us_per_token", "peak_mib",
-           "halo_kib_per_layer", "other_kib_per_layer", "communication_share", "status", "reason"]
+COLUMNS = [
+    "workload",
+    "ranks",
+    "threads_per_rank",
+    "seq_len",
+    "time_s",
+    "us_per_token",
+    "peak_mib",
+    "halo_kib_per_layer",
+    "other_kib_per_layer",
+    "communication_share",
+    "status",
+    "reason",
+]
 GLOO_TIMEOUT_S = 300
 
 
@@ -57,9 +70,13 @@ def _model(workload: str, seq_len: int):
 
     # The layer workload never reads the position table: the default size. The model's covers the sequence.
     positions = seq_len + 2 if workload == "model" else 4098
-    config = longformer_ops.LongformerConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, attention_window=W,
-                                             num_hidden_layers=1 if workload == "layer" else LAYERS,
-                                             max_position_embeddings=positions)
+    config = longformer_ops.LongformerConfig(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        attention_window=W,
+        num_hidden_layers=1 if workload == "layer" else LAYERS,
+        max_position_embeddings=positions,
+    )
     return longformer_ops.LongformerModel(config, add_pooling_layer=False).train()
 
 
@@ -96,8 +113,13 @@ def _rank(rank: int, ranks: int, init_file: str, point: dict, out_dir: str) -> N
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if ranks > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks,
-                                timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=ranks,
+            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
+        )
     import longformer_ops
     from longformer_ops import distributed
 
@@ -122,10 +144,15 @@ def _rank(rank: int, ranks: int, init_file: str, point: dict, out_dir: str) -> N
         times.append(time.perf_counter() - started)
     layers = len(model.encoder.layer)
     per_layer = {kind: sent / point["steps"] / layers for kind, sent in distributed.traffic.items()}
-    result = {"time_s": statistics.median(times), "peak_mib": (_rss_bytes("VmHWM") - before) / 2**20,
-              "traffic": per_layer, "communication_share": sum(distributed.waited.values()) / sum(times),
-              "waited_ms_per_layer": {kind: 1e3 * spent / point["steps"] / layers for kind, spent in
-                                      distributed.waited.items()}}
+    result = {
+        "time_s": statistics.median(times),
+        "peak_mib": (_rss_bytes("VmHWM") - before) / 2**20,
+        "traffic": per_layer,
+        "communication_share": sum(distributed.waited.values()) / sum(times),
+        "waited_ms_per_layer": {
+            kind: 1e3 * spent / point["steps"] / layers for kind, spent in distributed.waited.items()
+        },
+    }
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     if ranks > 1:
         dist.destroy_process_group()
@@ -158,8 +185,14 @@ def _spawn(target, ranks: int, args: tuple, timeout_s: float) -> str:
 
 def measure(workload: str, ranks: int, seq_len: int, steps: int, timeout_s: float) -> dict:
     point = {"workload": workload, "seq_len": seq_len, "steps": steps}
-    row = {"workload": workload, "ranks": ranks, "threads_per_rank": max(1, (os.cpu_count() or 1) // ranks),
-           "seq_len": seq_len, "status": "ok", "reason": ""}
+    row = {
+        "workload": workload,
+        "ranks": ranks,
+        "threads_per_rank": max(1, (os.cpu_count() or 1) // ranks),
+        "seq_len": seq_len,
+        "status": "ok",
+        "reason": "",
+    }
     with tempfile.TemporaryDirectory() as out:
         failure = _spawn(_rank, ranks, (point, out), timeout_s)
         if failure:
@@ -168,18 +201,24 @@ def measure(workload: str, ranks: int, seq_len: int, steps: int, timeout_s: floa
     time_s = max(entry["time_s"] for entry in found)
     traffic = max(found, key=lambda entry: sum(entry["traffic"].values()))["traffic"]
     halo = sum(sent for kind, sent in traffic.items() if kind.startswith("halo"))
-    return {**row, "time_s": time_s, "us_per_token": time_s / seq_len * 1e6,
-            "peak_mib": max(entry["peak_mib"] for entry in found), "halo_kib_per_layer": halo / 1024,
-            "other_kib_per_layer": (sum(traffic.values()) - halo) / 1024,
-            "communication_share": max(entry["communication_share"] for entry in found),
-            "waited_ms_per_layer": [entry["waited_ms_per_layer"] for entry in found]}
+    return {
+        **row,
+        "time_s": time_s,
+        "us_per_token": time_s / seq_len * 1e6,
+        "peak_mib": max(entry["peak_mib"] for entry in found),
+        "halo_kib_per_layer": halo / 1024,
+        "other_kib_per_layer": (sum(traffic.values()) - halo) / 1024,
+        "communication_share": max(entry["communication_share"] for entry in found),
+        "waited_ms_per_layer": [entry["waited_ms_per_layer"] for entry in found],
+    }
 
 
 def _ping_pong(rank: int, ranks: int, init_file: str, out_dir: str) -> None:
     """Round trips of an 8-byte and a 16 MiB message between two ranks: one-way latency and bandwidth."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks, timeout=datetime.timedelta(seconds=60)
+    )
     found = {}
     for size, repeats in ((8, 200), (16 * 2**20, 10)):
         message = torch.zeros(size // 4)
@@ -215,21 +254,30 @@ def summary(rows: list[dict], budget_gib: float) -> list[str]:
     for workload in WORKLOADS:
         fitted = {}
         for ranks in sorted({row["ranks"] for row in rows}):
-            ok = [row for row in rows if row["workload"] == workload and row["ranks"] == ranks and row["status"] == "ok"
-                  and row["peak_mib"] <= budget_gib * 1024]
+            ok = [
+                row
+                for row in rows
+                if row["workload"] == workload
+                and row["ranks"] == ranks
+                and row["status"] == "ok"
+                and row["peak_mib"] <= budget_gib * 1024
+            ]
             if ok:
                 fitted[ranks] = max(ok, key=lambda row: row["seq_len"])
         if 1 in fitted and 2 in fitted:
             one, two = fitted[1], fitted[2]
-            lines.append(f"- **{workload}**: one process fits {one['seq_len']} tokens ({one['us_per_token']:.1f} us "
-                         f"per token), two ranks {two['seq_len']} ({two['seq_len'] / one['seq_len']:.0f}x, "
-                         f"{two['us_per_token']:.1f} us per token: **{two['us_per_token'] / one['us_per_token']:.2f}x** "
-                         f"the one process's time per token)")
+            lines.append(
+                f"- **{workload}**: one process fits {one['seq_len']} tokens ({one['us_per_token']:.1f} us "
+                f"per token), two ranks {two['seq_len']} ({two['seq_len'] / one['seq_len']:.0f}x, "
+                f"{two['us_per_token']:.1f} us per token: **{two['us_per_token'] / one['us_per_token']:.2f}x** "
+                f"the one process's time per token)"
+            )
     return lines
 
 
-def write(rows: list[dict], network: dict | None, out: Path, name: str, command: str, provenance: str,
-          budget_gib: float) -> None:
+def write(
+    rows: list[dict], network: dict | None, out: Path, name: str, command: str, provenance: str, budget_gib: float
+) -> None:
     import csv
 
     out.mkdir(parents=True, exist_ok=True)
@@ -237,27 +285,40 @@ def write(rows: list[dict], network: dict | None, out: Path, name: str, command:
         writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    lines = [f"# Sequence parallelism: one process against two ranks ({name})", "",
-             f"`{command}` ({provenance}). See `bench/distributed.py` for what is measured; the scaling model "
-             f"built on these figures is in `bench/README.md`.", "",
-             f"Budget: {budget_gib:g} GiB of peak memory per rank (a rank stands for a machine).", "",
-             *summary(rows, budget_gib), "",
-             "| workload | ranks | threads per rank | seq_len | time per step (s) | us per token | peak per rank "
-             "(MiB) | halo KiB per layer and rank | other KiB per layer and rank | in communication |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Sequence parallelism: one process against two ranks ({name})",
+        "",
+        f"`{command}` ({provenance}). See `bench/distributed.py` for what is measured; the scaling model "
+        f"built on these figures is in `bench/README.md`.",
+        "",
+        f"Budget: {budget_gib:g} GiB of peak memory per rank (a rank stands for a machine).",
+        "",
+        *summary(rows, budget_gib),
+        "",
+        "| workload | ranks | threads per rank | seq_len | time per step (s) | us per token | peak per rank "
+        "(MiB) | halo KiB per layer and rank | other KiB per layer and rank | in communication |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         if row["status"] != "ok":
-            lines.append(f"| {row['workload']} | {row['ranks']} | {row['threads_per_rank']} | {row['seq_len']} | "
-                         f"{row['status']}: {row['reason']} | | | | | |")
+            lines.append(
+                f"| {row['workload']} | {row['ranks']} | {row['threads_per_rank']} | {row['seq_len']} | "
+                f"{row['status']}: {row['reason']} | | | | | |"
+            )
             continue
         over = " (over the budget)" if row["peak_mib"] > budget_gib * 1024 else ""
-        lines.append(f"| {row['workload']} | {row['ranks']} | {row['threads_per_rank']} | {row['seq_len']} | "
-                     f"{row['time_s']:.2f} | {row['us_per_token']:.1f} | {row['peak_mib']:.0f} | "
-                     f"{row['halo_kib_per_layer']:.0f} | {row['other_kib_per_layer']:.1f} | "
-                     f"{row['communication_share']:.1%} |")
+        lines.append(
+            f"| {row['workload']} | {row['ranks']} | {row['threads_per_rank']} | {row['seq_len']} | "
+            f"{row['time_s']:.2f} | {row['us_per_token']:.1f} | {row['peak_mib']:.0f}{over} | "
+            f"{row['halo_kib_per_layer']:.0f} | {row['other_kib_per_layer']:.1f} | "
+            f"{row['communication_share']:.1%} |"
+        )
     if network:
-        lines += ["", f"gloo over loopback (2 ranks, ping-pong): {network['latency_us']:.0f} us one way for 8 bytes, "
-                      f"{network['bandwidth_gb_s']:.2f} GB/s for 16 MiB."]
+        lines += [
+            "",
+            f"gloo over loopback (2 ranks, ping-pong): {network['latency_us']:.0f} us one way for 8 bytes, "
+            f"{network['bandwidth_gb_s']:.2f} GB/s for 16 MiB.",
+        ]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out / f"{name}.png", name)
 
@@ -273,7 +334,9 @@ def _plot(rows: list[dict], path: Path, name: str) -> None:
     figure, (timing, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
     for workload, marker in zip(WORKLOADS, "os", strict=True):
         for ranks, style in ((1, "-"), (2, "--")):
-            ok = [row for row in rows if row["workload"] == workload and row["ranks"] == ranks and row["status"] == "ok"]
+            ok = [
+                row for row in rows if row["workload"] == workload and row["ranks"] == ranks and row["status"] == "ok"
+            ]
             if not ok:
                 continue
             label = f"{workload}, {'one process' if ranks == 1 else f'{ranks} ranks'}"
@@ -290,7 +353,7 @@ def _plot(rows: list[dict], path: Path, name: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.distributed", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench/results/<machine kind>)")
     parser.add_argument("--name", default=None, help="results' file name (default: <cpu>-distributed)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {','.join(WORKLOADS)}")
     parser.add_argument("--start", default="layer:8192,model:2048", help="each workload's first length")
@@ -303,8 +366,9 @@ def main(argv=None) -> int:
     if not workloads or set(workloads) - set(WORKLOADS):
         parser.error(f"--workloads: choose from {','.join(WORKLOADS)}, got {args.workloads!r}")
     starts = dict((key, int(value)) for key, value in (item.split(":") for item in args.start.split(",")))
-    from bench.machine import cpu_results_name, default_cpu_memory_budget_bytes, source_commit
+    from bench.machine import cpu_results_name, default_cpu_memory_budget_bytes, results_dir, source_commit
 
+    args.out = args.out or results_dir()
     name = args.name or f"{cpu_results_name()}-distributed"
     command = "python -m bench.distributed " + shlex.join(sys.argv[1:] if argv is None else argv)
     provenance = f"commit {source_commit()}, {datetime.date.today()}, torch {torch.__version__}, {cpu_results_name()}"
@@ -319,8 +383,16 @@ def main(argv=None) -> int:
                 # Each rank count runs up to its first length over the budget: measured, not predicted,
                 # unless twice the last peak (memory grows about linearly in n) would not fit the machine.
                 if ranks in last and last[ranks]["peak_mib"] * 2**20 * 2 * ranks > safe:
-                    rows.append({"workload": workload, "ranks": ranks, "threads_per_rank": "", "seq_len": seq_len,
-                                 "status": "skipped", "reason": "predicted past this machine's memory"})
+                    rows.append(
+                        {
+                            "workload": workload,
+                            "ranks": ranks,
+                            "threads_per_rank": "",
+                            "seq_len": seq_len,
+                            "status": "skipped",
+                            "reason": "predicted past this machine's memory",
+                        }
+                    )
                     open_ranks.remove(ranks)
                     continue
                 row = measure(workload, ranks, seq_len, args.steps, args.timeout)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from longformer_ops import kernels
+from longformer_ops.runtime import kernels
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEADS = 12
@@ -50,30 +50,42 @@ def _calls(dtype: torch.dtype, rows: int, hidden: int, ffn: int, globals_: int, 
     grad_lse, dilation = torch.randn(1, rows, HEADS, generator=generator), kernels.dilation_argument((1,) * HEADS)
     device = torch.device("cpu")
     # The layer norm's backward takes its forward's row statistics (where the library has it).
-    _, mean, rstd = kernels.layer_norm(x, weight, bias, 1e-5) if kernels.layer_norm_available(device, dtype) else (
-        None, None, None)
+    _, mean, rstd = (
+        kernels.layer_norm(x, weight, bias, 1e-5)
+        if kernels.available("layer_norm", device, dtype)
+        else (None, None, None)
+    )
     groups = {
-        kernels.bias_gelu_available: {
+        "bias_gelu": {
             "bias_gelu": lambda: kernels.bias_gelu(h, ffn_bias),
-            "bias_gelu_backward": lambda: kernels.bias_gelu_backward(grad_h, h, ffn_bias)},
-        kernels.dropout_available: {
+            "bias_gelu_backward": lambda: kernels.bias_gelu_backward(grad_h, h, ffn_bias),
+        },
+        "dropout": {
             "dropout (ffn wide)": lambda: kernels.dropout(h, seed, 0.1),
-            "dropout_column_sums": lambda: kernels.dropout_column_sums(x, seed, 0.1)},
-        kernels.bias_dropout_add_available: {
-            "bias_dropout_add": lambda: kernels.bias_dropout_add(x, bias, residual, seed, 0.1)},
-        kernels.layer_norm_available: {
+            "dropout_column_sums": lambda: kernels.dropout_column_sums(x, seed, 0.1),
+        },
+        "bias_dropout_add": {"bias_dropout_add": lambda: kernels.bias_dropout_add(x, bias, residual, seed, 0.1)},
+        "layer_norm": {
             "layer_norm": lambda: kernels.layer_norm(x, weight, bias, 1e-5),
-            "layer_norm_backward": lambda: kernels.layer_norm_backward(residual, x, weight, mean, rstd)},
-        kernels.global_merge_available: {
+            "layer_norm_backward": lambda: kernels.layer_norm_backward(residual, x, weight, mean, rstd),
+        },
+        "global_merge": {
             "global_merge": lambda: kernels.global_merge(context, a, omega, values),
-            "global_merge_backward": lambda: kernels.global_merge_backward(grad_merged, context, values, a)},
-        kernels.band_softmax_available: {
+            "global_merge_backward": lambda: kernels.global_merge_backward(grad_merged, context, values, a),
+        },
+        "band_softmax": {
             "band_softmax_": lambda: kernels.band_softmax_(band, None, window, dilation, False),
-            "band_softmax_backward": lambda: kernels.band_softmax_backward(band, grad_band, grad_lse, window, dilation,
-                                                                           False)},
+            "band_softmax_backward": lambda: kernels.band_softmax_backward(
+                band, grad_band, grad_lse, window, dilation, False
+            ),
+        },
     }
-    return {name: call for available, calls in groups.items() if available(device, dtype)
-            for name, call in calls.items()}
+    return {
+        name: call
+        for family, calls in groups.items()
+        if kernels.available(family, device, dtype)
+        for name, call in calls.items()
+    }
 
 
 def measure(rows: int, hidden: int, ffn: int, globals_: int, window: int, rounds: int) -> dict[str, dict]:
@@ -96,9 +108,13 @@ def measure(rows: int, hidden: int, ffn: int, globals_: int, window: int, rounds
     results = {}
     for name in names:
         base = times[(name, torch.float32)]
-        results[name] = {dtype: (statistics.median(times[(name, dtype)]),
-                                 statistics.median(t / b for t, b in zip(times[(name, dtype)], base)))
-                         for dtype in DTYPES}
+        results[name] = {
+            dtype: (
+                statistics.median(times[(name, dtype)]),
+                statistics.median(t / b for t, b in zip(times[(name, dtype)], base)),
+            )
+            for dtype in DTYPES
+        }
     return results
 
 
@@ -116,9 +132,11 @@ def main(argv=None) -> int:
     if args.window < 0:
         parser.error(f"--window must be >= 0, got {args.window}")
     results = measure(args.rows, args.hidden, args.ffn, args.globals_, args.window, args.rounds)
-    print(f"Elementwise kernels, {args.rows} rows, hidden {args.hidden}, FFN {args.ffn}, {args.globals_} global "
-          f"tokens, band softmax w = {args.window}, {torch.get_num_threads()} threads (medians of {args.rounds} "
-          f"rounds; in brackets the median per-round ratio to float32):\n")
+    print(
+        f"Elementwise kernels, {args.rows} rows, hidden {args.hidden}, FFN {args.ffn}, {args.globals_} global "
+        f"tokens, band softmax w = {args.window}, {torch.get_num_threads()} threads (medians of {args.rounds} "
+        f"rounds; in brackets the median per-round ratio to float32):\n"
+    )
     print("| kernel | float32 ms | bfloat16 ms | float16 ms |\n|---|---:|---:|---:|")
     for name, by_dtype in results.items():
         cells = [f"{by_dtype[torch.float32][0] * 1e3:.2f}"]

@@ -23,7 +23,7 @@ from unittest import mock
 
 import torch
 
-from longformer_ops import dense
+from longformer_ops.nn import dense
 
 HEADS, HEAD_DIM = 12, 64
 
@@ -37,8 +37,10 @@ def products(dtype: torch.dtype, keys: int, layers: int, rounds: int) -> dict[st
     """Median milliseconds per step of each way (see the module docstring)."""
     query = torch.randn(HEADS, 1, HEAD_DIM).to(dtype)
     probs = torch.softmax(torch.randn(HEADS, 1, keys), -1).to(dtype)
-    caches = [(torch.randn(HEADS, keys, HEAD_DIM).to(dtype), torch.randn(HEADS, keys, HEAD_DIM).to(dtype))
-              for _ in range(layers)]
+    caches = [
+        (torch.randn(HEADS, keys, HEAD_DIM).to(dtype), torch.randn(HEADS, keys, HEAD_DIM).to(dtype))
+        for _ in range(layers)
+    ]
     wide = [(k.float(), v.float()) for k, v in caches]
 
     def step(query, probs, caches):
@@ -55,13 +57,16 @@ def products(dtype: torch.dtype, keys: int, layers: int, rounds: int) -> dict[st
 
     def under_autocast(kernels: bool):
         """A float32 model generating under autocast to ``dtype``: float32 caches."""
-        with torch.autocast("cpu", dtype), (contextlib.nullcontext() if kernels else _without_kernels()):
+        with torch.autocast("cpu", dtype), contextlib.nullcontext() if kernels else _without_kernels():
             float32_step()
 
-    ways = {"few-row kernels": lambda: step(query, probs, caches), "float32 path": float32_path,
-            "float32 bmm, float32 caches": float32_step,
-            "autocast, float32 caches: few-row kernels": lambda: under_autocast(True),
-            "autocast, float32 caches: float32 path": lambda: under_autocast(False)}
+    ways = {
+        "few-row kernels": lambda: step(query, probs, caches),
+        "float32 path": float32_path,
+        "float32 bmm, float32 caches": float32_step,
+        "autocast, float32 caches: few-row kernels": lambda: under_autocast(True),
+        "autocast, float32 caches: float32 path": lambda: under_autocast(False),
+    }
     samples = {name: [] for name in ways}
     for round_index in range(rounds + 1):
         names = list(ways) if round_index % 2 else list(reversed(ways))
@@ -83,11 +88,14 @@ def led_generation(dtype: str, rounds: int) -> dict[str, list[float]]:
     for model_dtype in ("float32", dtype):
         models[model_dtype], inputs = hf_model.build(4096, 6, model_dtype, "led")
         hf.patch(models[model_dtype])
-    ways = {"float32": ("float32", contextlib.nullcontext), f"{dtype}, few-row kernels": (dtype, contextlib.nullcontext),
-            f"{dtype}, float32 path": (dtype, _without_kernels)}
+    ways = {
+        "float32": ("float32", contextlib.nullcontext),
+        f"{dtype}, few-row kernels": (dtype, contextlib.nullcontext),
+        f"{dtype}, float32 path": (dtype, _without_kernels),
+    }
     seconds = {name: [] for name in ways}
     for round_index in range(rounds + 1):
-        for name in (list(ways) if round_index % 2 else list(reversed(ways))):
+        for name in list(ways) if round_index % 2 else list(reversed(ways)):
             model_dtype, context = ways[name]
             run = hf_model.runner(models[model_dtype], inputs, "generation")
             with context():
@@ -109,10 +117,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if not dense.computes_in_float32(dtype, "cpu"):
-        print(f"note: torch has a {args.dtype} GEMM on this CPU; the few-row kernels serve only where it has none",
-              file=sys.stderr)
-    print(f"One step's attention products, {args.layers} layers, 1 query row x {args.keys} keys, {HEADS} heads x "
-          f"{HEAD_DIM}, {args.dtype} caches, {torch.get_num_threads()} threads (median of {args.rounds} rounds):\n")
+        print(
+            f"note: torch has a {args.dtype} GEMM on this CPU; the few-row kernels serve only where it has none",
+            file=sys.stderr,
+        )
+    print(
+        f"One step's attention products, {args.layers} layers, 1 query row x {args.keys} keys, {HEADS} heads x "
+        f"{HEAD_DIM}, {args.dtype} caches, {torch.get_num_threads()} threads (median of {args.rounds} rounds):\n"
+    )
     print("| way | ms per step |\n|---|---:|")
     for name, ms in products(dtype, args.keys, args.layers, args.rounds).items():
         print(f"| {name} | {ms:.2f} |")

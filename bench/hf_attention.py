@@ -16,7 +16,7 @@ Three attention implementations for the same weights:
 - ``sdpa``: transformers' own, as every model runs its sliding layers on a CPU: a dense ``n x n``
   mask per sliding layer;
 - ``longformer_ops``: the sliding layers on our fused local-attention kernels
-  (:mod:`longformer_ops.hf_attention`), the full layers on sdpa;
+  (:mod:`longformer_ops.hf.attention`), the full layers on sdpa;
 - ``stub``: the sliding layers' attention replaced by one that costs nothing (zeros of the output's
   shape, and in a backward zero gradients for the query, key and value, so that the projections'
   backward still runs), the full layers on sdpa: every other cost unchanged, the lower bound for any
@@ -46,7 +46,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
 METHODS = ("sdpa", "longformer_ops", "stub")
 MODELS = {"modernbert": ("ModernBERT-base", 22), "gemma3": ("Gemma-3-1B-like", 6)}  # (title, default layers)
 PASSES = {"forward": "forward", "training step": "forward+backward", "decode": "decode"}
@@ -74,7 +73,7 @@ def _stub_attention(module, query, key, value, attention_mask, sliding_window=No
     """Zero-cost attention for the sliding layers (:class:`_FreeAttention`); the full layers as
     "longformer_ops" runs them (sdpa)."""
     if sliding_window is None:
-        from longformer_ops.hf_attention import attention_forward
+        from longformer_ops.hf.attention import attention_forward
 
         return attention_forward(module, query, key, value, attention_mask, **kwargs)
     return _FreeAttention.apply(query, key, value), None
@@ -85,18 +84,28 @@ def _config(model: str, layers: int, seq_len: int):
 
     if model == "modernbert":
         return transformers.ModernBertModel, transformers.ModernBertConfig(
-            num_hidden_layers=layers, max_position_embeddings=max(seq_len, 8192))
+            num_hidden_layers=layers, max_position_embeddings=max(seq_len, 8192)
+        )
     return transformers.Gemma3TextModel, transformers.Gemma3TextConfig(
-        vocab_size=32768, hidden_size=1152, intermediate_size=6912, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=256, sliding_window=512, max_position_embeddings=max(seq_len, 32768),
-        layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(layers)])
+        vocab_size=32768,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        sliding_window=512,
+        max_position_embeddings=max(seq_len, 32768),
+        layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(layers)],
+    )
 
 
 def build(seq_len: int, layers: int, dtype: str, model_name: str = "modernbert"):
     """``model_name`` with ``layers`` layers, random weights, and ``seq_len`` random token ids."""
     import transformers
 
-    from longformer_ops import hf, hf_attention
+    from longformer_ops import hf
+    from longformer_ops.hf import attention as hf_attention
 
     hf.register()
     transformers.AttentionInterface.register("stub", _stub_attention)
@@ -153,15 +162,22 @@ def _decoder(model, method: str, inputs: dict, tokens: int):
         with torch.no_grad():
             for i in range(tokens):
                 mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)
-                model(input_ids=next_ids[i], attention_mask=mask, past_key_values=state["cache"], use_cache=True,
-                      cache_position=torch.tensor([n + i]))
+                model(
+                    input_ids=next_ids[i],
+                    attention_mask=mask,
+                    past_key_values=state["cache"],
+                    use_cache=True,
+                    cache_position=torch.tensor([n + i]),
+                )
 
     decode.prepare = prepare
     return decode
 
 
 def _prefix(inputs: dict) -> dict:
-    return {key: value[:, :WARM_UP_TOKENS] if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
+    return {
+        key: value[:, :WARM_UP_TOKENS] if isinstance(value, torch.Tensor) else value for key, value in inputs.items()
+    }
 
 
 def _prepared_calls(seq_len: int, layers: int, dtype: str, method: str, step: str, model_name: str):
@@ -182,14 +198,24 @@ def peak_mib(seq_len: int, layers: int, dtype: str, method: str, step: str, mode
     return peak_of_call_mib(_prepared_calls, seq_len, layers, dtype, method, step, model_name)
 
 
-def time_rounds(seq_len: int, layers: int, dtype: str, step: str, rounds: int,
-                model_name: str = "modernbert", decode_tokens: int = DECODE_TOKENS) -> dict[str, float]:
+def time_rounds(
+    seq_len: int,
+    layers: int,
+    dtype: str,
+    step: str,
+    rounds: int,
+    model_name: str = "modernbert",
+    decode_tokens: int = DECODE_TOKENS,
+) -> dict[str, float]:
     """Median seconds of each method's call, over ``rounds`` shuffled rounds on the same weights."""
     model, inputs = build(seq_len, layers, dtype, model_name)
     calls = {method: runner(model, method, inputs, step, decode_tokens) for method in METHODS}
     for method in METHODS:  # warm-up on a short prefix: libraries load
-        warm_up = (runner(model, method, inputs, step, 2) if step == "decode"  # (two steps)
-                   else runner(model, method, _prefix(inputs), step))
+        warm_up = (
+            runner(model, method, inputs, step, 2)
+            if step == "decode"  # (two steps)
+            else runner(model, method, _prefix(inputs), step)
+        )
         getattr(warm_up, "prepare", lambda: None)()
         warm_up()
     samples = {method: [] for method in METHODS}
@@ -264,7 +290,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, help="default: the model's (modernbert 22, gemma3 6)")
     parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help="decode steps per call of 'decode'")
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory probes")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench/results/<machine kind>)")
     parser.add_argument("--plot", type=Path, metavar="CSV", help="only draw CSV's plot (beside it, .png) and exit")
     args = parser.parse_args(argv)
     if args.plot is not None:
@@ -284,40 +310,56 @@ def main(argv=None) -> int:
     title, default_layers = MODELS[args.model]
     args.layers = args.layers or default_layers
     random.seed(0)
-    from bench.machine import cpu_results_name, source_commit
+    from bench.machine import cpu_results_name, results_dir, source_commit
+
+    args.out = args.out or results_dir()
 
     rows = []
     for step in passes:
         for n in seq_lens:
             print(f"{step}, n = {n}: memory ...", file=sys.stderr)
             skip_memory = args.no_memory or step == "decode"
-            peaks = {m: ("-" if skip_memory else peak_mib(n, args.layers, args.dtype, m, step, args.model))
-                     for m in METHODS}
+            peaks = {
+                m: ("-" if skip_memory else peak_mib(n, args.layers, args.dtype, m, step, args.model)) for m in METHODS
+            }
             print(f"{step}, n = {n}: {args.rounds} rounds ...", file=sys.stderr)
             times = time_rounds(n, args.layers, args.dtype, step, args.rounds, args.model, args.decode_tokens)
             tokens = args.decode_tokens if step == "decode" else n
-            rows.append(dict(step=PASSES[step], n=n, tokens=tokens, **{f"{m} s": times[m] for m in METHODS},
-                             **{f"{m} MiB": peaks[m] for m in METHODS}))
+            rows.append(
+                dict(
+                    step=PASSES[step],
+                    n=n,
+                    tokens=tokens,
+                    **{f"{m} s": times[m] for m in METHODS},
+                    **{f"{m} MiB": peaks[m] for m in METHODS},
+                )
+            )
             print("  " + ", ".join(f"{m} {times[m]:.2f} s" for m in METHODS), file=sys.stderr)
     name = f"{cpu_results_name()}-hf-{args.model}" + ("" if args.dtype == "float32" else f"-{args.dtype}")
     mib = lambda value: value if isinstance(value, str) else f"{value:.0f}"  # noqa: E731
-    lines = [f"# {title} ({args.layers} layers) on transformers' sdpa, on longformer_ops, and with its sliding "
-             f"layers' attention free ({cpu_results_name()}, {args.dtype}, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads, at {source_commit()})", "",
-             f"`python -m bench.hf_attention --model {args.model} --seq-lens {args.seq_lens} --rounds {args.rounds} --dtype {args.dtype} "
-             f"--passes {shlex.quote(args.passes)} --layers {args.layers}"
-             + (f" --decode-tokens {args.decode_tokens}" if "decode" in passes else "")
-             + f"`; batch 1, no padding, medians of {args.rounds} "
-             "shuffled rounds; memory: peak extra RSS of one call in a fresh process.", "",
-             "| pass | n | tokens | sdpa s | longformer_ops s | stub s | ours / sdpa | ours / stub | sdpa tokens/s | "
-             "longformer_ops tokens/s | sdpa MiB | longformer_ops MiB | stub MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# {title} ({args.layers} layers) on transformers' sdpa, on longformer_ops, and with its sliding "
+        f"layers' attention free ({cpu_results_name()}, {args.dtype}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, at {source_commit()})",
+        "",
+        f"`python -m bench.hf_attention --model {args.model} --seq-lens {args.seq_lens} --rounds {args.rounds} --dtype {args.dtype} "
+        f"--passes {shlex.quote(args.passes)} --layers {args.layers}"
+        + (f" --decode-tokens {args.decode_tokens}" if "decode" in passes else "")
+        + f"`; batch 1, no padding, medians of {args.rounds} "
+        "shuffled rounds; memory: peak extra RSS of one call in a fresh process.",
+        "",
+        "| pass | n | tokens | sdpa s | longformer_ops s | stub s | ours / sdpa | ours / stub | sdpa tokens/s | "
+        "longformer_ops tokens/s | sdpa MiB | longformer_ops MiB | stub MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         ours, theirs, stub = row["longformer_ops s"], row["sdpa s"], row["stub s"]
-        lines.append(f"| {row['step']} | {row['n']} | {row['tokens']} | {theirs:.2f} | {ours:.2f} | {stub:.2f} | "
-                     f"{ours / theirs:.2f} | {ours / stub:.2f} | {row['tokens'] / theirs:.1f} | {row['tokens'] / ours:.1f} | "
-                     f"{mib(row['sdpa MiB'])} | {mib(row['longformer_ops MiB'])} | "
-                     f"{mib(row['stub MiB'])} |")
+        lines.append(
+            f"| {row['step']} | {row['n']} | {row['tokens']} | {theirs:.2f} | {ours:.2f} | {stub:.2f} | "
+            f"{ours / theirs:.2f} | {ours / stub:.2f} | {row['tokens'] / theirs:.1f} | {row['tokens'] / ours:.1f} | "
+            f"{mib(row['sdpa MiB'])} | {mib(row['longformer_ops MiB'])} | "
+            f"{mib(row['stub MiB'])} |"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     with open(args.out / f"{name}.csv", "w", newline="") as handle:

@@ -38,17 +38,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
 METHODS = ("transformers", "patched")
 # --passes: name -> (the results' "pass" column, activation checkpointing)
-PASSES = {"forward": ("forward", False), "training step": ("forward+backward", False),
-          "checkpointed training step": ("forward+backward, checkpointed", True), "generation": ("generate 64", False)}
+PASSES = {
+    "forward": ("forward", False),
+    "training step": ("forward+backward", False),
+    "checkpointed training step": ("forward+backward, checkpointed", True),
+    "generation": ("generate 64", False),
+}
 WARM_UP_TOKENS = 512
 DTYPES = ("float32", "bfloat16", "float16")
 # --model: name -> (the results' "op" column, its name in titles, file stem part, default --layers)
-MODELS = {"longformer": ("hf LongformerModel base", "LongformerModel (base)", "hf-model", 12),
-          "led": ("hf LED base, 256-token summary", "LEDForConditionalGeneration (base, a 256-token summary)",
-                  "hf-led", 6)}
+MODELS = {
+    "longformer": ("hf LongformerModel base", "LongformerModel (base)", "hf-model", 12),
+    "led": ("hf LED base, 256-token summary", "LEDForConditionalGeneration (base, a 256-token summary)", "hf-led", 6),
+}
 SUMMARY_TOKENS = 256
 GENERATED_TOKENS = 64
 
@@ -60,11 +64,18 @@ def build(seq_len: int, layers: int = 12, dtype: str = "float32", model: str = "
 
     torch.manual_seed(0)
     if model == "led":
-        config = transformers.LEDConfig(d_model=768, encoder_layers=layers, decoder_layers=layers,
-                                        encoder_attention_heads=12, decoder_attention_heads=12, encoder_ffn_dim=3072,
-                                        decoder_ffn_dim=3072, attention_window=[1024] * layers,
-                                        max_encoder_position_embeddings=max(16384, seq_len),
-                                        max_decoder_position_embeddings=1024)
+        config = transformers.LEDConfig(
+            d_model=768,
+            encoder_layers=layers,
+            decoder_layers=layers,
+            encoder_attention_heads=12,
+            decoder_attention_heads=12,
+            encoder_ffn_dim=3072,
+            decoder_ffn_dim=3072,
+            attention_window=[1024] * layers,
+            max_encoder_position_embeddings=max(16384, seq_len),
+            max_decoder_position_embeddings=1024,
+        )
         built = transformers.LEDForConditionalGeneration(config)
     else:
         config = transformers.LongformerConfig(max_position_embeddings=seq_len + 2, num_hidden_layers=layers)
@@ -104,8 +115,13 @@ def runner(model, inputs, step: str):
             model.eval()
             prompt = {key: value for key, value in inputs.items() if key != "labels"}
             with torch.no_grad():
-                model.generate(**prompt, max_new_tokens=GENERATED_TOKENS, min_new_tokens=GENERATED_TOKENS,
-                               num_beams=1, do_sample=False)
+                model.generate(
+                    **prompt,
+                    max_new_tokens=GENERATED_TOKENS,
+                    min_new_tokens=GENERATED_TOKENS,
+                    num_beams=1,
+                    do_sample=False,
+                )
         else:
             _checkpointing(model, PASSES[step][1])
             model.train()
@@ -116,8 +132,9 @@ def runner(model, inputs, step: str):
     return run
 
 
-def time_rounds(seq_len: int, layers: int, dtype: str, model_name: str, entries: list[tuple[str, str]], rounds: int,
-                warm_up: set) -> dict:
+def time_rounds(
+    seq_len: int, layers: int, dtype: str, model_name: str, entries: list[tuple[str, str]], rounds: int, warm_up: set
+) -> dict:
     """Median seconds per call of each (method, pass) entry."""
     model, inputs = build(seq_len, layers, dtype, model_name)
     runs = {key: runner(model, inputs, key[1]) for key in entries}
@@ -154,23 +171,44 @@ def peak_mib(seq_len: int, layers: int, dtype: str, model_name: str, method: str
     return peak_of_call_mib(_prepared_calls, seq_len, layers, dtype, model_name, method, step)
 
 
-def measure(seq_lens: list[int], layers: int, dtype: str, passes: list[str], rounds: int,
-            budget_mib: float, model_name: str = "longformer", methods: tuple[str, ...] = METHODS) -> list[dict]:
+def measure(
+    seq_lens: list[int],
+    layers: int,
+    dtype: str,
+    passes: list[str],
+    rounds: int,
+    budget_mib: float,
+    model_name: str = "longformer",
+    methods: tuple[str, ...] = METHODS,
+) -> list[dict]:
     """One row per (length, method, pass), in the layout of ``python -m bench``'s results."""
     rows, last = [], {}  # last: (method, pass) -> (seq_len, peak MiB, seconds) at the previous length
     for seq_len in seq_lens:
         entries, warm_up, by_key = [], set(), {}
         for key in ((m, s) for s in passes for m in methods):
-            row = dict(op=MODELS[model_name][0], method=key[0], seq_len=seq_len,
-                       window=512 if model_name == "led" else 256, dilation="1", heads=12,
-                       head_dim=64, batch=1, dtype=dtype, device="cpu", status="ok", **{"pass": PASSES[key[1]][0]})
+            row = dict(
+                op=MODELS[model_name][0],
+                method=key[0],
+                seq_len=seq_len,
+                window=512 if model_name == "led" else 256,
+                dilation="1",
+                heads=12,
+                head_dim=64,
+                batch=1,
+                dtype=dtype,
+                device="cpu",
+                status="ok",
+                **{"pass": PASSES[key[1]][0]},
+            )
             rows.append(row)
             by_key[key] = row
             previous = last.get(key)
             predicted = previous[1] * seq_len / previous[0] if previous else 0.0
             if predicted > budget_mib:
-                row.update(status="skipped", reason=f"predicted {predicted / 1024:.1f} GiB > budget "
-                                                    f"{budget_mib / 1024:.1f} GiB")
+                row.update(
+                    status="skipped",
+                    reason=f"predicted {predicted / 1024:.1f} GiB > budget {budget_mib / 1024:.1f} GiB",
+                )
                 continue
             print(f"n = {seq_len}: peak memory of {key[0]}, {key[1]} ...", file=sys.stderr)
             peak = peak_mib(seq_len, layers, dtype, model_name, *key)
@@ -206,24 +244,40 @@ def table_row(theirs: dict | None, ours: dict | None, step: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.hf_model", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.hf_model",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--model", default="longformer", choices=MODELS)
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help="comma-separated: transformers (unpatched), patched; unpatched half types on a CPU "
-                             "without a GEMM for them take minutes per call")
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated: transformers (unpatched), patched; unpatched half types on a CPU "
+        "without a GEMM for them take minutes per call",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seq-lens", default="1024,2048,4096,8192,16384")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="fewer for a quick run (default and the committed results: 12, LED 6 and 6)")
-    parser.add_argument("--passes", default="forward,training step",
-                        help=f"comma-separated, from: {', '.join(PASSES)}")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="fewer for a quick run (default and the committed results: 12, LED 6 and 6)",
+    )
+    parser.add_argument("--passes", default="forward,training step", help=f"comma-separated, from: {', '.join(PASSES)}")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="the model's parameters and activations")
-    parser.add_argument("--name", default=None,
-                        help="results file stem (default: <cpu>-hf-model or <cpu>-hf-led, -<dtype> added for a half type)")
-    parser.add_argument("--memory-budget-gib", type=float, default=None,
-                        help="skip a call predicted to need more (default: 60%% of the memory available at the start)")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="results file stem (default: <cpu>-hf-model or <cpu>-hf-led, -<dtype> added for a half type)",
+    )
+    parser.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        default=None,
+        help="skip a call predicted to need more (default: 60%% of the memory available at the start)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench/results/<machine kind>)")
     args = parser.parse_args(argv)
     passes = [p.strip() for p in args.passes.split(",")]
     if any(p not in PASSES for p in passes) or ("generation" in passes and args.model != "led"):
@@ -234,34 +288,50 @@ def main(argv=None) -> int:
     _, title, stem_part, default_layers = MODELS[args.model]
     layers = args.layers or default_layers
     from bench import report
-    from bench.machine import cpu_results_name, default_cpu_memory_budget_bytes, source_commit
+    from bench.machine import cpu_results_name, default_cpu_memory_budget_bytes, results_dir, source_commit
 
+    args.out = args.out or results_dir()
     name, commit = cpu_results_name(), source_commit()
-    budget = (args.memory_budget_gib * 1024 if args.memory_budget_gib is not None
-              else default_cpu_memory_budget_bytes() / 2**20)
-    rows = measure([int(s) for s in args.seq_lens.split(",")], layers, args.dtype, passes, args.rounds, budget,
-                   args.model, methods)
-    lines = [f"# transformers' {title}, patched against unpatched ({name}, at {commit})", "",
-             f"`python -m bench.hf_model --model {args.model} --methods {','.join(methods)} --seq-lens {args.seq_lens} "
-             f"--rounds {args.rounds} --layers {layers} --dtype {args.dtype} --passes '{args.passes}'`: "
-             f"{layers} layers{' (encoder) and as many (decoder)' if args.model == 'led' else ''}, batch 1, "
-             f"token 0 global, "
-             f"{args.dtype}, {torch.get_num_threads()} threads; time per call (median of the rounds) / peak extra RSS of "
-             f"one call in a fresh process; memory budget {budget / 1024:.1f} GiB.", "",
-             "| n | pass | transformers | patched | speed-up | memory saved |", "|---:|---|---:|---:|---:|---:|"]
+    budget = (
+        args.memory_budget_gib * 1024
+        if args.memory_budget_gib is not None
+        else default_cpu_memory_budget_bytes() / 2**20
+    )
+    rows = measure(
+        [int(s) for s in args.seq_lens.split(",")], layers, args.dtype, passes, args.rounds, budget, args.model, methods
+    )
+    lines = [
+        f"# transformers' {title}, patched against unpatched ({name}, at {commit})",
+        "",
+        f"`python -m bench.hf_model --model {args.model} --methods {','.join(methods)} --seq-lens {args.seq_lens} "
+        f"--rounds {args.rounds} --layers {layers} --dtype {args.dtype} --passes '{args.passes}'`: "
+        f"{layers} layers{' (encoder) and as many (decoder)' if args.model == 'led' else ''}, batch 1, "
+        f"token 0 global, "
+        f"{args.dtype}, {torch.get_num_threads()} threads; time per call (median of the rounds) / peak extra RSS of "
+        f"one call in a fresh process; memory budget {budget / 1024:.1f} GiB.",
+        "",
+        "| n | pass | transformers | patched | speed-up | memory saved |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     by_key = {(r["seq_len"], r["method"], r["pass"]): r for r in rows}
     for seq_len in dict.fromkeys(r["seq_len"] for r in rows):
         for step in passes:
-            lines.append(table_row(by_key.get((seq_len, "transformers", PASSES[step][0])),
-                                   by_key.get((seq_len, "patched", PASSES[step][0])), step))
+            lines.append(
+                table_row(
+                    by_key.get((seq_len, "transformers", PASSES[step][0])),
+                    by_key.get((seq_len, "patched", PASSES[step][0])),
+                    step,
+                )
+            )
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (args.name or f"{name}-{stem_part}" + ("" if args.dtype == "float32" else f"-{args.dtype}"))
     stem.with_suffix(".md").write_text(text)
     report.write_csv(rows, stem.with_suffix(".csv"))
-    report.plot(rows, stem.with_suffix(".png"), f"{name}: transformers' {title}, patched vs unpatched, batch 1, "
-                                                f"{args.dtype}")
+    report.plot(
+        rows, stem.with_suffix(".png"), f"{name}: transformers' {title}, patched vs unpatched, batch 1, {args.dtype}"
+    )
     print(f"wrote {stem}.md, .csv and .png", file=sys.stderr)
     return 0
 

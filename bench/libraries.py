@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from longformer_ops import _loader, kernels
+from longformer_ops.runtime import kernels
+from longformer_ops.runtime import loader as _loader
 
 HEADS, HEAD_DIM = 12, 64
 DILATED = (1, 1, 2, 2, 4, 4, 8, 8, 1, 2, 4, 8)
@@ -60,7 +61,7 @@ def _calls(directory: Path, name: str, dtype: torch.dtype, n: int, w: int, dilat
     out, grad_q, grad_k, grad_v = (torch.empty_like(q) for _ in range(4))
     lse, grad_lse = torch.empty(1, n, HEADS), torch.zeros(1, n, HEADS)
     key_bias = torch.zeros(1, n)
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     runs = kernels.query_runs(HEADS, n, w, torch.get_num_threads())
     cap = (softcap,)
 
@@ -68,8 +69,9 @@ def _calls(directory: Path, name: str, dtype: torch.dtype, n: int, w: int, dilat
         module["attention_symmetric"](q, k, v, key_bias, dilation, w, scale, *cap, 0.0, 0, out, lse, runs)
 
     def backward():
-        module["attention_backward_symmetric"](grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w, scale, *cap,
-                                               0.0, 0, grad_q, grad_k, grad_v, runs)
+        module["attention_backward_symmetric"](
+            grad, q, k, v, key_bias, out, lse, grad_lse, dilation, w, scale, *cap, 0.0, 0, grad_q, grad_k, grad_v, runs
+        )
 
     try:
         forward()  # out and lse for the backward, and the first call's costs out of the timing
@@ -84,9 +86,12 @@ def _calls(directory: Path, name: str, dtype: torch.dtype, n: int, w: int, dilat
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.libraries", description=__doc__.splitlines()[0])
-    parser.add_argument("--libraries", required=True,
-                        type=lambda text: [_library(spec) for spec in text.split(",") if spec],
-                        help="comma-separated [DIR:]TARGET:DTYPE[@SOFTCAP], the first the reference of the ratios")
+    parser.add_argument(
+        "--libraries",
+        required=True,
+        type=lambda text: [_library(spec) for spec in text.split(",") if spec],
+        help="comma-separated [DIR:]TARGET:DTYPE[@SOFTCAP], the first the reference of the ratios",
+    )
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--window", type=int, default=256, help="one-sided window w")
     parser.add_argument("--dilated", action="store_true", help=f"per-head dilations {DILATED} instead of 1")
@@ -114,8 +119,10 @@ def main(argv=None) -> int:
         rounds.append(times)
 
     first = args.libraries[0][0]
-    print(f"n = {args.seq_len}, w = {args.window}, {HEADS} heads of {HEAD_DIM}, "
-          f"{'dilated' if args.dilated else 'undilated'}, {torch.get_num_threads()} threads, {len(rounds)} rounds")
+    print(
+        f"n = {args.seq_len}, w = {args.window}, {HEADS} heads of {HEAD_DIM}, "
+        f"{'dilated' if args.dilated else 'undilated'}, {torch.get_num_threads()} threads, {len(rounds)} rounds"
+    )
     for index, (label, pass_name, _) in enumerate(cases):
         median = statistics.median(r[index] for r in rounds)
         ratio = statistics.median(r[index] / r[index % 2] for r in rounds)

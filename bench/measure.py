@@ -19,6 +19,7 @@ from bench import methods
 @dataclass(frozen=True)
 class Case:
     """One measured configuration (everything but the method)."""
+
     op: str
     backward: bool
     seq_len: int
@@ -35,8 +36,17 @@ class Case:
         return "forward+backward" if self.backward else "forward"
 
     def inputs(self):
-        return methods.make_inputs(self.op, self.batch, self.seq_len, self.heads, self.head_dim, self.window,
-                                   getattr(torch, self.dtype), self.device, self.backward)
+        return methods.make_inputs(
+            self.op,
+            self.batch,
+            self.seq_len,
+            self.heads,
+            self.head_dim,
+            self.window,
+            getattr(torch, self.dtype),
+            self.device,
+            self.backward,
+        )
 
 
 def synchronize(device: str) -> None:
@@ -65,8 +75,10 @@ def gemm_runner(device: str, dtype: str = "float32"):
     what the hardware's own GEMM does in that type); into a reused output, so that no page faults
     count against it."""
     generator = torch.Generator().manual_seed(1)
-    a, b = (torch.randn(GEMM_SIZE, GEMM_SIZE, generator=generator).to(device=device, dtype=getattr(torch, dtype))
-            for _ in range(2))
+    a, b = (
+        torch.randn(GEMM_SIZE, GEMM_SIZE, generator=generator).to(device=device, dtype=getattr(torch, dtype))
+        for _ in range(2)
+    )
     c = torch.mm(a, b)
     return lambda: torch.mm(a, b, out=c)
 
@@ -100,13 +112,18 @@ def slow_gemm_reason(device: str, dtype: str) -> str | None:
     rate, float32_rate = _gemm_rate(device, dtype), _gemm_rate(device, "float32")
     if rate * SLOW_GEMM_FACTOR >= float32_rate:
         return None
-    return (f"torch.mm in {dtype} runs at {rate:.1f} GFLOP/s here against float32's {float32_rate:.0f} "
-            f"({_PROBE_SIZE}^3): no native {dtype} GEMM on this {device}, so none is timed")
+    return (
+        f"torch.mm in {dtype} runs at {rate:.1f} GFLOP/s here against float32's {float32_rate:.0f} "
+        f"({_PROBE_SIZE}^3): no native {dtype} GEMM on this {device}, so none is timed"
+    )
 
 
-def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
-                     expected_seconds: dict[tuple[Case, str], float] | None = None,
-                     failures: dict[tuple[Case, str], str] | None = None) -> dict[object, list[float]]:
+def time_interleaved(
+    entries: list[tuple[Case, str]],
+    repeats: int,
+    expected_seconds: dict[tuple[Case, str], float] | None = None,
+    failures: dict[tuple[Case, str], str] | None = None,
+) -> dict[object, list[float]]:
     """Seconds per call of each (case, method) entry and of the reference GEMM (key :data:`GEMM`;
     and a GEMM in each other dtype of the entries, key :func:`gemm_key`, unless
     :func:`slow_gemm_reason` leaves it out), one per round (sample i of
@@ -130,13 +147,26 @@ def time_interleaved(entries: list[tuple[Case, str]], repeats: int,
     expected_seconds = expected_seconds or {}
     inputs = {case: case.inputs() for case in dict.fromkeys(case for case, _ in entries)}
     first = entries[0][0]
-    runs = {gemm_key(dtype): (gemm_runner(first.device, dtype), ())
-            for dtype in dict.fromkeys(["float32", *(case.dtype for case, _ in entries)])
-            if not slow_gemm_reason(first.device, dtype)}
-    runs.update({(case, m): (methods.runner(case.op, m, inputs[case], case.window, case.dilation, case.backward),
-                             inputs[case]) for case, m in entries})
+    runs = {
+        gemm_key(dtype): (gemm_runner(first.device, dtype), ())
+        for dtype in dict.fromkeys(["float32", *(case.dtype for case, _ in entries)])
+        if not slow_gemm_reason(first.device, dtype)
+    }
+    runs.update(
+        {
+            (case, m): (
+                methods.runner(case.op, m, inputs[case], case.window, case.dilation, case.backward),
+                inputs[case],
+            )
+            for case, m in entries
+        }
+    )
     names = list(runs)
-    warm_up = [e for e in names if isinstance(e, str) or e[1] in methods.COMPILES_PER_SHAPE or expected_seconds.get(e, 0.0) < 1.0]
+    warm_up = [
+        e
+        for e in names
+        if isinstance(e, str) or e[1] in methods.COMPILES_PER_SHAPE or expected_seconds.get(e, 0.0) < 1.0
+    ]
     samples = {e: [] for e in names}
     order = random.Random(first.seq_len)
     for round_index in range(repeats + 1):
@@ -180,6 +210,7 @@ def paired_ratio(samples: list[float], reference: list[float]) -> float:
 # Memory: a fresh process per (case, method), so that nothing cached by earlier calls counts.
 # ---------------------------------------------------------------------------
 
+
 def _rss_kib(field: str) -> int:
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
@@ -205,7 +236,7 @@ def probe_in_this_process(case: Case, method: str) -> dict:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        # Memory our library keeps for reuse (freed outputs, longformer_ops/_output_cache.py) goes back
+        # Memory our library keeps for reuse (freed outputs, longformer_ops/runtime/output_cache.py) goes back
         # first: the call's outputs then count as in a fresh process, as they would have without it.
         longformer_ops.empty_cache()
         with open("/proc/self/clear_refs", "w") as handle:  # reset VmHWM (peak RSS) to the current RSS

@@ -43,12 +43,22 @@ import math
 
 import torch
 
-from longformer_ops import (AttentionMode, LongformerConfig, LongformerModel, LongformerSelfAttention, PoolingConfig,
-                            PoolingformerSelfAttention, band_softmax_, diagonaled_mm, mask_invalid_locations,
-                            sliding_window_attention)
-from longformer_ops.diagonaled import transposed_product
-from longformer_ops.layer import band_key_mask
-from longformer_ops.reference import key_positions, sliding_chunks_pv, sliding_chunks_qk
+from longformer_ops import (
+    AttentionMode,
+    LongformerConfig,
+    LongformerModel,
+    LongformerSelfAttention,
+    PoolingConfig,
+    PoolingformerSelfAttention,
+    band_softmax_,
+    diagonaled_mm,
+    mask_invalid_locations,
+    sliding_window_attention,
+)
+from longformer_ops.models.layer import band_key_mask
+from longformer_ops.ops.diagonaled import transposed_product
+from longformer_ops.ops.reference import sliding_chunks_pv, sliding_chunks_qk
+from longformer_ops.runtime.band import key_positions
 
 METHODS = ("tvm", "tvm_out", "full", "sdpa", "sliding_chunks", "flex")
 OURS = ("tvm", "tvm_out")
@@ -111,12 +121,15 @@ def useful_flops(op: str, backward: bool, batch, seq_len, heads, head_dim, w) ->
     hidden = heads * head_dim
     flops = band_flops(batch, seq_len, heads, head_dim, w) * products
     if op in ("layer", "poolingformer"):
-        flops += 3 * 2.0 * batch * seq_len * hidden ** 2 + 2 * 2.0 * batch * seq_len * hidden * heads
+        flops += 3 * 2.0 * batch * seq_len * hidden**2 + 2 * 2.0 * batch * seq_len * hidden * heads
     if op in MODEL_OPS:  # per layer: the layer's work, the output dense and the 4x FFN
         # (checkpointed: the same useful work; its recomputation is overhead)
-        flops = MODEL_LAYERS * (2 * flops + 3 * 2.0 * batch * seq_len * hidden ** 2
-                                + 2 * 2.0 * batch * seq_len * hidden * heads
-                                + (1 + 8) * 2.0 * batch * seq_len * hidden ** 2)
+        flops = MODEL_LAYERS * (
+            2 * flops
+            + 3 * 2.0 * batch * seq_len * hidden**2
+            + 2 * 2.0 * batch * seq_len * hidden * heads
+            + (1 + 8) * 2.0 * batch * seq_len * hidden**2
+        )
     if op == "poolingformer":  # level 2: three more projections and two products over its band of pools
         flops += 3 * 2.0 * batch * seq_len * (heads * head_dim) ** 2
         flops += 2 * band_flops(batch, seq_len, heads, head_dim, POOLING_WINDOW_FACTOR * w // POOLING_STRIDE)
@@ -126,6 +139,7 @@ def useful_flops(op: str, backward: bool, batch, seq_len, heads, head_dim, w) ->
 # ---------------------------------------------------------------------------
 # Implementations. Inputs: q, k, v [b, n, h, f]; probs [b, n, h, 2w+1].
 # ---------------------------------------------------------------------------
+
 
 def _keys(seq_len: int, w: int, dilation, device) -> torch.Tensor:
     """Key of every band position, ``[h, n, 2w+1]`` (int64; outside [0, n) where invalid)."""
@@ -173,7 +187,9 @@ def _dense_from_band(probs: torch.Tensor, w: int, dilation) -> torch.Tensor:
 
 def pv_band(method: str, probs, v, w: int, dilation, buffers=None):
     if method in OURS:
-        return _reusing(buffers, "context", lambda out: diagonaled_mm(probs, v, w, torch.tensor(dilation), True, out=out))
+        return _reusing(
+            buffers, "context", lambda out: diagonaled_mm(probs, v, w, torch.tensor(dilation), True, out=out)
+        )
     if method == "sliding_chunks":
         return sliding_chunks_pv(probs, v, w)
     if method == "full":
@@ -183,7 +199,9 @@ def pv_band(method: str, probs, v, w: int, dilation, buffers=None):
 
 def transposed_band(method: str, probs, rows, w: int, dilation, buffers=None):
     if method in OURS:  # the kernel alone, as the backward of probs.V runs it for dV
-        return _reusing(buffers, "rows", lambda out: transposed_product(probs, rows, w, torch.tensor(dilation), out=out))
+        return _reusing(
+            buffers, "rows", lambda out: transposed_product(probs, rows, w, torch.tensor(dilation), out=out)
+        )
     if method == "full":
         return torch.einsum("bhij,bihf->bjhf", _dense_from_band(probs, w, dilation), rows)
     raise ValueError(method)
@@ -203,6 +221,7 @@ def _flex_block_mask(seq_len: int, w: int, dilation: tuple[int, ...], device: st
         def sliding_window(b, h, q_idx, kv_idx):
             offset = kv_idx - q_idx
             return (offset.abs() <= w) if d == 1 else (offset.abs() <= d * w) & (offset % d == 0)
+
         heads = None
     else:
         per_head = torch.tensor(dilation, device=device)
@@ -210,9 +229,18 @@ def _flex_block_mask(seq_len: int, w: int, dilation: tuple[int, ...], device: st
         def sliding_window(b, h, q_idx, kv_idx):
             offset = kv_idx - q_idx
             return (offset.abs() <= per_head[h] * w) & (offset % per_head[h] == 0)
+
         heads = len(dilation)
-    return create_block_mask(sliding_window, B=None, H=heads, Q_LEN=seq_len, KV_LEN=seq_len, device=device,
-                             BLOCK_SIZE=64 if device == "cpu" else 128, _compile=True)
+    return create_block_mask(
+        sliding_window,
+        B=None,
+        H=heads,
+        Q_LEN=seq_len,
+        KV_LEN=seq_len,
+        device=device,
+        BLOCK_SIZE=64 if device == "cpu" else 128,
+        _compile=True,
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -232,8 +260,9 @@ def local_attention(method: str, q, k, v, w: int, dilation, buffers=None):
     b, n, h, f = q.shape
     scale = 1.0 / math.sqrt(f)
     if method in OURS:  # on CPU the fused kernels, with and without autograd
-        return _reusing(buffers, "context", lambda out: sliding_window_attention(
-            q, k, v, w, list(dilation), scale=scale, out=out))
+        return _reusing(
+            buffers, "context", lambda out: sliding_window_attention(q, k, v, w, list(dilation), scale=scale, out=out)
+        )
     if method in ("tvm_steps", "tvm_steps_torch_softmax"):  # the original API's path, on one band
         scores = diagonaled_mm(q * scale, k, w, list(dilation))
         if method == "tvm_steps":
@@ -268,12 +297,19 @@ def local_attention(method: str, q, k, v, w: int, dilation, buffers=None):
 
 
 @functools.lru_cache(maxsize=4)
-def _layer_module(method: str, heads: int, head_dim: int, w: int, dilation: tuple[int, ...], dtype, device: str,
-                  training: bool) -> LongformerSelfAttention:
+def _layer_module(
+    method: str, heads: int, head_dim: int, w: int, dilation: tuple[int, ...], dtype, device: str, training: bool
+) -> LongformerSelfAttention:
     torch.manual_seed(0)  # the same weights for every method
-    config = LongformerConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_hidden_layers=1,
-                              attention_window=w, attention_dilation=[list(dilation)],
-                              attention_mode=LAYER_METHODS[method], attention_probs_dropout_prob=0.1)
+    config = LongformerConfig(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_hidden_layers=1,
+        attention_window=w,
+        attention_dilation=[list(dilation)],
+        attention_mode=LAYER_METHODS[method],
+        attention_probs_dropout_prob=0.1,
+    )
     return LongformerSelfAttention(config, 0).to(dtype=dtype, device=device).train(training)
 
 
@@ -281,8 +317,9 @@ def layer(method: str, x, w: int, dilation, buffers=None):
     """One attention layer on hidden states ``[b, n, hidden]``, token 0 global; training mode (with
     attention dropout) when ``x`` requires grad."""
     heads = len(dilation)
-    module = _layer_module(method, heads, x.shape[-1] // heads, w, tuple(dilation), x.dtype, x.device.type,
-                           x.requires_grad)
+    module = _layer_module(
+        method, heads, x.shape[-1] // heads, w, tuple(dilation), x.dtype, x.device.type, x.requires_grad
+    )
     return _with_token_0_global(module, x)
 
 
@@ -294,17 +331,25 @@ def _with_token_0_global(module, x):
 
 
 @functools.lru_cache(maxsize=4)
-def _poolingformer_module(method: str, heads: int, head_dim: int, w: int, dilation: tuple[int, ...], dtype,
-                          device: str, training: bool) -> LongformerSelfAttention:
+def _poolingformer_module(
+    method: str, heads: int, head_dim: int, w: int, dilation: tuple[int, ...], dtype, device: str, training: bool
+) -> LongformerSelfAttention:
     torch.manual_seed(0)
     plain = method.startswith("longformer_w")
-    config = LongformerConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_hidden_layers=1,
-                              attention_window=POOLING_WINDOW_FACTOR * w if method == "longformer_w2" else w,
-                              attention_dilation=[list(dilation)], attention_probs_dropout_prob=0.1,
-                              attention_mode=AttentionMode.FULL if method == "full" else AttentionMode.TVM,
-                              pooling=None if plain else PoolingConfig(window=POOLING_WINDOW_FACTOR * w,
-                                                                       kernel_size=POOLING_STRIDE,
-                                                                       stride=POOLING_STRIDE, kind="ldconv"))
+    config = LongformerConfig(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_hidden_layers=1,
+        attention_window=POOLING_WINDOW_FACTOR * w if method == "longformer_w2" else w,
+        attention_dilation=[list(dilation)],
+        attention_probs_dropout_prob=0.1,
+        attention_mode=AttentionMode.FULL if method == "full" else AttentionMode.TVM,
+        pooling=None
+        if plain
+        else PoolingConfig(
+            window=POOLING_WINDOW_FACTOR * w, kernel_size=POOLING_STRIDE, stride=POOLING_STRIDE, kind="ldconv"
+        ),
+    )
     module = LongformerSelfAttention(config, 0) if plain else PoolingformerSelfAttention(config, 0)
     return module.to(dtype=dtype, device=device).train(training)
 
@@ -313,20 +358,37 @@ def poolingformer(method: str, x, w: int, dilation, buffers=None):
     """One Poolingformer layer (or the Longformer layer at its level-1 or level-2 window) on hidden
     states ``[b, n, hidden]``, token 0 global, as :func:`layer`."""
     heads = len(dilation)
-    module = _poolingformer_module(method, heads, x.shape[-1] // heads, w, tuple(dilation), x.dtype, x.device.type,
-                                   x.requires_grad)
+    module = _poolingformer_module(
+        method, heads, x.shape[-1] // heads, w, tuple(dilation), x.dtype, x.device.type, x.requires_grad
+    )
     return _with_token_0_global(module, x)
 
 
 @functools.lru_cache(maxsize=2)
-def _model(method: str, heads: int, head_dim: int, w: int, dilation: tuple[int, ...], seq_len: int, dtype, device: str,
-           training: bool, checkpointed: bool) -> LongformerModel:
+def _model(
+    method: str,
+    heads: int,
+    head_dim: int,
+    w: int,
+    dilation: tuple[int, ...],
+    seq_len: int,
+    dtype,
+    device: str,
+    training: bool,
+    checkpointed: bool,
+) -> LongformerModel:
     torch.manual_seed(0)
     hidden = heads * head_dim
-    config = LongformerConfig(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=MODEL_LAYERS,
-                              intermediate_size=4 * hidden, max_position_embeddings=seq_len + 2, attention_window=w,
-                              attention_dilation=[list(dilation)] * MODEL_LAYERS,
-                              attention_mode=LAYER_METHODS[method])
+    config = LongformerConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_hidden_layers=MODEL_LAYERS,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=seq_len + 2,
+        attention_window=w,
+        attention_dilation=[list(dilation)] * MODEL_LAYERS,
+        attention_mode=LAYER_METHODS[method],
+    )
     encoder = LongformerModel(config).to(dtype=dtype, device=device).train(training)
     if checkpointed:
         encoder.gradient_checkpointing_enable()
@@ -337,8 +399,18 @@ def model(method: str, x, w: int, dilation, buffers=None, checkpointed: bool = F
     """The encoder's last hidden states ``[b, n, hidden]`` from input embeddings ``x``, token 0 global;
     training mode when ``x`` requires grad."""
     heads = len(dilation)
-    module = _model(method, heads, x.shape[-1] // heads, w, tuple(dilation), x.shape[1], x.dtype, x.device.type,
-                    x.requires_grad, checkpointed)
+    module = _model(
+        method,
+        heads,
+        x.shape[-1] // heads,
+        w,
+        tuple(dilation),
+        x.shape[1],
+        x.dtype,
+        x.device.type,
+        x.requires_grad,
+        checkpointed,
+    )
     is_global = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
     is_global[:, 0] = 1
     return module(inputs_embeds=x, global_attention_mask=is_global).last_hidden_state
@@ -357,16 +429,25 @@ def make_inputs(op: str, batch, seq_len, heads, head_dim, w, dtype, device, requ
         return (tensor(batch, seq_len, heads * head_dim),)
     if op in ("pv_band", "transposed_band"):
         probs = torch.softmax(torch.randn(batch, seq_len, heads, 2 * w + 1, generator=generator), -1)
-        return probs.to(dtype=dtype, device=device).requires_grad_(requires_grad), tensor(batch, seq_len, heads, head_dim)
+        return probs.to(dtype=dtype, device=device).requires_grad_(requires_grad), tensor(
+            batch, seq_len, heads, head_dim
+        )
     return tuple(tensor(batch, seq_len, heads, head_dim) for _ in range(3))
 
 
 def runner(op: str, method: str, inputs, w: int, dilation, backward: bool):
     """A no-argument callable doing one forward (and backward) of ``op`` with ``method``; a forward
     alone runs under ``torch.no_grad()``, as inference does."""
-    function = {"qk_band": qk_band, "pv_band": pv_band, "transposed_band": transposed_band,
-                "local_attention": local_attention, "layer": layer, "poolingformer": poolingformer,
-                "model": model, "model_checkpointed": functools.partial(model, checkpointed=True)}[op]
+    function = {
+        "qk_band": qk_band,
+        "pv_band": pv_band,
+        "transposed_band": transposed_band,
+        "local_attention": local_attention,
+        "layer": layer,
+        "poolingformer": poolingformer,
+        "model": model,
+        "model_checkpointed": functools.partial(model, checkpointed=True),
+    }[op]
 
     buffers = {} if method == "tvm_out" else None
 

@@ -14,7 +14,7 @@ worktree), alternating processes of the two trees, to show the change against it
 ``--device cuda``: the same on the GPU, where the tiny size's kernels take microseconds, so each
 figure is the host's time per call (calls issued back to back, one synchronisation per batch):
 the per-call floor that a single call timed with a synchronisation (``python -m bench``) adds.
-Writes ``bench/results/<cpu or gpu>-overhead.md``.
+Writes ``bench/results/<machine kind>/<cpu or gpu>-overhead.md`` (``--out`` for another folder).
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def public_runners(size, device="cpu"):
 
 
 def all_runners(size, device="cpu"):
-    from longformer_ops import diagonaled_mm, kernels, sliding_window_attention
-    from longformer_ops._output_cache import new_output
+    from longformer_ops import diagonaled_mm, sliding_window_attention
+    from longformer_ops.runtime import kernels
+    from longformer_ops.runtime.output_cache import new_output
 
     ops = torch.ops.longformer_ops
     q, k, v, band, w, d = _inputs(size, device)
@@ -73,16 +74,20 @@ def all_runners(size, device="cpu"):
     seed = torch.zeros((), dtype=torch.int64)
     dt = kernels.dilation_argument(tuple(d))  # (the ops and their kernels take the dilations as a tensor)
     runners = public_runners(size, device)
-    runners.update({
-        ("qk", "kernel"): lambda: kernels._band_kernel("qk", q, k, w, dt, False, float("-inf"),
-                                                       new_output(k, (*k.shape[:3], c))),
-        ("qk", "custom op"): lambda: ops.band_qk(q, k, w, dt, False, float("-inf")),
-        ("pv", "kernel"): lambda: kernels._band_kernel("pv", band, v, w, dt, False, 0.0, new_output(v, v.shape)),
-        ("pv", "custom op"): lambda: ops.band_pv(band, v, w, dt, False),
-        ("attention", "kernel"): lambda: kernels._attention_kernel(q, k, v, None, seed, w, dt, False, 0.125, 0.0,
-                                                                   new_output(q, q.shape)),
-        ("attention", "custom op"): lambda: ops.attention(q, k, v, None, seed, w, dt, False, 0.125, 0.0),
-    })
+    runners.update(
+        {
+            ("qk", "kernel"): lambda: kernels._band_kernel(
+                "qk", q, k, w, dt, False, float("-inf"), new_output(k, (*k.shape[:3], c))
+            ),
+            ("qk", "custom op"): lambda: ops.band_qk(q, k, w, dt, False, float("-inf")),
+            ("pv", "kernel"): lambda: kernels._band_kernel("pv", band, v, w, dt, False, 0.0, new_output(v, v.shape)),
+            ("pv", "custom op"): lambda: ops.band_pv(band, v, w, dt, False),
+            ("attention", "kernel"): lambda: kernels._attention_kernel(
+                q, k, v, None, seed, w, dt, False, 0.125, 0.0, new_output(q, q.shape)
+            ),
+            ("attention", "custom op"): lambda: ops.attention(q, k, v, None, seed, w, dt, False, 0.125, 0.0),
+        }
+    )
     compiled_qk = torch.compile(lambda: diagonaled_mm(q, k, w, d, False, float("-inf")), fullgraph=True)
     compiled_pv = torch.compile(lambda: diagonaled_mm(band, v, w, d, True), fullgraph=True)
     compiled_attention = torch.compile(lambda: sliding_window_attention(q, k, v, w, d), fullgraph=True)
@@ -93,8 +98,14 @@ def all_runners(size, device="cpu"):
         compiled_fb_fn(qg, kg, vg).backward()
         qg.grad = kg.grad = vg.grad = None
 
-    runners.update({("qk", "compiled"): compiled_qk, ("pv", "compiled"): compiled_pv,
-                    ("attention", "compiled"): compiled_attention, ("attention fwd+bwd", "compiled"): compiled_fb})
+    runners.update(
+        {
+            ("qk", "compiled"): compiled_qk,
+            ("pv", "compiled"): compiled_pv,
+            ("attention", "compiled"): compiled_attention,
+            ("attention fwd+bwd", "compiled"): compiled_fb,
+        }
+    )
     return runners
 
 
@@ -143,25 +154,33 @@ def compare_with(rev: str, size: str, alternations: int, rounds: int) -> dict:
     results = {"this tree": [], rev: []}
     with tempfile.TemporaryDirectory() as tmp:
         other = Path(tmp) / "other"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(other), rev], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(other), rev], check=True, capture_output=True
+        )
         try:
             for i in range(alternations):
-                for label, root in ((("this tree", REPO), (rev, other)) if i % 2 == 0 else ((rev, other), ("this tree", REPO))):
+                for label, root in (
+                    (("this tree", REPO), (rev, other)) if i % 2 == 0 else ((rev, other), ("this tree", REPO))
+                ):
                     env = {**os.environ, "PYTHONPATH": str(root)}
                     # This file runs in both trees (the other may not have it); longformer_ops comes from `root`.
-                    code = (f"import sys, importlib.util as u; sys.path.insert(0, {str(root)!r}); "
-                            f"s = u.spec_from_file_location('overhead', {__file__!r}); m = u.module_from_spec(s); "
-                            f"s.loader.exec_module(m); m._public_child({size!r}, {rounds})")
-                    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, check=True,
-                                          capture_output=True, text=True)
+                    code = (
+                        f"import sys, importlib.util as u; sys.path.insert(0, {str(root)!r}); "
+                        f"s = u.spec_from_file_location('overhead', {__file__!r}); m = u.module_from_spec(s); "
+                        f"s.loader.exec_module(m); m._public_child({size!r}, {rounds})"
+                    )
+                    done = subprocess.run(
+                        [sys.executable, "-c", code], cwd=root, env=env, check=True, capture_output=True, text=True
+                    )
                     result = json.loads(done.stdout.strip().splitlines()[-1])
                     assert result["file"].startswith(str(root)), (result["file"], root)  # that tree's package ran
                     results[label].append(result["medians"])
                     print(f"  {label}: {result['medians']}", file=sys.stderr)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(other)], check=False)
-    return {label: {op: statistics.median(run[op] for run in runs) for op in runs[0]} for label, runs in results.items()}
+    return {
+        label: {op: statistics.median(run[op] for run in runs) for op in runs[0]} for label, runs in results.items()
+    }
 
 
 def main(argv=None) -> int:
@@ -170,43 +189,60 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--compare-with", metavar="REV", help="also time the public functions of this git revision")
     parser.add_argument("--alternations", type=int, default=6, help="processes per tree for --compare-with")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench/results/<machine kind>)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    from bench.machine import cpu_results_name, device_name, source_commit
+    from bench.machine import cpu_results_name, device_name, results_dir, source_commit
+
     if args.device.startswith("cuda") and args.compare_with:
         parser.error("--compare-with times CPU processes only")
     name = device_name(args.device) if args.device.startswith("cuda") else cpu_results_name()
+    args.out = args.out or results_dir(args.device)
     commit = source_commit()
-    lines = [f"# Per-call cost of the custom-op layer ({name}, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads, at {commit})", "",
-             f"`python -m bench.overhead{' --device ' + args.device if args.device != 'cpu' else ''}"
-             f"{' --compare-with ' + args.compare_with if args.compare_with else ''}`; "
-             f"medians of {args.rounds} interleaved rounds, microseconds per call.", ""]
+    lines = [
+        f"# Per-call cost of the custom-op layer ({name}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, at {commit})",
+        "",
+        f"`python -m bench.overhead{' --device ' + args.device if args.device != 'cpu' else ''}"
+        f"{' --compare-with ' + args.compare_with if args.compare_with else ''}`; "
+        f"medians of {args.rounds} interleaved rounds, microseconds per call.",
+        "",
+    ]
     methods = ["kernel", "custom op", "public", "compiled"]
     for size in SIZES:
         print(f"timing {size} ...", file=sys.stderr)
         medians = time_interleaved(all_runners(size, args.device), args.rounds, device=args.device)
         b, n, h, f, w = SIZES[size]
-        lines += [f"## {size}: batch {b}, n {n}, {h} heads of {f}, w {w}, float32", "",
-                  "| op | " + " | ".join(methods) + " | custom op - kernel | public - kernel |",
-                  "|---|" + "---:|" * (len(methods) + 2)]
+        lines += [
+            f"## {size}: batch {b}, n {n}, {h} heads of {f}, w {w}, float32",
+            "",
+            "| op | " + " | ".join(methods) + " | custom op - kernel | public - kernel |",
+            "|---|" + "---:|" * (len(methods) + 2),
+        ]
         for op in ("qk", "pv", "attention", "attention fwd+bwd"):
             cell = {m: medians.get((op, m)) for m in methods}
             fmt = lambda t: "-" if t is None else f"{t * 1e6:.1f}"  # noqa: E731
             diff = lambda a, b_: "-" if a is None or b_ is None else f"{(a - b_) * 1e6:+.1f}"  # noqa: E731
-            lines.append(f"| {op} | " + " | ".join(fmt(cell[m]) for m in methods) +
-                         f" | {diff(cell['custom op'], cell['kernel'])} | {diff(cell['public'], cell['kernel'])} |")
+            lines.append(
+                f"| {op} | "
+                + " | ".join(fmt(cell[m]) for m in methods)
+                + f" | {diff(cell['custom op'], cell['kernel'])} | {diff(cell['public'], cell['kernel'])} |"
+            )
         lines.append("")
         if args.compare_with:
             print(f"comparing with {args.compare_with} at {size} ...", file=sys.stderr)
             both = compare_with(args.compare_with, size, args.alternations, args.rounds)
             ours, theirs = both["this tree"], both[args.compare_with]
-            lines += [f"Public functions against `{args.compare_with}` ({args.alternations} alternating processes "
-                      f"per tree, median of their medians):", "",
-                      f"| op | {args.compare_with} | this tree | ratio |", "|---|---:|---:|---:|"]
-            lines += [f"| {op} | {theirs[op] * 1e6:.1f} | {ours[op] * 1e6:.1f} | {ours[op] / theirs[op]:.3f} |"
-                      for op in ours]
+            lines += [
+                f"Public functions against `{args.compare_with}` ({args.alternations} alternating processes "
+                f"per tree, median of their medians):",
+                "",
+                f"| op | {args.compare_with} | this tree | ratio |",
+                "|---|---:|---:|---:|",
+            ]
+            lines += [
+                f"| {op} | {theirs[op] * 1e6:.1f} | {ours[op] * 1e6:.1f} | {ours[op] / theirs[op]:.3f} |" for op in ours
+            ]
             lines.append("")
     text = "\n".join(lines)
     print(text)

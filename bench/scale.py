@@ -11,7 +11,8 @@ local attention forward 2**17 .. 2**20 (float32); forward+backward 2**17 .. 2**1
 be 24 GiB); one ``LongformerSelfAttention`` with 4 global tokens, forward, float32; the base-size encoder (12 layers, hidden 768) forward at 16384 .. 65536; and
 full attention (n x n scores) forward at 2048 and 4096, from which its n**2 line is drawn.
 
-Writes ``<out>/<cpu>-scale.csv``, ``.md`` and ``.png`` (time and memory against n, log-log).
+Writes ``<out>/<cpu>-scale.csv``, ``.md`` and ``.png`` (time and memory against n, log-log; ``<out>``:
+``bench/results/<machine kind>/`` unless ``--out`` names another).
 """
 
 from __future__ import annotations
@@ -41,14 +42,26 @@ def points(quick: bool) -> list[dict]:
     powers = [10, 11] if quick else [17, 18, 19, 20]
     chosen = []
     for dilation in (UNDILATED, DILATED):
-        chosen += [dict(op="local_attention", backward=False, dilation=dilation, dtype="float32", n=2**p) for p in powers]
-        chosen += [dict(op="local_attention", backward=True, dilation=dilation,
-                        dtype="bfloat16" if p == 20 else "float32", n=2**p) for p in powers]
+        chosen += [
+            dict(op="local_attention", backward=False, dilation=dilation, dtype="float32", n=2**p) for p in powers
+        ]
+        chosen += [
+            dict(
+                op="local_attention",
+                backward=True,
+                dilation=dilation,
+                dtype="bfloat16" if p == 20 else "float32",
+                n=2**p,
+            )
+            for p in powers
+        ]
     chosen += [dict(op="layer", backward=False, dilation=UNDILATED, dtype="float32", n=2**p) for p in powers]
     model_lengths = [1024, 2048] if quick else [16384, 32768, 65536]
     chosen += [dict(op="model", backward=False, dilation=UNDILATED, dtype="float32", n=n) for n in model_lengths]
-    chosen += [dict(op="full", backward=False, dilation=UNDILATED, dtype="float32", n=n)
-               for n in ((512, 1024) if quick else (2048, 4096))]
+    chosen += [
+        dict(op="full", backward=False, dilation=UNDILATED, dtype="float32", n=n)
+        for n in ((512, 1024) if quick else (2048, 4096))
+    ]
     return chosen
 
 
@@ -128,10 +141,18 @@ def _run_fresh(point: dict, timeout_s: float) -> dict:
 
 
 def _row(point: dict, result: dict, commit: str = "") -> dict:
-    return {"op": point["op"], "pass": "forward+backward" if point["backward"] else "forward",
-            "dilation": "1" if set(point["dilation"]) == {1} else "1..8", "dtype": point["dtype"],
-            "seq_len": point["n"], "time_s": result.get("time_s", ""), "peak_mib": result.get("peak_mib", ""),
-            "status": result["status"], "reason": result["reason"], "commit": commit}
+    return {
+        "op": point["op"],
+        "pass": "forward+backward" if point["backward"] else "forward",
+        "dilation": "1" if set(point["dilation"]) == {1} else "1..8",
+        "dtype": point["dtype"],
+        "seq_len": point["n"],
+        "time_s": result.get("time_s", ""),
+        "peak_mib": result.get("peak_mib", ""),
+        "status": result["status"],
+        "reason": result["reason"],
+        "commit": commit,
+    }
 
 
 def read(path: Path) -> list[dict]:
@@ -155,18 +176,25 @@ def write(rows: list[dict], out: Path, name: str, command: str, provenance: str)
         writer = csv.DictWriter(handle, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    lines = [f"# Scale: time and peak memory per length ({name})", "",
-             f"Last run: `{command}` ({provenance}); the full run is `python -m bench.scale`.", "",
-             "One call per point in a fresh process; memory is the peak RSS growth of that call (outputs "
-             "included, inputs not). b = 1, 12 heads x 64, w = 256. Rows re-run later with `--ops` name "
-             "their own commit.", "",
-             "| op | pass | dilation | dtype | seq_len | time (s) | peak (MiB) | commit |",
-             "|---|---|---|---|---:|---:|---:|---|"]
+    lines = [
+        f"# Scale: time and peak memory per length ({name})",
+        "",
+        f"Last run: `{command}` ({provenance}); the full run is `python -m bench.scale`.",
+        "",
+        "One call per point in a fresh process; memory is the peak RSS growth of that call (outputs "
+        "included, inputs not). b = 1, 12 heads x 64, w = 256. Rows re-run later with `--ops` name "
+        "their own commit.",
+        "",
+        "| op | pass | dilation | dtype | seq_len | time (s) | peak (MiB) | commit |",
+        "|---|---|---|---|---:|---:|---:|---|",
+    ]
     for r in rows:
         time_cell = f"{r['time_s']:.2f}" if r["status"] == "ok" else f"skipped: {r['reason']}"
         peak_cell = f"{r['peak_mib']:.0f}" if r["status"] == "ok" else ""
-        lines.append(f"| {r['op']} | {r['pass']} | {r['dilation']} | {r['dtype']} | {r['seq_len']} | {time_cell} | "
-                     f"{peak_cell} | {r.get('commit', '')} |")
+        lines.append(
+            f"| {r['op']} | {r['pass']} | {r['dilation']} | {r['dtype']} | {r['seq_len']} | {time_cell} | "
+            f"{peak_cell} | {r.get('commit', '')} |"
+        )
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out / f"{name}.png", name)
 
@@ -194,8 +222,13 @@ def _plot(rows: list[dict], path: Path, name: str) -> None:
             last = members[-1]
             reach = [last["seq_len"] * 2**k for k in range(0, 20) if last["seq_len"] * 2**k <= 2**20]
             for axis, key in ((axes[0], "time_s"), (axes[1], "peak_mib")):
-                axis.plot(reach, [last[key] * (m / last["seq_len"]) ** 2 for m in reach], color="grey", linestyle=":",
-                          label="full attention, predicted n^2" if key == "time_s" else None)
+                axis.plot(
+                    reach,
+                    [last[key] * (m / last["seq_len"]) ** 2 for m in reach],
+                    color="grey",
+                    linestyle=":",
+                    label="full attention, predicted n^2" if key == "time_s" else None,
+                )
     for axis, ylabel in ((axes[0], "time of one call (s)"), (axes[1], "peak memory of one call (MiB)")):
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
@@ -211,24 +244,30 @@ def _plot(rows: list[dict], path: Path, name: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench/results/<machine kind>)")
     parser.add_argument("--name", default=None, help="results' file name (default: <cpu>-scale)")
     parser.add_argument("--quick", action="store_true", help="small lengths only (a smoke test)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per point")
-    parser.add_argument("--ops", default=",".join(OPS),
-                        help=f"series to run (of {','.join(OPS)}); the other series' rows already in the "
-                             f"results file are kept, so one series can be re-run")
+    parser.add_argument(
+        "--ops",
+        default=",".join(OPS),
+        help=f"series to run (of {','.join(OPS)}); the other series' rows already in the "
+        f"results file are kept, so one series can be re-run",
+    )
     args = parser.parse_args(argv)
     ops = [op for op in args.ops.split(",") if op]
     if not ops or set(ops) - set(OPS):
         parser.error(f"--ops: choose from {','.join(OPS)}, got {args.ops!r}")
-    from bench.machine import cpu_results_name, source_commit
+    from bench.machine import cpu_results_name, results_dir, source_commit
 
+    args.out = args.out or results_dir()
     name = args.name or f"{cpu_results_name()}-scale"
     command = "python -m bench.scale " + shlex.join(sys.argv[1:] if argv is None else argv)
     commit = source_commit()  # once, before this run's own results make the checkout look modified
-    provenance = (f"commit {commit}, {datetime.date.today()}, torch {torch.__version__}, "
-                  f"{torch.get_num_threads()} threads, {cpu_results_name()}")
+    provenance = (
+        f"commit {commit}, {datetime.date.today()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {cpu_results_name()}"
+    )
     earlier = args.out / f"{name}.csv"
     kept = [r for r in read(earlier) if r["op"] not in ops] if earlier.exists() and set(ops) != set(OPS) else []
     rows = []

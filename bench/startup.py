@@ -11,7 +11,8 @@ modules the process then holds. Two setups, alternating:
   hidden, since ``tvm_ffi`` imports it where it is installed;
 - ``this environment``: as it is (in the repository's ``.venv``: with ``ml_dtypes``).
 
-Medians over ``--runs`` runs of each. Writes ``bench/results/<cpu>-startup.md``.
+Medians over ``--runs`` runs of each. Writes
+``bench/results/<machine kind>/<cpu>-startup.md`` (``--out`` for another folder).
 """
 
 from __future__ import annotations
@@ -56,31 +57,44 @@ def run_once(hide_ml_dtypes: bool) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=9, help="fresh processes per setup (default 9)")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: bench/results/<machine kind>)")
     args = parser.parse_args(argv)
-    from bench.machine import cpu_results_name, source_commit
+    from bench.machine import cpu_results_name, results_dir, source_commit
 
+    args.out = args.out or results_dir()
     runs = {setup: [] for setup in SETUPS}
     for i in range(args.runs):
         for setup, hide in SETUPS.items():
             runs[setup].append(run_once(hide))
-        print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{s}: {r[-1]['first_call'] * 1e3:.0f} ms first call"
-                                                        for s, r in runs.items()), file=sys.stderr)
+        print(
+            f"run {i + 1}/{args.runs}: "
+            + ", ".join(f"{s}: {r[-1]['first_call'] * 1e3:.0f} ms first call" for s, r in runs.items()),
+            file=sys.stderr,
+        )
     import torch
 
     name = cpu_results_name()
-    lines = [f"# Start-up cost ({name}, torch {torch.__version__}, at {source_commit()})", "",
-             f"`python -m bench.startup --runs {args.runs}`; medians of {args.runs} fresh processes per setup, "
-             "milliseconds; the calls are `sliding_window_attention` on [1, 64, 2, 16] float32, w = 4.", "",
-             "| setup | import torch | import longformer_ops | first call | second call | first - second | "
-             "modules held after |", "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"# Start-up cost ({name}, torch {torch.__version__}, at {source_commit()})",
+        "",
+        f"`python -m bench.startup --runs {args.runs}`; medians of {args.runs} fresh processes per setup, "
+        "milliseconds; the calls are `sliding_window_attention` on [1, 64, 2, 16] float32, w = 4.",
+        "",
+        "| setup | import torch | import longformer_ops | first call | second call | first - second | "
+        "modules held after |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for setup, results in runs.items():
-        median = {key: statistics.median(r[key] for r in results) * 1e3
-                  for key in ("torch", "longformer_ops", "first_call", "second_call")}
+        median = {
+            key: statistics.median(r[key] for r in results) * 1e3
+            for key in ("torch", "longformer_ops", "first_call", "second_call")
+        }
         modules = sorted({m for r in results for m in r["modules"]})
-        lines.append(f"| {setup} | {median['torch']:.0f} | {median['longformer_ops']:.0f} | "
-                     f"{median['first_call']:.1f} | {median['second_call']:.2f} | "
-                     f"{median['first_call'] - median['second_call']:.1f} | {', '.join(modules) or '-'} |")
+        lines.append(
+            f"| {setup} | {median['torch']:.0f} | {median['longformer_ops']:.0f} | "
+            f"{median['first_call']:.1f} | {median['second_call']:.2f} | "
+            f"{median['first_call'] - median['second_call']:.1f} | {', '.join(modules) or '-'} |"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{name}-startup.md"
     path.write_text("\n".join(lines) + "\n")

@@ -73,11 +73,20 @@ def build_config(args, variant: str) -> LongformerConfig:
         dilation = [1] * max(0, layers - 2) + [[1] * (args.heads - 2) + [2, 4]] * min(2, layers)
     else:
         windows, dilation = [args.short_window] * layers, 1
-    return LongformerConfig(vocab_size=PAD + 1, pad_token_id=PAD, hidden_size=args.hidden, num_hidden_layers=layers,
-                            num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
-                            max_position_embeddings=args.context + PAD + 1, attention_window=windows,
-                            attention_dilation=dilation, autoregressive=True, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0)
+    return LongformerConfig(
+        vocab_size=PAD + 1,
+        pad_token_id=PAD,
+        hidden_size=args.hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=args.heads,
+        intermediate_size=4 * args.hidden,
+        max_position_embeddings=args.context + PAD + 1,
+        attention_window=windows,
+        attention_dilation=dilation,
+        autoregressive=True,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
 
 
 def build_model(args, variant: str) -> LongformerForMaskedLM:
@@ -94,21 +103,24 @@ def set_attention_span(model, config: LongformerConfig) -> None:
 def receptive_field(args, variant: str) -> int:
     """How many bytes back a prediction can look: each layer adds its window times its largest dilation."""
     config = build_config(args, variant)  # per-layer lists; a layer's dilation an int or per head
-    return sum(w * max(d if isinstance(d, list) else [d])
-               for w, d in zip(config.attention_window, config.attention_dilation, strict=True))
+    return sum(
+        w * max(d if isinstance(d, list) else [d])
+        for w, d in zip(config.attention_window, config.attention_dilation, strict=True)
+    )
 
 
 def next_byte_loss(model, contexts: torch.Tensor, scored_from: int = 0) -> torch.Tensor:
     """Mean cross-entropy (nats) of predicting byte i + 1 from bytes 0..i, over positions i >= scored_from."""
     logits = model(contexts[:, :-1]).logits[:, scored_from:]  # [b, n - scored_from, 257]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             contexts[:, 1 + scored_from:].reshape(-1))
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), contexts[:, 1 + scored_from :].reshape(-1)
+    )
 
 
 def held_out_contexts(data: torch.Tensor, count: int, context: int) -> torch.Tensor:
     """``count`` contexts of ``context + 1`` bytes at evenly spaced offsets in the held-out bytes."""
     starts = torch.linspace(0, len(data) - context - 2, count).long()
-    return torch.stack([data[s:s + context + 1] for s in starts.tolist()])
+    return torch.stack([data[s : s + context + 1] for s in starts.tolist()])
 
 
 @torch.no_grad()
@@ -116,8 +128,10 @@ def bits_per_character(model, contexts: torch.Tensor, batch_size: int) -> float:
     model.eval()
     half = (contexts.shape[1] - 1) // 2
     # Every context scores the same number of bytes: weigh each batch's mean by its contexts.
-    total = sum(next_byte_loss(model, contexts[i:i + batch_size], half).item() * len(contexts[i:i + batch_size])
-                for i in range(0, len(contexts), batch_size))
+    total = sum(
+        next_byte_loss(model, contexts[i : i + batch_size], half).item() * len(contexts[i : i + batch_size])
+        for i in range(0, len(contexts), batch_size)
+    )
     model.train()
     return total / len(contexts) / math.log(2)
 
@@ -130,11 +144,21 @@ def train(variant: str, args, train_data: torch.Tensor, held_out: torch.Tensor) 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     sampler = torch.Generator().manual_seed(args.seed + 1)  # the same contexts, in order, for every variant
     budget = args.minutes * 60
-    curves = {"train_bpc": [], "eval_minutes": [], "eval_bpc": [], "steps": 0, "widened_at": None,
-              "parameters": sum(p.numel() for p in model.parameters())}
+    curves = {
+        "train_bpc": [],
+        "eval_minutes": [],
+        "eval_bpc": [],
+        "steps": 0,
+        "widened_at": None,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     trained = 0.0  # seconds spent training (evaluations do not count against the budget)
-    bar = tqdm(total=budget, desc=f"{variant:>10}", file=sys.stderr,
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of training{postfix}")
+    bar = tqdm(
+        total=budget,
+        desc=f"{variant:>10}",
+        file=sys.stderr,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of training{postfix}",
+    )
     while trained < budget:
         if variant == "staged" and curves["widened_at"] is None and trained >= budget / 2:
             set_attention_span(model, model.config)  # phase 2: the longformer windows and dilations
@@ -144,7 +168,7 @@ def train(variant: str, args, train_data: torch.Tensor, held_out: torch.Tensor) 
         for group in optimizer.param_groups:
             group["lr"] = args.lr * min((curves["steps"] + 1) / args.warmup, 1 - trained / budget)
         offsets = torch.randint(0, len(train_data) - args.context - 1, (args.batch_size,), generator=sampler)
-        contexts = torch.stack([train_data[o:o + args.context + 1] for o in offsets.tolist()])
+        contexts = torch.stack([train_data[o : o + args.context + 1] for o in offsets.tolist()])
         loss = next_byte_loss(model, contexts)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -158,8 +182,11 @@ def train(variant: str, args, train_data: torch.Tensor, held_out: torch.Tensor) 
         if curves["steps"] % args.eval_every == 0 or trained >= budget:
             curves["eval_minutes"].append(trained / 60)
             curves["eval_bpc"].append(bits_per_character(model, held_out, args.batch_size))
-        bar.set_postfix(step=curves["steps"], train_bpc=f"{loss.item() / math.log(2):.2f}",
-                        held_out_bpc=f"{curves['eval_bpc'][-1]:.3f}" if curves["eval_bpc"] else "-")
+        bar.set_postfix(
+            step=curves["steps"],
+            train_bpc=f"{loss.item() / math.log(2):.2f}",
+            held_out_bpc=f"{curves['eval_bpc'][-1]:.3f}" if curves["eval_bpc"] else "-",
+        )
     bar.close()
     return curves
 
@@ -175,14 +202,26 @@ def write_results(runs: dict, args, corpus: dict, out: Path) -> None:
     for variant, curves in runs.items():
         minutes, bpc = zip(*curves["train_bpc"], strict=True)
         span = 20
-        smooth = [sum(bpc[max(0, i - span + 1):i + 1]) / len(bpc[max(0, i - span + 1):i + 1]) for i in range(len(bpc))]
-        line, = axis.plot(minutes, smooth, alpha=0.45, linewidth=1)
-        axis.plot(curves["eval_minutes"], curves["eval_bpc"], marker="o", markersize=3, color=line.get_color(),
-                  label=f"{variant}: held-out (training: faint)")
+        smooth = [
+            sum(bpc[max(0, i - span + 1) : i + 1]) / len(bpc[max(0, i - span + 1) : i + 1]) for i in range(len(bpc))
+        ]
+        (line,) = axis.plot(minutes, smooth, alpha=0.45, linewidth=1)
+        axis.plot(
+            curves["eval_minutes"],
+            curves["eval_bpc"],
+            marker="o",
+            markersize=3,
+            color=line.get_color(),
+            label=f"{variant}: held-out (training: faint)",
+        )
         if curves["widened_at"] is not None:
             axis.axvline(curves["widened_at"], color=line.get_color(), linestyle=":", linewidth=1)
-    axis.set(xlabel="training minutes (2 cores)", ylabel="bits per character", ylim=(2, 5),
-             title=f"Character LM on the Python {sys.version.split()[0]} standard library, context {args.context}")
+    axis.set(
+        xlabel="training minutes (2 cores)",
+        ylabel="bits per character",
+        ylim=(2, 5),
+        title=f"Character LM on the Python {sys.version.split()[0]} standard library, context {args.context}",
+    )
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()
@@ -190,32 +229,43 @@ def write_results(runs: dict, args, corpus: dict, out: Path) -> None:
     plt.close(figure)
 
     command = ("python -m examples.char_lm " + " ".join(sys.argv[1:])).strip()
-    lines = [f"# Character LM on our causal dilated kernels ({cpu_results_name()}, {torch.get_num_threads()} threads)",
-             "", f"Command: `{command}` (commit {source_commit()}, torch {torch.__version__}, "
-             f"Python {sys.version.split()[0]})", "",
-             f"Corpus: the standard library's `*.py` files, {corpus['train_files']} files / {corpus['train_bytes'] / 1e6:.1f} MB "
-             f"for training, {corpus['held_out_files']} files / {corpus['held_out_bytes'] / 1e6:.2f} MB held out "
-             f"(CRC-32 of the path mod {HELD_OUT_MODULUS} = 0). Model: {len(args.windows)} layers, hidden {args.hidden}, "
-             f"{args.heads} heads, causal, {runs and next(iter(runs.values()))['parameters']:,} parameters; context "
-             f"{args.context} bytes, batch {args.batch_size}, AdamW lr {args.lr}, {args.minutes} min of training each. "
-             f"Held-out: {args.held_out} contexts, bits per character on the second half of each.", "",
-             "| model | windows (one-sided) | dilation | reach (bytes back) | steps in the budget | held-out bits/char "
-             "| best |", "|---|---|---|---:|---:|---:|---:|"]
+    lines = [
+        f"# Character LM on our causal dilated kernels ({cpu_results_name()}, {torch.get_num_threads()} threads)",
+        "",
+        f"Command: `{command}` (commit {source_commit()}, torch {torch.__version__}, Python {sys.version.split()[0]})",
+        "",
+        f"Corpus: the standard library's `*.py` files, {corpus['train_files']} files / {corpus['train_bytes'] / 1e6:.1f} MB "
+        f"for training, {corpus['held_out_files']} files / {corpus['held_out_bytes'] / 1e6:.2f} MB held out "
+        f"(CRC-32 of the path mod {HELD_OUT_MODULUS} = 0). Model: {len(args.windows)} layers, hidden {args.hidden}, "
+        f"{args.heads} heads, causal, {runs and next(iter(runs.values()))['parameters']:,} parameters; context "
+        f"{args.context} bytes, batch {args.batch_size}, AdamW lr {args.lr}, {args.minutes} min of training each. "
+        f"Held-out: {args.held_out} contexts, bits per character on the second half of each.",
+        "",
+        "| model | windows (one-sided) | dilation | reach (bytes back) | steps in the budget | held-out bits/char "
+        "| best |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     for variant, curves in runs.items():
         short, wide = [args.short_window] * len(args.windows), args.windows
         windows = {"longformer": wide, "short": short, "staged": f"{short}, then {wide}"}[variant]
-        dilation = {"longformer": "2 and 4 on two heads of the top 2 layers", "short": "none",
-                    "staged": "none, then as longformer"}[variant]
-        lines.append(f"| {variant} | {windows} | {dilation} | {receptive_field(args, variant)} | {curves['steps']} | "
-                     f"{curves['eval_bpc'][-1]:.3f} | "
-                     f"{min(curves['eval_bpc']):.3f} |")
+        dilation = {
+            "longformer": "2 and 4 on two heads of the top 2 layers",
+            "short": "none",
+            "staged": "none, then as longformer",
+        }[variant]
+        lines.append(
+            f"| {variant} | {windows} | {dilation} | {receptive_field(args, variant)} | {curves['steps']} | "
+            f"{curves['eval_bpc'][-1]:.3f} | "
+            f"{min(curves['eval_bpc']):.3f} |"
+        )
     lines += ["", f"Curves: [`{NAME}.png`]({NAME}.png)."]
     (out / f"{NAME}.md").write_text("\n".join(lines) + "\n")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--minutes", type=float, default=10.0, help="training time per model")
     parser.add_argument("--context", type=int, default=2048, help="bytes per training context")
     parser.add_argument("--windows", default="32,64,128,256", help="one-sided window per layer (longformer)")
@@ -248,11 +298,19 @@ def main(argv=None) -> dict:
     _, train_files, held_out_files = corpus_files(args.stdlib)
     train_data, held_out_data = read_bytes(train_files), read_bytes(held_out_files)
     if len(held_out_data) < args.context + 2 or len(train_data) < args.context + 2:
-        raise ValueError(f"the corpus under {args.stdlib or 'the standard library'} is too small for --context {args.context}")
-    corpus = dict(train_files=len(train_files), train_bytes=len(train_data), held_out_files=len(held_out_files),
-                  held_out_bytes=len(held_out_data))
-    print(f"corpus: {len(train_files)} training files ({len(train_data) / 1e6:.1f} MB), {len(held_out_files)} held out "
-          f"({len(held_out_data) / 1e6:.2f} MB)")
+        raise ValueError(
+            f"the corpus under {args.stdlib or 'the standard library'} is too small for --context {args.context}"
+        )
+    corpus = dict(
+        train_files=len(train_files),
+        train_bytes=len(train_data),
+        held_out_files=len(held_out_files),
+        held_out_bytes=len(held_out_data),
+    )
+    print(
+        f"corpus: {len(train_files)} training files ({len(train_data) / 1e6:.1f} MB), {len(held_out_files)} held out "
+        f"({len(held_out_data) / 1e6:.2f} MB)"
+    )
     held_out = held_out_contexts(held_out_data, args.held_out, args.context)
     runs = {}
     for variant in args.variants:

@@ -36,8 +36,7 @@ NAME = "long_document_classification"
 VARIANTS = {"global": "global attention on <s>", "local": "sliding window only"}
 
 
-def make_documents(count: int, seq_len: int, classes: int, vocab: int, generator: torch.Generator,
-                   markers: int = 1):
+def make_documents(count: int, seq_len: int, classes: int, vocab: int, generator: torch.Generator, markers: int = 1):
     """``count`` documents ``[count, seq_len]`` (``<s>`` filler... markers ...filler ``</s>``) and
     their labels: ``markers`` copies of marker ``label`` at distinct places in the second half."""
     labels = torch.randint(0, classes, (count,), generator=generator)
@@ -51,10 +50,18 @@ def make_documents(count: int, seq_len: int, classes: int, vocab: int, generator
 
 
 def build_model(args) -> LongformerForSequenceClassification:
-    config = LongformerConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                              num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
-                              max_position_embeddings=args.seq_len + PAD + 1, attention_window=args.window,
-                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=args.classes)
+    config = LongformerConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        intermediate_size=4 * args.hidden,
+        max_position_embeddings=args.seq_len + PAD + 1,
+        attention_window=args.window,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=args.classes,
+    )
     return LongformerForSequenceClassification(config)
 
 
@@ -68,9 +75,9 @@ def accuracy(model, variant: str, ids: torch.Tensor, labels: torch.Tensor, batch
     model.eval()
     correct = 0
     for start in range(0, len(ids), batch_size):
-        chunk = ids[start:start + batch_size]
+        chunk = ids[start : start + batch_size]
         logits = model(chunk, global_attention_mask=global_mask_for(variant, chunk)).logits
-        correct += int((logits.argmax(-1) == labels[start:start + batch_size]).sum())
+        correct += int((logits.argmax(-1) == labels[start : start + batch_size]).sum())
     model.train()
     return correct / len(ids)
 
@@ -82,7 +89,8 @@ def train(variant: str, args, held_out) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # Linear warm-up, then linear decay to 0 (transformers' default schedule for fine-tuning).
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min((step + 1) / args.warmup, (args.steps - step) / (args.steps - args.warmup)))
+        optimizer, lambda step: min((step + 1) / args.warmup, (args.steps - step) / (args.steps - args.warmup))
+    )
     data = torch.Generator().manual_seed(args.seed + 1)  # the same training documents for both variants
     curves = {"loss": [], "eval_steps": [], "accuracy": []}
     started = time.perf_counter()
@@ -99,8 +107,9 @@ def train(variant: str, args, held_out) -> dict:
         if step % args.eval_every == 0 or step == args.steps:
             curves["eval_steps"].append(step)
             curves["accuracy"].append(accuracy(model, variant, *held_out, args.batch_size))
-        bar.set_postfix(loss=f"{loss.item():.3f}", held_out_acc=f"{curves['accuracy'][-1]:.2f}" if curves["accuracy"]
-                        else "-")
+        bar.set_postfix(
+            loss=f"{loss.item():.3f}", held_out_acc=f"{curves['accuracy'][-1]:.2f}" if curves["accuracy"] else "-"
+        )
     curves["seconds"] = time.perf_counter() - started
     return curves
 
@@ -133,31 +142,42 @@ def write_results(runs: dict, args, out: Path) -> None:
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend()
-    figure.suptitle(f"Label = the marker token ({args.markers} copies) in the second half of {args.seq_len}-token documents; "
-                    f"{args.layers} layers x one-sided window {args.window}")
+    figure.suptitle(
+        f"Label = the marker token ({args.markers} copies) in the second half of {args.seq_len}-token documents; "
+        f"{args.layers} layers x one-sided window {args.window}"
+    )
     figure.tight_layout()
     figure.savefig(out / f"{NAME}.png", dpi=110)
     plt.close(figure)
 
     command = "python -m examples.long_document_classification " + " ".join(sys.argv[1:])
-    lines = [f"# Long-document classification, trained from scratch ({cpu_results_name()}, "
-             f"{torch.get_num_threads()} threads)", "",
-             f"Command: `{command.strip()}` (commit {source_commit()}, torch {torch.__version__})", "",
-             f"Documents of {args.seq_len} tokens, {args.markers} copies of one of {args.classes} marker tokens in "
-             f"the second half, label = the marker; `LongformerForSequenceClassification`, {args.layers} layers, hidden {args.hidden}, "
-             f"{args.heads} heads, one-sided window {args.window} (`<s>` sees {args.layers * args.window} tokens "
-             f"to each side without global attention); batch {args.batch_size}, {args.steps} steps, AdamW lr {args.lr}.",
-             "", "| variant | final held-out accuracy | best | training time |", "|---|---:|---:|---:|"]
+    lines = [
+        f"# Long-document classification, trained from scratch ({cpu_results_name()}, "
+        f"{torch.get_num_threads()} threads)",
+        "",
+        f"Command: `{command.strip()}` (commit {source_commit()}, torch {torch.__version__})",
+        "",
+        f"Documents of {args.seq_len} tokens, {args.markers} copies of one of {args.classes} marker tokens in "
+        f"the second half, label = the marker; `LongformerForSequenceClassification`, {args.layers} layers, hidden {args.hidden}, "
+        f"{args.heads} heads, one-sided window {args.window} (`<s>` sees {args.layers * args.window} tokens "
+        f"to each side without global attention); batch {args.batch_size}, {args.steps} steps, AdamW lr {args.lr}.",
+        "",
+        "| variant | final held-out accuracy | best | training time |",
+        "|---|---:|---:|---:|",
+    ]
     for variant, curves in runs.items():
-        lines.append(f"| {VARIANTS[variant]} | {curves['accuracy'][-1]:.3f} | {max(curves['accuracy']):.3f} | "
-                     f"{curves['seconds']:.0f} s |")
+        lines.append(
+            f"| {VARIANTS[variant]} | {curves['accuracy'][-1]:.3f} | {max(curves['accuracy']):.3f} | "
+            f"{curves['seconds']:.0f} s |"
+        )
     lines += ["", f"Chance: {1 / args.classes:.3f}. Curves: [`{NAME}.png`]({NAME}.png)."]
     (out / f"{NAME}.md").write_text("\n".join(lines) + "\n")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--classes", type=int, default=4)
     parser.add_argument("--markers", type=int, default=16, help="copies of the marker in a document")
@@ -183,8 +203,10 @@ def parse_args(argv=None):
     if args.seq_len < 8 or args.classes < 2 or args.vocab < FIRST_FILLER + args.classes + 1:
         parser.error("--seq-len must be >= 8, --classes >= 2, --vocab > classes + 3")
     if not 1 <= args.warmup < args.steps:
-        parser.error(f"--warmup must be in [1, --steps) (the learning rate rises over it, then decays to 0), "
-                     f"got {args.warmup} with --steps {args.steps}")
+        parser.error(
+            f"--warmup must be in [1, --steps) (the learning rate rises over it, then decays to 0), "
+            f"got {args.warmup} with --steps {args.steps}"
+        )
     if not 1 <= args.markers <= args.seq_len - 1 - args.seq_len // 2:
         parser.error(f"--markers must be in [1, {args.seq_len - 1 - args.seq_len // 2}] (the second half's positions)")
     return args
@@ -192,13 +214,21 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    held_out = make_documents(args.held_out, args.seq_len, args.classes, args.vocab,
-                              torch.Generator().manual_seed(args.seed + 2), args.markers)
+    held_out = make_documents(
+        args.held_out,
+        args.seq_len,
+        args.classes,
+        args.vocab,
+        torch.Generator().manual_seed(args.seed + 2),
+        args.markers,
+    )
     runs = {variant: train(variant, args, held_out) for variant in args.variants}
     write_results(runs, args, args.out)
     for variant, curves in runs.items():
-        print(f"{VARIANTS[variant]}: held-out accuracy {curves['accuracy'][-1]:.3f} after {args.steps} steps "
-              f"({curves['seconds']:.0f} s)")
+        print(
+            f"{VARIANTS[variant]}: held-out accuracy {curves['accuracy'][-1]:.3f} after {args.steps} steps "
+            f"({curves['seconds']:.0f} s)"
+        )
     print(f"wrote {args.out / NAME}.png and .md")
     return runs
 

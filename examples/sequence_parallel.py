@@ -42,27 +42,40 @@ def main(argv=None) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     dtype = torch.float64 if args.check else torch.float32
     g = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(1, args.seq_len, args.heads, args.head_dim, generator=g, dtype=dtype) for _ in range(4))
+    q, k, v, grad = (
+        torch.randn(1, args.seq_len, args.heads, args.head_dim, generator=g, dtype=dtype) for _ in range(4)
+    )
     lengths = [args.seq_len // ranks + (r < args.seq_len % ranks) for r in range(ranks)]
-    rows = slice(sum(lengths[:rank]), sum(lengths[:rank + 1]))
+    rows = slice(sum(lengths[:rank]), sum(lengths[: rank + 1]))
     shard = [x[:, rows].clone().requires_grad_() for x in (q, k, v)]
 
     started = time.perf_counter()
     out = distributed.sliding_window_attention(*shard, args.window, args.dilation, args.causal)
     out.backward(grad[:, rows])
     seconds = time.perf_counter() - started
-    print(f"rank {rank}/{ranks}: rows {rows.start}..{rows.stop - 1} of {args.seq_len}, forward and backward "
-          f"{seconds:.2f} s", flush=True)
+    print(
+        f"rank {rank}/{ranks}: rows {rows.start}..{rows.stop - 1} of {args.seq_len}, forward and backward "
+        f"{seconds:.2f} s",
+        flush=True,
+    )
 
     if args.check:
         whole = [x.clone().requires_grad_() for x in (q, k, v)]
         want = sliding_window_attention(*whole, args.window, args.dilation, args.causal)
         want.backward(grad)
-        errors = [float((got - ref[:, rows]).abs().max()) for got, ref in
-                  [(out.detach(), want.detach()), *((x.grad, y.grad) for x, y in zip(shard, whole, strict=True))]]
+        errors = [
+            float((got - ref[:, rows]).abs().max())
+            for got, ref in [
+                (out.detach(), want.detach()),
+                *((x.grad, y.grad) for x, y in zip(shard, whole, strict=True)),
+            ]
+        ]
         ok = max(errors) < 1e-10
-        print(f"rank {rank}: {'matches' if ok else 'DIFFERS FROM'} one process on the whole sequence "
-              f"(largest difference of result, dq, dk, dv: {max(errors):.1e})", flush=True)
+        print(
+            f"rank {rank}: {'matches' if ok else 'DIFFERS FROM'} one process on the whole sequence "
+            f"(largest difference of result, dq, dk, dv: {max(errors):.1e})",
+            flush=True,
+        )
         if not ok:
             raise SystemExit(1)
     dist.destroy_process_group()

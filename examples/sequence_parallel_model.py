@@ -33,8 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--window", type=int, default=256, help="w: keys on each side of a token")
-    parser.add_argument("--check", action="store_true", help="compare with one process on the whole document "
-                                                             "(float64; use tiny sizes)")
+    parser.add_argument(
+        "--check", action="store_true", help="compare with one process on the whole document (float64; use tiny sizes)"
+    )
     return parser.parse_args(argv)
 
 
@@ -46,11 +47,17 @@ def main(argv=None) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
 
     torch.manual_seed(0)  # the same model and document on every rank
-    config = LongformerConfig(hidden_size=args.hidden, num_attention_heads=args.heads, num_hidden_layers=args.layers,
-                              intermediate_size=4 * args.hidden, attention_window=args.window,
-                              max_position_embeddings=args.seq_len + 2, num_labels=2,
-                              hidden_dropout_prob=0.0 if args.check else 0.1,
-                              attention_probs_dropout_prob=0.0 if args.check else 0.1)
+    config = LongformerConfig(
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_hidden_layers=args.layers,
+        intermediate_size=4 * args.hidden,
+        attention_window=args.window,
+        max_position_embeddings=args.seq_len + 2,
+        num_labels=2,
+        hidden_dropout_prob=0.0 if args.check else 0.1,
+        attention_probs_dropout_prob=0.0 if args.check else 0.1,
+    )
     model = LongformerForSequenceClassification(config).to(torch.float64 if args.check else torch.float32)
     ids = torch.randint(3, config.vocab_size, (1, args.seq_len))
     label = torch.tensor([1])
@@ -62,7 +69,7 @@ def main(argv=None) -> None:
     distributed.sequence_parallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     lengths = [args.seq_len // ranks + (r < args.seq_len % ranks) for r in range(ranks)]
-    rows = slice(sum(lengths[:rank]), sum(lengths[:rank + 1]))
+    rows = slice(sum(lengths[:rank]), sum(lengths[: rank + 1]))
     for step in range(args.steps):
         started = time.perf_counter()
         optimizer.zero_grad()
@@ -73,8 +80,11 @@ def main(argv=None) -> None:
         if args.check and step == 0:
             check(model, reference, ids, label, out.loss, rank)
         optimizer.step()
-        print(f"rank {rank}/{ranks}: step {step}, rows {rows.start}..{rows.stop - 1} of {args.seq_len}, loss "
-              f"{out.loss.item():.4f}, {time.perf_counter() - started:.2f} s", flush=True)
+        print(
+            f"rank {rank}/{ranks}: step {step}, rows {rows.start}..{rows.stop - 1} of {args.seq_len}, loss "
+            f"{out.loss.item():.4f}, {time.perf_counter() - started:.2f} s",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 
@@ -84,11 +94,16 @@ def check(model, reference, ids, label, loss, rank: int) -> None:
         return
     want = reference(ids, labels=label)
     want.loss.backward()
-    errors = [abs(float(loss.detach() - want.loss.detach()))] + [float((got.grad - ref.grad).abs().max()) for got, ref in
-                                               zip(model.parameters(), reference.parameters(), strict=True)]
+    errors = [abs(float(loss.detach() - want.loss.detach()))] + [
+        float((got.grad - ref.grad).abs().max())
+        for got, ref in zip(model.parameters(), reference.parameters(), strict=True)
+    ]
     ok = max(errors) < 1e-10
-    print(f"rank 0: loss and gradients {'match' if ok else 'DIFFER FROM'} one process on the whole document "
-          f"(largest difference {max(errors):.1e})", flush=True)
+    print(
+        f"rank 0: loss and gradients {'match' if ok else 'DIFFER FROM'} one process on the whole document "
+        f"(largest difference {max(errors):.1e})",
+        flush=True,
+    )
     if not ok:
         raise SystemExit(1)
 

@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from longformer_ops import checks, dense, kernels, tasks
-from longformer_ops import model as model_module
-from longformer_ops.attention import sliding_window_attention as _local_attention
-from longformer_ops.dropout import dropout_seed
-from longformer_ops.layer import GlobalTokens, LongformerSelfAttention, PoolingformerSelfAttention
-
+from longformer_ops.models import model as model_module
+from longformer_ops.models import tasks
+from longformer_ops.models.layer import GlobalTokens, LongformerSelfAttention, PoolingformerSelfAttention
+from longformer_ops.nn import dense
+from longformer_ops.ops.attention import sliding_window_attention as _local_attention
+from longformer_ops.ops.dropout import dropout_seed
+from longformer_ops.runtime import checks, kernels
 
 traffic: collections.Counter = collections.Counter()
 """Bytes this process has sent through this module, by kind: ``halo`` (K and V rows), ``halo gradients``,
@@ -79,17 +80,35 @@ class HaloPlan:
 
     def peer(self, offset: int) -> int:
         """The global rank of the group's rank ``self.rank + offset`` (P2P ops take global ranks)."""
-        return dist.get_global_rank(self.group, self.rank + offset) if self.group is not dist.group.WORLD \
+        return (
+            dist.get_global_rank(self.group, self.rank + offset)
+            if self.group is not dist.group.WORLD
             else self.rank + offset
+        )
 
 
 def _describe(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p, return_lse) -> tuple:
     """What every rank must agree on, and this rank's length."""
     max_dilation = int(max(dilations)) if not isinstance(dilations, torch.Tensor) else int(dilations.max())
-    return dict(batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3], dtype=str(q.dtype),
-                device=q.device.type, w=w, dilations=tuple(int(x) for x in dilations), autoregressive=autoregressive,
-                scale=scale, key_padding_mask=key_padding_mask is not None, dropout_p=dropout_p,
-                return_lse=return_lse), q.shape[1], w * max_dilation
+    return (
+        dict(
+            batch=q.shape[0],
+            heads=q.shape[2],
+            kv_heads=k.shape[2],
+            head_dim=q.shape[3],
+            dtype=str(q.dtype),
+            device=q.device.type,
+            w=w,
+            dilations=tuple(int(x) for x in dilations),
+            autoregressive=autoregressive,
+            scale=scale,
+            key_padding_mask=key_padding_mask is not None,
+            dropout_p=dropout_p,
+            return_lse=return_lse,
+        ),
+        q.shape[1],
+        w * max_dilation,
+    )
 
 
 def plan_halo(seq_lens: list[int], rank: int, halo: int, autoregressive: bool, group) -> HaloPlan:
@@ -106,20 +125,37 @@ def plan_halo(seq_lens: list[int], rank: int, halo: int, autoregressive: bool, g
         return 0 if autoregressive else min(halo, length - starts[r + 1])
 
     for r, rows in enumerate(seq_lens):
-        for neighbour, needed in ((r + 1, before(r + 1) if r + 1 < len(seq_lens) else 0),
-                                  (r - 1, after(r - 1) if r > 0 else 0)):
+        for neighbour, needed in (
+            (r + 1, before(r + 1) if r + 1 < len(seq_lens) else 0),
+            (r - 1, after(r - 1) if r > 0 else 0),
+        ):
             if rows < needed:
                 raise ValueError(
                     f"sequence shards {seq_lens} (one per rank): rank {r}'s {rows} rows are fewer than the {needed} "
                     f"rows of halo rank {neighbour} needs from it (w * max(d) = {halo}); give every rank at least "
-                    f"{halo} rows, or use fewer ranks")
-    return HaloPlan(group=group, rank=rank, ranks=len(seq_lens), start=starts[rank], length=length, before=before(rank),
-                    after=after(rank), to_previous=after(rank - 1) if rank > 0 else 0,
-                    to_next=before(rank + 1) if rank + 1 < len(seq_lens) else 0)
+                    f"{halo} rows, or use fewer ranks"
+                )
+    return HaloPlan(
+        group=group,
+        rank=rank,
+        ranks=len(seq_lens),
+        start=starts[rank],
+        length=length,
+        before=before(rank),
+        after=after(rank),
+        to_previous=after(rank - 1) if rank > 0 else 0,
+        to_next=before(rank + 1) if rank + 1 < len(seq_lens) else 0,
+    )
 
 
-def _swap(plan: HaloPlan, first: torch.Tensor | None, last: torch.Tensor | None, from_previous: torch.Tensor | None,
-          from_next: torch.Tensor | None, kind: str) -> None:
+def _swap(
+    plan: HaloPlan,
+    first: torch.Tensor | None,
+    last: torch.Tensor | None,
+    from_previous: torch.Tensor | None,
+    from_next: torch.Tensor | None,
+    kind: str,
+) -> None:
     """One round of point-to-point messages along dim 1: ``first`` to the previous rank, ``last`` to the
     next, ``from_previous`` and ``from_next`` filled from them (None: nothing that way); the bytes sent
     counted in ``traffic[kind]``."""
@@ -143,8 +179,8 @@ class _HaloExchange(torch.autograd.Function):
         ctx.plan = plan
         b, n, kv_heads, f = k.shape
         packed = lambda x, y: torch.cat([x, y], dim=-1).contiguous()  # noqa: E731  (one message a way)
-        first = packed(k[:, :plan.to_previous], v[:, :plan.to_previous]) if plan.to_previous else None
-        last = packed(k[:, n - plan.to_next:], v[:, n - plan.to_next:]) if plan.to_next else None
+        first = packed(k[:, : plan.to_previous], v[:, : plan.to_previous]) if plan.to_previous else None
+        last = packed(k[:, n - plan.to_next :], v[:, n - plan.to_next :]) if plan.to_next else None
         received_before = k.new_empty(b, plan.before, kv_heads, 2 * f)
         received_after = k.new_empty(b, plan.after, kv_heads, 2 * f)
         _swap(plan, first, last, received_before, received_after, "halo")
@@ -159,14 +195,14 @@ class _HaloExchange(torch.autograd.Function):
         f = grad_k_all.shape[-1]
         grad = torch.cat([grad_k_all, grad_v_all], dim=-1)
         # Ours go back to the ranks we took the halos from; theirs come back for our border rows.
-        to_previous = grad[:, :plan.before].contiguous() if plan.before else None
-        to_next = grad[:, plan.before + n:].contiguous() if plan.after else None
+        to_previous = grad[:, : plan.before].contiguous() if plan.before else None
+        to_next = grad[:, plan.before + n :].contiguous() if plan.after else None
         from_previous = grad.new_empty(grad.shape[0], plan.to_previous, *grad.shape[2:])
         from_next = grad.new_empty(grad.shape[0], plan.to_next, *grad.shape[2:])
         _swap(plan, to_previous, to_next, from_previous, from_next, "halo gradients")
-        own = grad[:, plan.before:plan.before + n].clone()
-        own[:, :plan.to_previous] += from_previous
-        own[:, n - plan.to_next:] += from_next
+        own = grad[:, plan.before : plan.before + n].clone()
+        own[:, : plan.to_previous] += from_previous
+        own[:, n - plan.to_next :] += from_next
         return own[..., :f], own[..., f:], None
 
 
@@ -174,18 +210,28 @@ def _exchange_mask(plan: HaloPlan, mask: torch.Tensor) -> torch.Tensor:
     """The key padding mask with the halo rows' around it (not differentiable)."""
     b, n = mask.shape
     as_bytes = mask.to(torch.uint8)[..., None, None]  # [b, n, 1, 1]: the rows along dim 1, as K's
-    first = as_bytes[:, :plan.to_previous].contiguous() if plan.to_previous else None
-    last = as_bytes[:, n - plan.to_next:].contiguous() if plan.to_next else None
+    first = as_bytes[:, : plan.to_previous].contiguous() if plan.to_previous else None
+    last = as_bytes[:, n - plan.to_next :].contiguous() if plan.to_next else None
     before = as_bytes.new_empty(b, plan.before, 1, 1)
     after = as_bytes.new_empty(b, plan.after, 1, 1)
     _swap(plan, first, last, before, after, "mask")
     return torch.cat([before, as_bytes, after], dim=1)[..., 0, 0].bool()
 
 
-def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, d=1,
-                             autoregressive: bool = False, scale: float | None = None, *, group=None,
-                             key_padding_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                             return_lse: bool = False):
+def sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: int,
+    d=1,
+    autoregressive: bool = False,
+    scale: float | None = None,
+    *,
+    group=None,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+):
     """:func:`longformer_ops.sliding_window_attention` over a sequence split across the ranks of
     ``group`` (default: the world).
 
@@ -205,27 +251,32 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """
     group = dist.group.WORLD if group is None else group
     if not dist.is_initialized():
-        raise RuntimeError("longformer_ops.distributed needs torch.distributed initialised "
-                           "(torch.distributed.init_process_group)")
+        raise RuntimeError(
+            "longformer_ops.distributed needs torch.distributed initialised (torch.distributed.init_process_group)"
+        )
     error, described, seq_len, halo = None, None, 0, 0
     try:
         q, k, v = kernels.autocast_inputs(q, k, v)
-        w, dilations, scale = checks.check_sliding_window_attention(q, k, v, w, d, autoregressive, scale,
-                                                                     key_padding_mask)
+        w, dilations, scale = checks.check_sliding_window_attention(
+            q, k, v, w, d, autoregressive, scale, key_padding_mask
+        )
         dropout_p = checks.check_dropout_p(dropout_p)
         checks.check_bool("return_lse", return_lse)
-        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-        if dropout_p > 0 and not kernels.fused_attention_available(q.device, q.dtype, backward=needs_grad):
-            raise NotImplementedError(f"dropout_p > 0 needs the fused local-attention kernels, which this machine's "
-                                      f"libraries lack for {q.device.type} and {q.dtype}; got dropout_p={dropout_p}")
-        described, seq_len, halo = _describe(q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p,
-                                             return_lse)
+        if dropout_p > 0 and not kernels.available("attention", q.device, q.dtype):
+            raise NotImplementedError(
+                f"dropout_p > 0 needs the fused local-attention kernels, which this machine's "
+                f"libraries lack for {q.device.type} and {q.dtype}; got dropout_p={dropout_p}"
+            )
+        described, seq_len, halo = _describe(
+            q, k, v, w, dilations, autoregressive, scale, key_padding_mask, dropout_p, return_lse
+        )
     except (TypeError, ValueError, NotImplementedError) as caught:
         error = caught
     seed = int(dropout_seed()) if error is None and dropout_p > 0 else 0  # (rank 0's serves every rank)
     everyone = [None] * dist.get_world_size(group)
-    _all_gather_object(everyone, (None if error is None else f"{type(error).__name__}: {error}", described, seq_len,
-                                   halo, seed), group)
+    _all_gather_object(
+        everyone, (None if error is None else f"{type(error).__name__}: {error}", described, seq_len, halo, seed), group
+    )
     rank = dist.get_rank(group)
     if error is not None:
         raise error
@@ -240,23 +291,34 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     k_all, v_all = _HaloExchange.apply(k, v, plan)
     # The halo rows' queries are zeros, their results discarded (2 w max(d) rows of wasted work a rank).
-    q_all = torch.cat([q.new_zeros(q.shape[0], plan.before, *q.shape[2:]), q,
-                       q.new_zeros(q.shape[0], plan.after, *q.shape[2:])], dim=1)
+    q_all = torch.cat(
+        [q.new_zeros(q.shape[0], plan.before, *q.shape[2:]), q, q.new_zeros(q.shape[0], plan.after, *q.shape[2:])],
+        dim=1,
+    )
     mask_all = None if key_padding_mask is None else _exchange_mask(plan, key_padding_mask)
     if dropout_p > 0:
         # The fused op, given the seed: its high 32 bits offset the mask's rows by this call's first
         # row in the whole sequence (tvm_kernels.compute.dropout_row_key).
         offset_seed = torch.tensor(everyone[0][4] + ((plan.start - plan.before) << 32), dtype=torch.int64)
-        out, lse = torch.ops.longformer_ops.attention(q_all, k_all, v_all, mask_all, offset_seed, w,
-                                                      kernels.dilation_argument(dilations), autoregressive, scale,
-                                                      dropout_p)
+        out, lse = torch.ops.longformer_ops.attention(
+            q_all,
+            k_all,
+            v_all,
+            mask_all,
+            offset_seed,
+            w,
+            kernels.dilation_argument(dilations),
+            autoregressive,
+            scale,
+            dropout_p,
+        )
     else:
-        out, lse = _local_attention(q_all, k_all, v_all, w, dilations, autoregressive, scale, key_padding_mask=mask_all,
-                                    return_lse=True)
+        out, lse = _local_attention(
+            q_all, k_all, v_all, w, dilations, autoregressive, scale, key_padding_mask=mask_all, return_lse=True
+        )
     rows = slice(plan.before, plan.before + seq_len)
     out = out[:, rows].contiguous()
     return (out, lse[:, rows].contiguous()) if return_lse else out
-
 
 
 # ============================================================================ the model
@@ -270,6 +332,7 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 #   span logits, losses   gathered, or summed over the ranks
 # Each cross-rank step is differentiable: an all_reduce's backward sums the ranks' gradients, so the
 # ranks' parameter gradients are shares whose sum is the one-process gradient.
+
 
 class _SumOverRanks(torch.autograd.Function):
     """The sum of every rank's ``x``; the backward sums the ranks' gradients (each rank's output feeds
@@ -304,8 +367,9 @@ class _Extent:
         """Every rank's slice of ``x`` along ``dim``, in rank order: the whole sequence's, on every rank
         (differentiable for floating-point ``x``)."""
         dim = dim % x.dim()
-        placed = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [self.start, self.total - self.start
-                                                                             - self.length])
+        placed = torch.nn.functional.pad(
+            x, [0, 0] * (x.dim() - 1 - dim) + [self.start, self.total - self.start - self.length]
+        )
         if x.is_floating_point():
             return _sum_over_ranks(placed, group)
         _all_reduce(placed, group)
@@ -319,8 +383,9 @@ def _gather_from_ranks(group, batch: int, length: int, payload=None) -> tuple[_E
     _all_gather_object(everyone, (batch, length, payload), group)
     batches = [entry[0] for entry in everyone]
     if len(set(batches)) > 1:
-        raise ValueError(f"every rank must pass the same batch size (its slice of the same sequences): got {batches} "
-                         f"(one per rank)")
+        raise ValueError(
+            f"every rank must pass the same batch size (its slice of the same sequences): got {batches} (one per rank)"
+        )
     starts = [0]
     for _, rows, _ in everyone:
         starts.append(starts[-1] + rows)
@@ -354,40 +419,51 @@ class _SequenceGlobals:
         device = is_global.device
         valid = torch.tensor([[j < len(mine) for j in range(slots)] for mine in positions], device=device)
         padded = torch.tensor([mine + [0] * (slots - len(mine)) for mine in positions], device=device)  # (0: empty)
-        own = [(example, p - extent.start, slot) for example, mine in enumerate(positions)
-               for slot, p in enumerate(mine) if extent.start <= p < extent.start + n]
-        own_example, own_row, own_slot = (torch.tensor(column, dtype=torch.long, device=device)
-                                          for column in (zip(*own) if own else ([], [], [])))
+        own = [
+            (example, p - extent.start, slot)
+            for example, mine in enumerate(positions)
+            for slot, p in enumerate(mine)
+            if extent.start <= p < extent.start + n
+        ]
+        own_example, own_row, own_slot = (
+            torch.tensor(column, dtype=torch.long, device=device) for column in (zip(*own) if own else ([], [], []))
+        )
         return _SequenceGlobals(GlobalTokens(padded, valid), extent, own_example, own_row, own_slot)
 
     def rows(self, x: torch.Tensor, group) -> torch.Tensor:
         """The global tokens' rows of every rank's ``x [b, n_r, ...]``: ``[b, g, ...]`` on every rank
         (zeros in empty slots); differentiable."""
         b, g = self.tokens.positions.shape
-        mine = x.new_zeros(b, g, *x.shape[2:]).index_put((self.own_example, self.own_slot),
-                                                          x[self.own_example, self.own_row])
+        mine = x.new_zeros(b, g, *x.shape[2:]).index_put(
+            (self.own_example, self.own_slot), x[self.own_example, self.own_row]
+        )
         return _sum_over_ranks(mine, group)
 
 
 class _SequenceParallelSelfAttention:
-    """Mixed into :class:`longformer_ops.layer.LongformerSelfAttention`: the layer on this rank's slice
+    """Mixed into :class:`longformer_ops.models.layer.LongformerSelfAttention`: the layer on this rank's slice
     of the sequence (its rows of what the layer returns for the whole sequence)."""
 
     sequence_group: dist.ProcessGroup
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                output_attentions: bool = False):
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, output_attentions: bool = False
+    ):
         if output_attentions:
-            raise NotImplementedError("output_attentions=True is not supported under sequence parallelism (each "
-                                      "rank would hold its rows of attentions over global columns of the whole "
-                                      "sequence); run the one-process model to inspect attentions")
+            raise NotImplementedError(
+                "output_attentions=True is not supported under sequence parallelism (each "
+                "rank would hold its rows of attentions over global columns of the whole "
+                "sequence); run the one-process model to inspect attentions"
+            )
         checks.check_hidden_states(hidden_states, self.query.in_features, self.query.weight)
         b, n, hidden = hidden_states.shape
         if attention_mask is None:
             attention_mask = hidden_states.new_zeros(b, n)
         elif attention_mask.shape != (b, n):
-            raise ValueError(f"attention_mask must be [batch, seq_len] = {(b, n)} (negative = padding, 0 = local, "
-                             f"positive = global), got shape {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask must be [batch, seq_len] = {(b, n)} (negative = padding, 0 = local, "
+                f"positive = global), got shape {tuple(attention_mask.shape)}"
+            )
         group = self.sequence_group
         is_padding = attention_mask < 0
         is_global = (attention_mask > 0) & ~is_padding
@@ -397,15 +473,27 @@ class _SequenceParallelSelfAttention:
         k, v = (self._heads(dense.apply_linear(projection, hidden_states)) for projection in (self.key, self.value))
         dropout_p = self.dropout if self.training else 0.0
         # Global tokens are removed from the band as keys (every query reaches them through their columns).
-        context, lse = sliding_window_attention(q, k, v, self.window, self.dilation, self.autoregressive, 1.0,
-                                                group=group, key_padding_mask=is_padding | is_global,
-                                                dropout_p=dropout_p, return_lse=True)
+        context, lse = sliding_window_attention(
+            q,
+            k,
+            v,
+            self.window,
+            self.dilation,
+            self.autoregressive,
+            1.0,
+            group=group,
+            key_padding_mask=is_padding | is_global,
+            dropout_p=dropout_p,
+            return_lse=True,
+        )
         if slots is not None:
-            slot_states = slots.rows(hidden_states, group)                                   # [b, g, hidden]
-            key_slots, value_slots = (self._heads(dense.apply_linear(projection, slot_states))
-                                      for projection in (self.key, self.value))
-            context = self._merge_global_keys(context, lse, q, key_slots, value_slots, slots.tokens, dropout_p,
-                                              slots.extent.start)
+            slot_states = slots.rows(hidden_states, group)  # [b, g, hidden]
+            key_slots, value_slots = (
+                self._heads(dense.apply_linear(projection, slot_states)) for projection in (self.key, self.value)
+            )
+            context = self._merge_global_keys(
+                context, lse, q, key_slots, value_slots, slots.tokens, dropout_p, slots.extent.start
+            )
         del q, k, v  # (autograd keeps what its backward needs) before the global rows'
         context = context.masked_fill(is_padding[:, :, None, None], 0)
         if slots is not None:  # the global tokens' own rows replace their local ones
@@ -417,22 +505,23 @@ class _SequenceParallelSelfAttention:
         """Each global token's row over every rank's keys: ``[b, g, h, d]`` on every rank. Each rank sums
         its rows' terms of the softmax under one shift (the ranks' largest score), the sums are added."""
         group = self.sequence_group
-        queries = self._global_queries(slot_states)                                            # [b, g, h, d]
-        scores, through_weights = self._global_row_scores(hidden_states, queries, is_padding, slots.tokens,
-                                                          slots.extent.start)                  # [b, n, h, g]
+        queries = self._global_queries(slot_states)  # [b, g, h, d]
+        scores, through_weights = self._global_row_scores(
+            hidden_states, queries, is_padding, slots.tokens, slots.extent.start
+        )  # [b, n, h, g]
         b, n, h, g = scores.shape
         # Any shift common to the ranks gives the same result, so it needs no gradient.
         shift = scores.detach().amax(1) if n else scores.new_full((b, h, g), torch.finfo(scores.dtype).min)
         _all_reduce(shift, group, dist.ReduceOp.MAX)
         weights = torch.exp(scores - shift[:, None])
-        total = _sum_over_ranks(weights.sum(1), group)                                         # [b, h, g]
+        total = _sum_over_ranks(weights.sum(1), group)  # [b, h, g]
         context = self._global_row_context(self._global_row_dropout(weights), hidden_states, through_weights)
-        context = _sum_over_ranks(context, group)                                              # [b, g, h, d]
+        context = _sum_over_ranks(context, group)  # [b, g, h, d]
         return context / total.clamp_min(torch.finfo(total.dtype).tiny).transpose(1, 2)[..., None]
 
 
 class _SequenceParallelEmbeddings:
-    """Mixed into :class:`longformer_ops.model.LongformerEmbeddings`: position ids that continue from
+    """Mixed into :class:`longformer_ops.models.model.LongformerEmbeddings`: position ids that continue from
     the earlier ranks' slices (RoBERTa's count only real tokens: the earlier slices' are counted)."""
 
     sequence_group: dist.ProcessGroup
@@ -444,8 +533,11 @@ class _SequenceParallelEmbeddings:
             return local + extent.start
         real = input_ids != self.pad_token_id
         extent, counts = _gather_from_ranks(self.sequence_group, shape[0], shape[1], real.sum(1).tolist())
-        before = torch.tensor([sum(theirs[example] for start, theirs in counts if start < extent.start)
-                               for example in range(shape[0])], dtype=local.dtype, device=local.device)
+        before = torch.tensor(
+            [sum(theirs[example] for start, theirs in counts if start < extent.start) for example in range(shape[0])],
+            dtype=local.dtype,
+            device=local.device,
+        )
         return local + before[:, None] * real
 
 
@@ -481,8 +573,9 @@ class _SequenceParallelTask:
             extent, _ = _gather_from_ranks(group, *out.start_logits.shape)
             out.start_logits, out.end_logits = (extent.whole(x, group) for x in (out.start_logits, out.end_logits))
             if labels["start_positions"] is not None and labels["end_positions"] is not None:
-                out.loss = tasks.span_loss(out.start_logits, out.end_logits, labels["start_positions"],
-                                           labels["end_positions"])
+                out.loss = tasks.span_loss(
+                    out.start_logits, out.end_logits, labels["start_positions"], labels["end_positions"]
+                )
         elif labels and labels["labels"] is not None:
             out.loss = _token_mean_loss(out.logits, labels["labels"], group)
         return out
@@ -500,13 +593,16 @@ def _token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, group) -> torch
 
 def _sliced_default(rule):
     """A default global attention computed on the whole sequence's input_ids, then sliced to this rank's."""
+
     def default(model, arguments, group):
         ids = arguments.get("input_ids")
         if ids is None:
             return None  # (the model warns, or uses no global attention)
         extent, _ = _gather_from_ranks(group, ids.shape[0], ids.shape[-1])
-        return rule(extent.whole(ids, group, dim=-1), model.config.sep_token_id)[..., extent.start:
-                                                                                extent.start + extent.length]
+        return rule(extent.whole(ids, group, dim=-1), model.config.sep_token_id)[
+            ..., extent.start : extent.start + extent.length
+        ]
+
     return default
 
 
@@ -543,8 +639,11 @@ _mixed_classes: dict[type, type] = {}
 
 def _sequence_parallel_class(base: type) -> type:
     if base not in _mixed_classes:
-        _mixed_classes[base] = type(f"SequenceParallel{base.__name__}", (_MIXINS[base], base),
-                                    {"_sequence_parallel_base": base, "__module__": __name__})
+        _mixed_classes[base] = type(
+            f"SequenceParallel{base.__name__}",
+            (_MIXINS[base], base),
+            {"_sequence_parallel_base": base, "__module__": __name__},
+        )
     return _mixed_classes[base]
 
 
@@ -580,22 +679,27 @@ def sequence_parallel(model: nn.Module, group=None) -> nn.Module:
     (:func:`longformer_ops.from_hf_pretrained`) instead.
     """
     if not dist.is_initialized():
-        raise RuntimeError("longformer_ops.distributed needs torch.distributed initialised "
-                           "(torch.distributed.init_process_group)")
+        raise RuntimeError(
+            "longformer_ops.distributed needs torch.distributed initialised (torch.distributed.init_process_group)"
+        )
     group = dist.group.WORLD if group is None else group
     if dist.get_rank(group) < 0:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not in the group passed as group")
     models = (model_module.LongformerModel, *tasks.TASK_MODELS)
     base = getattr(type(model), "_sequence_parallel_base", type(model))
     if base not in models:
-        raise TypeError(f"sequence_parallel takes longformer_ops' {', '.join(m.__name__ for m in models)}, got "
-                        f"{type(model).__module__}.{type(model).__qualname__}. transformers' Longformer models cannot "
-                        f"be sharded (they pad to the window and number positions per call): load their weights "
-                        f"with longformer_ops.from_hf_pretrained")
+        raise TypeError(
+            f"sequence_parallel takes longformer_ops' {', '.join(m.__name__ for m in models)}, got "
+            f"{type(model).__module__}.{type(model).__qualname__}. transformers' Longformer models cannot "
+            f"be sharded (they pad to the window and number positions per call): load their weights "
+            f"with longformer_ops.from_hf_pretrained"
+        )
     pooling = [name for name, module in model.named_modules() if isinstance(module, PoolingformerSelfAttention)]
     if pooling:
-        raise NotImplementedError(f"sequence_parallel does not shard Poolingformer layers (their pooled level 2 would "
-                                  f"need a halo of pools): {pooling[0]} is one")
+        raise NotImplementedError(
+            f"sequence_parallel does not shard Poolingformer layers (their pooled level 2 would "
+            f"need a halo of pools): {pooling[0]} is one"
+        )
     for module in model.modules():
         base = getattr(type(module), "_sequence_parallel_base", type(module))
         if base in _MIXINS:

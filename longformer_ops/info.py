@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from longformer_ops import _loader
+from longformer_ops.runtime import loader as _loader
 
 _SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
 _SHORT_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}
@@ -45,8 +45,10 @@ def _why(manifest: dict, device: str, dtype: str, chosen: str) -> str:
     if os.environ.get(_loader.CPU_TARGET_ENV):
         return f"forced by {_loader.CPU_TARGET_ENV}"
     flags, vendor = _loader.cpu_flags(), _loader.cpu_vendor()
-    entries = sorted((e for e in manifest["libraries"].values() if e["device"] == "cpu" and e["dtype"] == dtype),
-                     key=lambda e: -e["preference"])
+    entries = sorted(
+        (e for e in manifest["libraries"].values() if e["device"] == "cpu" and e["dtype"] == dtype),
+        key=lambda e: -e["preference"],
+    )
     passed_over = []
     for entry in entries:
         if entry["target"] == chosen:
@@ -69,8 +71,10 @@ def availability() -> list[dict]:
     for device, dtype in _libraries(manifest):
         loaded, status = _load(device, dtype)
         library = loaded.name if loaded else "-"
-        rows += [dict(op=name, device=device, dtype=dtype, library=library, status=status)
-                 for name in functions[(device, dtype)]]
+        rows += [
+            dict(op=name, device=device, dtype=dtype, library=library, status=status)
+            for name in functions[(device, dtype)]
+        ]
     return rows
 
 
@@ -101,7 +105,9 @@ def _summary(manifest: dict) -> bool:
     print()
     functions = {(e["device"], e["dtype"]): e["functions"] for e in manifest["libraries"].values()}
     ops = list(dict.fromkeys(_op_name(f) for pair in pairs for f in functions[pair]))  # (the manifest's order)
-    header = ["op (both modes where banded)"] + [f"{device} {_SHORT_DTYPES.get(dtype, dtype)}" for device, dtype in pairs]
+    header = ["op (both modes where banded)"] + [
+        f"{device} {_SHORT_DTYPES.get(dtype, dtype)}" for device, dtype in pairs
+    ]
     table = [header]
     for op in ops:
         cells = []
@@ -114,8 +120,10 @@ def _summary(manifest: dict) -> bool:
                 cells.append("yes" if library is not None and all(library.has(name) for name in names) else "no")
         table.append([op] + cells)
     _print_columns(table)
-    print("yes: runs on the kernels here; no: in a library that does not load here; .: not in the library "
-          "(torch's ops serve it)")
+    print(
+        "yes: runs on the kernels here; no: in a library that does not load here; .: not in the library "
+        "(torch's ops serve it)"
+    )
     return any(library is not None for library, _ in loaded.values())
 
 
@@ -129,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     except _loader.KernelNotAvailableError as error:
         print(error)
         return 1
-    print(f"prebuilt:  {directory}  (TVM {manifest['tvm_version']}, tvm-ffi {manifest['tvm_ffi_version']}, "
-          f"{manifest['platform']})")
+    print(
+        f"prebuilt:  {directory}  (TVM {manifest['tvm_version']}, tvm-ffi {manifest['tvm_ffi_version']}, "
+        f"{manifest['platform']})"
+    )
     print(f"torch:     {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     simd = sorted(f for f in _loader.cpu_flags() if f in _SIMD_FLAGS)
     amx = ""
@@ -141,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         return 0 if _summary(manifest) else 1
     rows = availability()
-    _print_columns([["op", "device", "dtype", "library", "status"]]
-                   + [[r["op"], r["device"], r["dtype"], r["library"], r["status"]] for r in rows])
+    _print_columns(
+        [["op", "device", "dtype", "library", "status"]]
+        + [[r["op"], r["device"], r["dtype"], r["library"], r["status"]] for r in rows]
+    )
     return 0 if any(r["status"] == "ok" for r in rows) else 1
 
 

@@ -14,7 +14,9 @@ import zlib
 import pytest
 import torch
 
-from longformer_ops import _loader, dense
+from longformer_ops.nn import dense
+from longformer_ops.runtime import kernels
+from longformer_ops.runtime import loader as _loader
 
 CUDA = torch.cuda.is_available()
 
@@ -23,7 +25,7 @@ CUDA = torch.cuda.is_available()
 TOLERANCE = {
     torch.float64: 1e-12,
     torch.float32: 2e-6,
-    torch.float16: 2e-3,   # output rounding 2^-11, float32 accumulation
+    torch.float16: 2e-3,  # output rounding 2^-11, float32 accumulation
     torch.bfloat16: 1e-2,  # output rounding 2^-8, float32 accumulation
 }
 
@@ -58,8 +60,9 @@ def normwise_bound(dtype: torch.dtype, gradients: bool = False) -> float:
     return NORMWISE_UNITS[dtype][gradients] * unit_roundoff(dtype)
 
 
-def assert_normwise_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str, zero_scale: float,
-                          gradients: bool = False):
+def assert_normwise_close(
+    got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str, zero_scale: float, gradients: bool = False
+):
     """``||got - ref|| <= normwise_bound(dtype, gradients) * ||ref||`` (Frobenius norms, in float64); no NaN.
 
     A reference that is exactly zero (every row cancels: a query with a single key has dQ = dK = 0)
@@ -71,18 +74,29 @@ def assert_normwise_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dty
     assert not torch.isnan(got64).any(), f"{what}: NaN"
     bound, ref_norm = normwise_bound(dtype, gradients), float(ref64.norm())
     if ref_norm == 0:
-        assert float(got64.norm()) <= bound * zero_scale, \
+        assert float(got64.norm()) <= bound * zero_scale, (
             f"{what}: reference is 0, got norm {float(got64.norm()):.3e} > {bound:.1e} x {zero_scale:.3e} ({dtype})"
+        )
         return
     relative = float((got64 - ref64).norm()) / ref_norm
     units = NORMWISE_UNITS[dtype][gradients]
-    assert relative <= bound, \
+    assert relative <= bound, (
         f"{what}: norm-wise relative error {relative:.3e} = {relative / unit_roundoff(dtype):.2f} u > {units} u ({dtype})"
+    )
 
 
 def stable_seed(*parts) -> int:
     """A seed from stable values (not ``hash()``, which Python randomises per process)."""
     return zlib.crc32(repr(parts).encode())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` (registered in pyproject.toml) need a CUDA GPU: skipped without one."""
+    if not CUDA:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
 
 
 def pytest_configure(config):
@@ -108,8 +122,15 @@ def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     if report.failed:
         seeds = [value for name, value in item.user_properties if name == "torch.manual_seed"]
-        report.sections.append(("seed", f"torch.manual_seed({seeds[0] if seeds else '?'}) from the test id; "
-                                        "generators made in the test are seeded by their stable case values"))
+        report.sections.append(
+            (
+                "seed",
+                f"torch.manual_seed({seeds[0] if seeds else '?'}) from the test id; "
+                "generators made in the test are seeded by their stable case values",
+            )
+        )
+
+
 CUDA_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -161,6 +182,15 @@ def cpu_library(request, monkeypatch):
 # float16) or dense.py's float32 products, as the CPU decides: every test that takes this fixture runs
 # both ways on every CPU, through the table dense.computes_in_float32 reads at each call.
 HALF_GEMMS = {"torch_half_gemm": True, "float32_products": False}
+
+
+def without_kernels(monkeypatch, *families: str) -> None:
+    """``kernels.available`` answering False for the kernel ``families``: their callers' own fallback
+    to torch's ops, as where a library lacks them (CUDA)."""
+    shipped = kernels.available
+    monkeypatch.setattr(
+        kernels, "available", lambda family, device, dtype: family not in families and shipped(family, device, dtype)
+    )
 
 
 def force_half_gemm(monkeypatch, native: bool) -> None:

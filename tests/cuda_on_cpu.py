@@ -1,7 +1,7 @@
 """The CUDA kernels' generated source, run on the CPU: so that CI, which has no GPU, checks their
 logic (tiles, packed rows, staging, synchronisation) against the references.
 
-TVM lowers ``tvm_kernels/schedules/cuda.py`` to CUDA C++; :func:`build` compiles that source with
+TVM lowers ``tvm_kernels/schedules/cuda/`` to CUDA C++; :func:`build` compiles that source with
 the host C++ compiler and a small shim: each CUDA thread of a block is a fiber (``ucontext``) on
 the calling thread, run until it reaches a barrier, then the next; ``__syncthreads`` switches back
 to the shim's scheduler, which starts the next turn when every thread has reached it. The block's
@@ -92,7 +92,7 @@ static void fiber_main() {
 #define CUDART_INF_F INFINITY
 template <class A, class B> auto max(A a, B b) { return a > b ? a : (decltype(a + b))b; }
 template <class A, class B> auto min(A a, B b) { return a < b ? a : (decltype(a + b))b; }
-// mma.sync m16n8k16 for a warp (tvm_kernels/schedules/cuda.py's fragment layout, float operands):
+// mma.sync m16n8k16 for a warp (tvm_kernels/schedules/cuda/mma.py's fragment layout, float operands):
 // every thread of the block calls it together; each publishes its fragments, then computes its
 // accumulator elements from its warp's. An element's owner is the inverse of the kernel's mapping:
 // A(row, k) is element k%2 + 2(row/8) + 4(k/8) of lane 4(row%8) + (k%8)/2; B(k, col) element
@@ -226,12 +226,34 @@ static void launch(int64_t grid_x, int64_t grid_y, unsigned threads, const std::
 
 # Every argument a kernel may take, in the order of the C entry points ``run_<kernel>`` written below
 # (each passes its kernel the ones it takes).
-ARGUMENTS = [("dilation", "int*"), ("out", "float*"), ("t1", "float*"), ("t2", "float*"), ("q", "float*"),
-             ("k", "float*"), ("v", "float*"), ("key_bias", "float*"), ("lse", "float*"), ("grad", "float*"),
-             ("grad_lse", "float*"), ("grad_q", "float*"), ("grad_k", "float*"), ("grad_v", "float*"), ("band", "int64_t"),
-             ("batch", "int64_t"), ("head_dim", "int64_t"), ("heads", "int64_t"), ("kv_heads", "int64_t"),
-             ("n", "int64_t"), ("padding", "double"), ("window", "int64_t"), ("scale", "double"),
-             ("softcap", "double"), ("dropout", "double"), ("seed", "int64_t")]
+ARGUMENTS = [
+    ("dilation", "int*"),
+    ("out", "float*"),
+    ("t1", "float*"),
+    ("t2", "float*"),
+    ("q", "float*"),
+    ("k", "float*"),
+    ("v", "float*"),
+    ("key_bias", "float*"),
+    ("lse", "float*"),
+    ("grad", "float*"),
+    ("grad_lse", "float*"),
+    ("grad_q", "float*"),
+    ("grad_k", "float*"),
+    ("grad_v", "float*"),
+    ("band", "int64_t"),
+    ("batch", "int64_t"),
+    ("head_dim", "int64_t"),
+    ("heads", "int64_t"),
+    ("kv_heads", "int64_t"),
+    ("n", "int64_t"),
+    ("padding", "double"),
+    ("window", "int64_t"),
+    ("scale", "double"),
+    ("softcap", "double"),
+    ("dropout", "double"),
+    ("seed", "int64_t"),
+]
 
 # A PrimFunc of several kernels (the fused backward) is generated on its own without TVM's common
 # subexpression elimination: with it, expressions its kernels share are computed by the host code
@@ -274,8 +296,10 @@ def asan_preload() -> str | None:
     compiler = cxx_compiler()
     if compiler is None:
         return None
-    found = [subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
-             for name in ("libasan.so", "libstdc++.so")]
+    found = [
+        subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        for name in ("libasan.so", "libstdc++.so")
+    ]
     return " ".join(found) if all(os.path.isabs(path) and os.path.exists(path) for path in found) else None
 
 
@@ -301,15 +325,20 @@ def build(directory: Path, generated: Path) -> tuple[Path, dict]:
     # A kernel's dynamic shared memory (TVM merges its ``shared.dyn`` buffers into one array that the
     # launch sizes): a static array of the size the kernels' buffers add up to, so that
     # AddressSanitizer sees an access past them.
-    body = re.sub(r"extern __shared__ __align__\((\d+)\) uchar (\w+)\[\];",
-                  rf"alignas(\1) static unsigned char \2[{info['dynamic_shared_bytes']}];", body)
+    body = re.sub(
+        r"extern __shared__ __align__\((\d+)\) uchar (\w+)\[\];",
+        rf"alignas(\1) static unsigned char \2[{info['dynamic_shared_bytes']}];",
+        body,
+    )
     launches: dict[str, list[str]] = {}  # a function's kernels in launch order (TVM: name_kernel, name_kernel_1, ...)
     for threads, name, suffix, parameters in re.findall(
-            r'__global__ void __launch_bounds__\((\d+)\) (\w+?)_kernel(_\d+)?\(([^)]*)\) \{', body):
+        r"__global__ void __launch_bounds__\((\d+)\) (\w+?)_kernel(_\d+)?\(([^)]*)\) \{", body
+    ):
         call = ", ".join(p.split()[-1].removesuffix("_ptr") for p in parameters.split(","))
         launches.setdefault(name, []).append(
-            f'  launch((n + {info["tile_rows"]} - 1) / {info["tile_rows"]}, batch * heads, {threads},\n'
-            f'         [&] {{ {name}_kernel{suffix}({call}); }});\n')
+            f"  launch((n + {info['tile_rows']} - 1) / {info['tile_rows']}, batch * heads, {threads},\n"
+            f"         [&] {{ {name}_kernel{suffix}({call}); }});\n"
+        )
     signature = ", ".join(f"{ctype} {arg}" for arg, ctype in ARGUMENTS)
     wrappers = [f'extern "C" void run_{name}({signature}) {{\n{"".join(calls)}}}\n' for name, calls in launches.items()]
     (directory / "kernels.cpp").write_text(SHIM + body + "\n".join(wrappers))
@@ -319,6 +348,20 @@ def build(directory: Path, generated: Path) -> tuple[Path, dict]:
     # compiler laid the arrays out (the process must preload its runtime: :func:`asan_preload`).
     sanitize = ["-fsanitize=address", "-fno-omit-frame-pointer"] if os.environ.get(SANITIZE_ENV) == "address" else []
     deferred = ["-DLONGFORMER_ASYNC_DEFERRED"] if os.environ.get(ASYNC_ENV) == "deferred" else []
-    subprocess.run([cxx_compiler(), "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", *sanitize, *deferred,
-                    str(directory / "kernels.cpp"), "-o", str(library)], check=True)
+    subprocess.run(
+        [
+            cxx_compiler(),
+            "-std=c++20",
+            "-O1",
+            "-fPIC",
+            "-shared",
+            "-pthread",
+            *sanitize,
+            *deferred,
+            str(directory / "kernels.cpp"),
+            "-o",
+            str(library),
+        ],
+        check=True,
+    )
     return library, info

@@ -25,9 +25,19 @@ def hf_config(windows, hidden=32, heads=4, vocab=97, max_positions=64, **kwargs)
     import transformers
 
     return transformers.LongformerConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=len(windows), num_attention_heads=heads,
-        intermediate_size=2 * hidden, attention_window=list(windows), max_position_embeddings=max_positions,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=PAD, type_vocab_size=2, **kwargs)
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=len(windows),
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        attention_window=list(windows),
+        max_position_embeddings=max_positions,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=PAD,
+        type_vocab_size=2,
+        **kwargs,
+    )
 
 
 def random_hf_windows(seed: int, layers: int) -> list[int]:

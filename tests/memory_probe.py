@@ -17,7 +17,7 @@ import torch
 
 import longformer_ops
 from longformer_ops import band_softmax_, diagonaled_mm, mask_invalid_locations, sliding_window_attention
-from longformer_ops.diagonaled import transposed_product
+from longformer_ops.ops.diagonaled import transposed_product
 
 HEADS, HEAD_DIM, W = 12, 64, 256
 DILATION = [1, 1, 2, 2, 4, 4, 8, 8, 1, 2, 4, 8]
@@ -26,8 +26,15 @@ DILATION = [1, 1, 2, 2, 4, 4, 8, 8, 1, 2, 4, 8]
 # (With more threads than heads a thread works on a run of a head's queries, with less; the fused
 # backward then also keeps the dK, dV parts of the keys at the runs' edges: at most 4 head slices
 # per head, kernels.query_runs; on 2 threads these 12 heads run whole.)
-SCRATCH_HEAD_SLICES = {"qk": 1, "pv": 1, "transposed": 1, "mask": 0, "softmax": 0, "attention": 2,
-                       "attention_backward": 8}
+SCRATCH_HEAD_SLICES = {
+    "qk": 1,
+    "pv": 1,
+    "transposed": 1,
+    "mask": 0,
+    "softmax": 0,
+    "attention": 2,
+    "attention_backward": 8,
+}
 
 
 def _inputs(call: str, n: int):
@@ -82,9 +89,15 @@ def main(call: str, n: int) -> dict:
     outputs = _call(call, rows, band)
     growth = _rss_bytes("VmHWM") - before
     threads = min(torch.get_num_threads(), HEADS)
-    return {"call": call, "n": n, "growth": growth, "outputs": sum(x.numel() * x.element_size() for x in outputs),
-            "scratch": threads * SCRATCH_HEAD_SLICES[call] * n * HEAD_DIM * 4,
-            "band": n * HEADS * (2 * W + 1) * 4, "threads": threads}
+    return {
+        "call": call,
+        "n": n,
+        "growth": growth,
+        "outputs": sum(x.numel() * x.element_size() for x in outputs),
+        "scratch": threads * SCRATCH_HEAD_SLICES[call] * n * HEAD_DIM * 4,
+        "band": n * HEADS * (2 * W + 1) * 4,
+        "threads": threads,
+    }
 
 
 if __name__ == "__main__":

@@ -13,25 +13,46 @@ import math
 
 import pytest
 import torch
-
-from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, assert_normwise_close, stable_seed, unit_roundoff
-from longformer_ops import _loader, kernels, sliding_window_attention
-from longformer_ops.dropout import dropout_seed
-from longformer_ops.reference import (band_width, diagonaled_mm_reference, dropout_factor_reference,
-                                      sliding_window_attention_reference, sliding_window_lse_reference,
-                                      sliding_window_probs_reference)
+from conftest import CPU_DTYPES, CUDA_DTYPES, assert_normwise_close, stable_seed, unit_roundoff
 from test_diagonaled_mm import DILATIONS, SIZES, _dilation, _random
+
+from longformer_ops import sliding_window_attention
+from longformer_ops.ops.dropout import dropout_seed
+from longformer_ops.ops.reference import (
+    diagonaled_mm_reference,
+    dropout_factor_reference,
+    sliding_window_attention_reference,
+    sliding_window_lse_reference,
+    sliding_window_probs_reference,
+)
+from longformer_ops.runtime import kernels
+from longformer_ops.runtime import loader as _loader
+from longformer_ops.runtime.band import band_width
 
 # Beyond the shared grid: windows near the sequence length, many whole tiles, dilations 1..8.
 LARGER = [(1, 200, 2, 64, 190), (2, 300, 4, 40, 37), (1, 700, 2, 96, 40)]
 
 
-def _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype, key_padding_mask=None, dropout_factor=None,
-                  what="result", softcap=None):
+def _assert_close(
+    out,
+    q,
+    k,
+    v,
+    w,
+    d,
+    autoregressive,
+    scale,
+    dtype,
+    key_padding_mask=None,
+    dropout_factor=None,
+    what="result",
+    softcap=None,
+):
     """The result against the float64 reference on the same (rounded) inputs, norm-wise (conftest)."""
     q64, k64, v64 = (x.detach().double().cpu() for x in (q, k, v))
-    ref = sliding_window_attention_reference(q64, k64, v64, w, d, autoregressive, scale, key_padding_mask, dropout_factor,
-                                             softcap)
+    ref = sliding_window_attention_reference(
+        q64, k64, v64, w, d, autoregressive, scale, key_padding_mask, dropout_factor, softcap
+    )
     assert out.shape == ref.shape and out.dtype == dtype
     assert_normwise_close(out, ref, dtype, what, zero_scale=float(v64.abs().max()) * ref.numel() ** 0.5)
 
@@ -48,24 +69,39 @@ def _check(device, dtype, size, autoregressive, dilation_kind, with_grad):
     _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype, what=f"result (seed {seed})")
 
 
-def _check_gradients(q, k, v, w, d, autoregressive, scale, dtype=torch.float64, key_padding_mask=None, dropout=None,
-                     seed=0, softcap=None):
+def _check_gradients(
+    q, k, v, w, d, autoregressive, scale, dtype=torch.float64, key_padding_mask=None, dropout=None, seed=0, softcap=None
+):
     """Gradients of all three inputs against the float64 reference's (same rounded inputs and output
     gradient), norm-wise; ``dropout`` = (p, torch seed): the fused kernels' dropout, its mask from the
     reference generator; ``seed`` seeds the output gradient (and is printed on failure)."""
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype=dtype,
-                                                                                                         device=q.device)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(
+        dtype=dtype, device=q.device
+    )
     factor = None
     if dropout is not None:
         factor = _dropout_factor(dropout, q.shape, w, d, autoregressive).to(q.device)
         torch.manual_seed(dropout[1])
-    out = sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=key_padding_mask,
-                                   dropout_p=0.0 if dropout is None else dropout[0], softcap=softcap)
+    out = sliding_window_attention(
+        q,
+        k,
+        v,
+        w,
+        d,
+        autoregressive,
+        scale,
+        key_padding_mask=key_padding_mask,
+        dropout_p=0.0 if dropout is None else dropout[0],
+        softcap=softcap,
+    )
     got = torch.autograd.grad(out, (q, k, v), grad)
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want = torch.autograd.grad(sliding_window_attention_reference(*exact, w, d, autoregressive, scale, key_padding_mask, factor,
-                                                                  softcap), exact, grad.double())
+    want = torch.autograd.grad(
+        sliding_window_attention_reference(*exact, w, d, autoregressive, scale, key_padding_mask, factor, softcap),
+        exact,
+        grad.double(),
+    )
     # Where every row cancels (one key per query: dQ = dK = 0), the size of the cancelling terms.
     terms = float(grad.double().norm()) * max(float(x.detach().double().abs().max()) for x in (q, k, v)) ** 2
     for name, x, y in zip("qkv", got, want, strict=True):
@@ -99,7 +135,7 @@ def _check_gradients_of_case(device, size, dtype, autoregressive, dilation_kind)
     _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(f), dtype, seed=seed)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("with_grad", [False, True], ids=["inference", "autograd"])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
@@ -142,13 +178,13 @@ def test_query_runs_spread_the_heads_over_the_threads():
     """The fewest runs per (batch, head) that give every thread the same share (or the least work
     on the busiest), each run at least MIN_QUERIES_PER_RUN and 2w + 1 queries."""
     runs = kernels.query_runs
-    assert runs(12, 4096, 256, 2) == 1        # 6 heads a thread already
-    assert runs(12, 4096, 256, 8) == 2        # 24 runs: 3 a thread (12 heads: 2, 2, 2, 2, 2, 2, 0, 0)
-    assert runs(12, 4096, 256, 16) == 4       # 48 runs: 3 a thread
+    assert runs(12, 4096, 256, 2) == 1  # 6 heads a thread already
+    assert runs(12, 4096, 256, 8) == 2  # 24 runs: 3 a thread (12 heads: 2, 2, 2, 2, 2, 2, 0, 0)
+    assert runs(12, 4096, 256, 16) == 4  # 48 runs: 3 a thread
     assert runs(3, 16384, 256, 2) == 2
     assert runs(1, 4096, 256, 2) == 2
-    assert runs(12, 1024, 256, 16) == 1       # runs would be shorter than 2w + 1
-    assert runs(1, 300, 0, 8) == 1            # or than MIN_QUERIES_PER_RUN
+    assert runs(12, 1024, 256, 16) == 1  # runs would be shorter than 2w + 1
+    assert runs(1, 300, 0, 8) == 1  # or than MIN_QUERIES_PER_RUN
     assert runs(1, 4096, 0, 64) == 4096 // kernels.MIN_QUERIES_PER_RUN
     assert runs(12, 4096, 256, 1) == 1 and runs(0, 4096, 256, 8) == 1
 
@@ -174,6 +210,7 @@ def test_cpu_runs_follow_the_thread_count(monkeypatch):
 def test_cpu_runs_the_fused_kernels_only(cpu_library, monkeypatch):
     """On CPU no band product runs, with or without gradients, and training saves no band for the
     backward (q, k, v, the dropout seed, the output and the rows' log-sum-exp only)."""
+
     def no_band(*args, **kwargs):
         raise AssertionError("a band product ran")
 
@@ -195,12 +232,16 @@ def test_cpu_runs_the_fused_kernels_only(cpu_library, monkeypatch):
 def test_gradients_of_a_subset_of_inputs(cpu_library, needs):
     """The backward computes only the gradients asked for, each equal to the reference's."""
     g = torch.Generator().manual_seed(4)
-    inputs = {name: torch.randn(2, 45, 3, 32, generator=g, dtype=torch.float64).requires_grad_(name in needs)
-              for name in "qkv"}
+    inputs = {
+        name: torch.randn(2, 45, 3, 32, generator=g, dtype=torch.float64).requires_grad_(name in needs)
+        for name in "qkv"
+    }
     grad = torch.randn(2, 45, 3, 32, generator=g, dtype=torch.float64)
     sliding_window_attention(*inputs.values(), 6, [1, 2, 3], scale=0.4).backward(grad)
     wanted = [x for x in inputs.values() if x.requires_grad]
-    expected = torch.autograd.grad(sliding_window_attention_reference(*inputs.values(), 6, [1, 2, 3], False, 0.4), wanted, grad)
+    expected = torch.autograd.grad(
+        sliding_window_attention_reference(*inputs.values(), 6, [1, 2, 3], False, 0.4), wanted, grad
+    )
     for name, x in inputs.items():
         assert (x.grad is None) == (name not in needs)
     for x, e in zip(wanted, expected, strict=True):
@@ -252,7 +293,7 @@ def _padding_mask(b: int, n: int, generator) -> torch.Tensor:
     """Random masked keys (~30%), and the last example's second half all masked: some of its
     queries keep no key at all (their output must be 0)."""
     mask = torch.rand(b, n, generator=generator) < 0.3
-    mask[-1, n // 2:] = True
+    mask[-1, n // 2 :] = True
     return mask
 
 
@@ -302,8 +343,9 @@ def test_softcap_matches_reference(cpu_library, monkeypatch, size, dtype, autore
     q, k, v, w, d, mask, _ = _masked_case(size, dtype, autoregressive, "softcap")
     scale = 4 / math.sqrt(q.shape[-1])  # scores of a few units: the cap bends them
     with torch.no_grad():
-        out, lse = sliding_window_attention(q, k, v, w, d, autoregressive, scale, key_padding_mask=mask,
-                                            softcap=SOFTCAP, return_lse=True)
+        out, lse = sliding_window_attention(
+            q, k, v, w, d, autoregressive, scale, key_padding_mask=mask, softcap=SOFTCAP, return_lse=True
+        )
     _assert_close(out, q, k, v, w, d, autoregressive, scale, dtype, mask, softcap=SOFTCAP)
     q64, k64 = (x.double() for x in (q, k))
     ref_lse = sliding_window_lse_reference(q64, k64, w, d, autoregressive, scale, mask, SOFTCAP)
@@ -368,7 +410,7 @@ def test_grouped_key_value_heads_match_reference(cpu_library, monkeypatch, size,
         assert_normwise_close(x, y, dtype, f"d{name}", zero_scale=terms, gradients=True)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
 def test_cuda_softcap_and_grouped_heads_match_reference(monkeypatch, dtype, autoregressive):
@@ -385,8 +427,9 @@ def test_cuda_softcap_and_grouped_heads_match_reference(monkeypatch, dtype, auto
     got = torch.autograd.grad(out, (q, k, v), grad.to(dtype=dtype, device="cuda"))
     exact = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
     repeated = [x.repeat_interleave(h // kv_heads, dim=2) for x in exact[1:]]
-    ref = sliding_window_attention_reference(exact[0], *repeated, w, d, autoregressive, scale, mask.cpu(),
-                                             softcap=SOFTCAP)
+    ref = sliding_window_attention_reference(
+        exact[0], *repeated, w, d, autoregressive, scale, mask.cpu(), softcap=SOFTCAP
+    )
     assert_normwise_close(out.cpu(), ref, dtype, "result", zero_scale=float(exact[2].abs().max()) * ref.numel() ** 0.5)
     terms = float(grad.norm()) * max(float(x.abs().max()) for x in exact) ** 2
     for name, x, y in zip("qkv", got, torch.autograd.grad(ref, exact, grad), strict=True):
@@ -410,8 +453,11 @@ def test_grouped_heads_one_off_fails_the_comparison(cpu_library):
 def test_key_value_heads_must_divide_the_query_heads(kv_heads):
     q = torch.randn(1, 8, 4, 16)
     k = torch.randn(1, 8, kv_heads, 16)
-    with pytest.raises(ValueError, match=r"k must have q's shape \(1, 8, 4, 16\) .* or fewer heads dividing q's 4 "
-                                         r"\(grouped key/value heads\), got k.shape"):
+    with pytest.raises(
+        ValueError,
+        match=r"k must have q's shape \(1, 8, 4, 16\) .* or fewer heads dividing q's 4 "
+        r"\(grouped key/value heads\), got k.shape",
+    ):
         sliding_window_attention(q, k, k, 2)
     with pytest.raises(ValueError, match=r"v must have k's shape \(1, 8, 2, 16\), got v.shape=\(1, 8, 1, 16\)"):
         sliding_window_attention(q, k[:, :, :2], k[:, :, :1], 2)
@@ -426,8 +472,9 @@ def test_the_fused_ops_refuse_key_heads_that_do_not_divide(cpu_library, kv_heads
     with pytest.raises(ValueError, match=r"kv_heads dividing q's 4 heads, got k \(1, 8, %d, 32\)" % kv_heads):
         torch.ops.longformer_ops.attention(q, k, k, *args)
     with pytest.raises(ValueError, match="kv_heads dividing"):
-        torch.ops.longformer_ops.attention_backward(q, torch.zeros(1, 8, 4), q, k, k, None, args[1], q,
-                                                    torch.zeros(1, 8, 4), *args[2:])
+        torch.ops.longformer_ops.attention_backward(
+            q, torch.zeros(1, 8, 4), q, k, k, None, args[1], q, torch.zeros(1, 8, 4), *args[2:]
+        )
 
 
 def _assert_lse_close(lse, q, k, w, d, autoregressive, scale, dtype, key_padding_mask):
@@ -469,19 +516,28 @@ def test_return_lse_gradients_match_reference(cpu_library, monkeypatch, size, dt
     if not fused:
         monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
     q, k, v, w, d, mask, g = _masked_case(size, dtype, autoregressive, "lse-grad")
-    grad_out, grad_lse = torch.randn(q.shape, generator=g, dtype=torch.float64), torch.randn(q.shape[:3], generator=g, dtype=torch.float64)
+    grad_out, grad_lse = (
+        torch.randn(q.shape, generator=g, dtype=torch.float64),
+        torch.randn(q.shape[:3], generator=g, dtype=torch.float64),
+    )
 
     def loss(result, lse):
         return (result.double() * grad_out).sum() + (lse.double().masked_fill(torch.isinf(lse), 0) * grad_lse).sum()
 
     inputs = [x.requires_grad_() for x in (q, k, v)]
-    got = torch.autograd.grad(loss(*sliding_window_attention(*inputs, w, d, autoregressive, 0.7, key_padding_mask=mask,
-                                                             return_lse=True)), inputs)
+    got = torch.autograd.grad(
+        loss(*sliding_window_attention(*inputs, w, d, autoregressive, 0.7, key_padding_mask=mask, return_lse=True)),
+        inputs,
+    )
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    reference = (sliding_window_attention_reference(*exact, w, d, autoregressive, 0.7, mask),
-                 sliding_window_lse_reference(exact[0], exact[1], w, d, autoregressive, 0.7, mask))
+    reference = (
+        sliding_window_attention_reference(*exact, w, d, autoregressive, 0.7, mask),
+        sliding_window_lse_reference(exact[0], exact[1], w, d, autoregressive, 0.7, mask),
+    )
     want = torch.autograd.grad(loss(*reference), exact)
-    terms = float(grad_out.norm() + grad_lse.norm()) * max(float(x.detach().double().abs().max()) for x in (q, k, v)) ** 2
+    terms = (
+        float(grad_out.norm() + grad_lse.norm()) * max(float(x.detach().double().abs().max()) for x in (q, k, v)) ** 2
+    )
     for name, x, y in zip("qkv", got, want, strict=True):
         assert_normwise_close(x, y, dtype, f"d{name}", zero_scale=terms, gradients=True)
 
@@ -495,8 +551,12 @@ def _dropout_factor(dropout, shape, w, d, autoregressive):
     torch.manual_seed(torch_seed)
     b, n, h, _ = shape
     reachable = _reachable_window(w, d, n)
-    return _in_window(dropout_factor_reference(int(dropout_seed()), b, n, h, band_width(reachable, autoregressive), p),
-                      w, reachable, autoregressive)
+    return _in_window(
+        dropout_factor_reference(int(dropout_seed()), b, n, h, band_width(reachable, autoregressive), p),
+        w,
+        reachable,
+        autoregressive,
+    )
 
 
 def _reachable_window(w, d, n):
@@ -507,7 +567,7 @@ def _reachable_window(w, d, n):
 def _in_window(factor, w, reachable, autoregressive):
     """``factor`` [b, n, h, band(reachable)] as band(w) columns (the same keys), 0 in the others."""
     wide = factor.new_zeros(*factor.shape[:3], band_width(w, autoregressive))
-    wide[..., w - reachable:w - reachable + factor.shape[-1]] = factor
+    wide[..., w - reachable : w - reachable + factor.shape[-1]] = factor
     return wide
 
 
@@ -529,7 +589,7 @@ def test_dropout_matches_reference(cpu_library, size, dtype, autoregressive, wit
         _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(q.shape[-1]), dtype, mask, dropout)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
 @pytest.mark.parametrize("size", MASKED_SIZES, ids=str)
@@ -545,7 +605,7 @@ def test_cuda_dropout_matches_reference(size, dtype, autoregressive):
     _check_gradients(q, k, v, w, d, autoregressive, 1 / math.sqrt(q.shape[-1]), dtype, mask, dropout)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dilation_kind", DILATIONS)
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
@@ -554,7 +614,7 @@ def test_cuda_gradients_match_reference(size, dtype, autoregressive, dilation_ki
     _check_gradients_of_case("cuda", size, dtype, autoregressive, dilation_kind)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
 @pytest.mark.parametrize("size", MASKED_SIZES, ids=str)
@@ -566,7 +626,7 @@ def test_cuda_key_padding_mask_matches_reference(size, dtype, autoregressive):
     _check_gradients(q, k, v, w, d, autoregressive, scale, dtype, mask)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("size", MASKED_SIZES[:3], ids=str)
 def test_three_step_dropout_matches_reference(monkeypatch, device, size, autoregressive):
@@ -580,9 +640,14 @@ def test_three_step_dropout_matches_reference(monkeypatch, device, size, autoreg
     b, n, h, _ = q.shape
     torch.manual_seed(77)
     reachable = _reachable_window(w, d, n)
-    factor = _in_window(torch.nn.functional.dropout(
-        torch.ones(b, n, h, band_width(reachable, autoregressive), dtype=dtype, device=device), 0.3), w, reachable,
-        autoregressive)
+    factor = _in_window(
+        torch.nn.functional.dropout(
+            torch.ones(b, n, h, band_width(reachable, autoregressive), dtype=dtype, device=device), 0.3
+        ),
+        w,
+        reachable,
+        autoregressive,
+    )
     inputs = [x.requires_grad_() for x in (q, k, v)]
     torch.manual_seed(77)
     out = sliding_window_attention(*inputs, w, d, autoregressive, key_padding_mask=mask, dropout_p=0.3)
@@ -646,10 +711,18 @@ def test_gradcheck_float64(cpu_library, autoregressive, path, variant, monkeypat
 
     def attention(a, b, c):
         torch.manual_seed(5)
-        result = sliding_window_attention(a, b, c, 2, [1, 2, 4], autoregressive, key_padding_mask=mask,
-                                          dropout_p=0.3 if variant == "dropout" else 0.0,
-                                          return_lse=variant == "return-lse",
-                                          softcap=0.8 if variant == "softcap" else None)
+        result = sliding_window_attention(
+            a,
+            b,
+            c,
+            2,
+            [1, 2, 4],
+            autoregressive,
+            key_padding_mask=mask,
+            dropout_p=0.3 if variant == "dropout" else 0.0,
+            return_lse=variant == "return-lse",
+            softcap=0.8 if variant == "softcap" else None,
+        )
         if variant != "return-lse":
             return result
         out, lse = result
@@ -718,8 +791,10 @@ def test_row_maximum_over_many_vectors_of_scores(cpu_library):
 @pytest.mark.parametrize("with_grad", [False, True], ids=["fused", "autograd"])
 def test_non_contiguous_inputs(cpu_library, with_grad):
     g = torch.Generator().manual_seed(8)
-    q, k, v = (torch.randn(2, 3, 40, 24, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_(with_grad)
-               for _ in range(3))  # [b, n=40, h=3, f=24] views
+    q, k, v = (
+        torch.randn(2, 3, 40, 24, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_(with_grad)
+        for _ in range(3)
+    )  # [b, n=40, h=3, f=24] views
     assert not q.is_contiguous()
     out = sliding_window_attention(q, k, v, 5, [1, 2, 3])
     _assert_close(out, q, k, v, 5, [1, 2, 3], False, 1 / math.sqrt(24), torch.float64)
@@ -728,14 +803,14 @@ def test_non_contiguous_inputs(cpu_library, with_grad):
 
 
 @pytest.mark.parametrize("with_grad", [False, True], ids=["fused", "autograd"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_inputs_not_16_byte_aligned(device, with_grad):
     """Contiguous views starting 2 bytes into their storage: the CUDA kernels stage 16 bytes per load,
     so the runtime copies such inputs first (a misaligned load there is a fatal CUDA error)."""
     b, n, h, f, w = 1, 70, 2, 32, 9
     storage = torch.randn(4 * b * n * h * f + 1, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     storage = storage.to(device)
-    q, k, v, grad = (storage[1 + i * b * n * h * f:1 + (i + 1) * b * n * h * f].view(b, n, h, f) for i in range(4))
+    q, k, v, grad = (storage[1 + i * b * n * h * f : 1 + (i + 1) * b * n * h * f].view(b, n, h, f) for i in range(4))
     assert all(x.is_contiguous() and x.data_ptr() % 16 for x in (q, k, v, grad))
     assert kernels._fused_input(q, 16).data_ptr() % 16 == 0
     q, k, v = (x.requires_grad_(with_grad) for x in (q, k, v))
@@ -744,7 +819,8 @@ def test_inputs_not_16_byte_aligned(device, with_grad):
     if with_grad:
         got = torch.autograd.grad(out, (q, k, v), grad)
         exact = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
-        want = torch.autograd.grad(sliding_window_attention_reference(*exact, w, [1, 3], False, 1 / math.sqrt(f)),
-                                   exact, grad.double().cpu())
+        want = torch.autograd.grad(
+            sliding_window_attention_reference(*exact, w, [1, 3], False, 1 / math.sqrt(f)), exact, grad.double().cpu()
+        )
         for name, x, y in zip("qkv", got, want, strict=True):
             assert_normwise_close(x, y, torch.bfloat16, f"d{name}", zero_scale=0.0, gradients=True)

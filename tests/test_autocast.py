@@ -10,9 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longformer_ops import (AttentionMode, LongformerConfig, LongformerSelfAttention, diagonaled_mm, kernels,
-                            sliding_window_attention)
-from longformer_ops.reference import sliding_window_attention_reference
+from longformer_ops import (
+    AttentionMode,
+    LongformerConfig,
+    LongformerSelfAttention,
+    diagonaled_mm,
+    sliding_window_attention,
+)
+from longformer_ops.ops.reference import sliding_window_attention_reference
+from longformer_ops.runtime import kernels
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -76,18 +82,29 @@ def test_float64_is_not_autocast(kernel_dtypes):
 
 def test_mixed_dtypes_outside_autocast_are_refused():
     q, k, v = _inputs(3)
-    with pytest.raises(TypeError, match=r"t1 and t2 must have the same dtype, got t1.dtype=torch.float32, "
-                                        r"t2.dtype=torch.bfloat16"):
+    with pytest.raises(
+        TypeError,
+        match=r"t1 and t2 must have the same dtype, got t1.dtype=torch.float32, "
+        r"t2.dtype=torch.bfloat16",
+    ):
         diagonaled_mm(q, k.bfloat16(), 3, 1)
     with pytest.raises(TypeError, match=r"v must have q's dtype torch.float32, got v.dtype=torch.bfloat16"):
         sliding_window_attention(q, k, v.bfloat16(), 3)
 
 
 def _layer(mode: AttentionMode) -> LongformerSelfAttention:
-    config = LongformerConfig(vocab_size=50, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                              intermediate_size=64, max_position_embeddings=80, attention_window=[4],
-                              attention_dilation=[[1, 2, 1, 3]], attention_probs_dropout_prob=0.0,
-                              attention_mode=mode)
+    config = LongformerConfig(
+        vocab_size=50,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=80,
+        attention_window=[4],
+        attention_dilation=[[1, 2, 1, 3]],
+        attention_probs_dropout_prob=0.0,
+        attention_mode=mode,
+    )
     torch.manual_seed(0)
     return LongformerSelfAttention(config, 0)
 
@@ -124,4 +141,8 @@ def test_layer_under_autocast(dtype, globals_, kernel_dtypes):
         if e is None:
             continue
         ours_error, reference_error = (a - e).abs().max(), (r - e).abs().max()
-        assert ours_error <= 2 * reference_error + 1e-6 * e.abs().max(), (name, float(ours_error), float(reference_error))
+        assert ours_error <= 2 * reference_error + 1e-6 * e.abs().max(), (
+            name,
+            float(ours_error),
+            float(reference_error),
+        )

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import CPU_DTYPES, assert_normwise_close, normwise_bound, stable_seed
-from longformer_ops import _loader, band_softmax_, diagonaled_mm, mask_invalid_locations
-from longformer_ops.reference import band_width, invalid_locations
+
+from longformer_ops import band_softmax_, diagonaled_mm, mask_invalid_locations
+from longformer_ops.runtime import loader as _loader
+from longformer_ops.runtime.band import band_width, invalid_locations
 
 # exp's relative error where the CPU kernels round its results to a half type (tvm_kernels'
 # microkernels._EXP_HALF: a degree-4 fit, 2.7e-6), which the half types' log-sum-exp inherits.
@@ -20,13 +21,15 @@ SIZES = [(2, 1, 3, 0), (1, 2, 2, 3), (2, 17, 3, 1), (1, 17, 4, 20), (1, 513, 4, 
 
 def _case(size, dtype, autoregressive, masked, dilation_kind):
     b, n, h, w = size
-    g = torch.Generator().manual_seed(stable_seed("band softmax", size, str(dtype), autoregressive, masked, dilation_kind))
+    g = torch.Generator().manual_seed(
+        stable_seed("band softmax", size, str(dtype), autoregressive, masked, dilation_kind)
+    )
     d = [int(x) for x in torch.randint(1, 9, (h,), generator=g)] if dilation_kind == "per-head" else 2
     scores = (3 * torch.randn(b, n, h, band_width(w, autoregressive), generator=g, dtype=torch.float64)).to(dtype)
     mask = None
     if masked:  # ~30% of keys, and the last example's second half: some rows keep no key at all
         mask = torch.rand(b, n, generator=g) < 0.3
-        mask[-1, n // 2:] = True
+        mask[-1, n // 2 :] = True
     return scores, w, d, mask
 
 
@@ -84,7 +87,9 @@ def test_half_types_round_to_nearest(cpu_library, dtype):
     probs = band_softmax_(scores, w, d)
     large = ref >= 0.01
     differ = (probs.double() != ref.to(dtype).double())[large].double().mean().item()
-    assert large.sum() > 1000 and differ <= 0.02, f"{dtype}: {differ:.2%} of the probabilities differ from the exact ones rounded"
+    assert large.sum() > 1000 and differ <= 0.02, (
+        f"{dtype}: {differ:.2%} of the probabilities differ from the exact ones rounded"
+    )
 
 
 def test_checks_fail_on_faults():
@@ -145,10 +150,14 @@ def test_torch_fallback_gives_the_same(monkeypatch, with_grad):
     scores, w, d, mask = _case((2, 67, 4, 9), torch.float64, False, True, "per-head")
     results = []
     for has in (True, False):
-        monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name, has=has: has or not name.startswith("softmax"))
+        monkeypatch.setattr(
+            _loader.KernelLibrary, "has", lambda self, name, has=has: has or not name.startswith("softmax")
+        )
         leaf = scores.clone().requires_grad_(with_grad)
         with torch.set_grad_enabled(with_grad):
-            probs, lse = band_softmax_(leaf.clone() if with_grad else leaf, w, d, key_padding_mask=mask, return_lse=True)
+            probs, lse = band_softmax_(
+                leaf.clone() if with_grad else leaf, w, d, key_padding_mask=mask, return_lse=True
+            )
         outputs = [probs.detach(), lse.detach()]
         if with_grad:
             outputs += torch.autograd.grad((probs * probs.detach().roll(1, -1)).sum(), leaf)

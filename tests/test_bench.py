@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import csv
 import os
-import shutil
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import measure, methods
 import bench.__main__ as bench_main
+from bench import measure, methods
 from bench.__main__ import command_line, main
 from bench.measure import Case, probe_in_fresh_process
 
@@ -25,25 +25,35 @@ def test_methods_agree_on_local_attention(dilation, requires_grad):
     """Every method the bench compares computes the same local attention (else timings mean nothing).
     Inference takes another path (softmax in place) than training."""
     inputs = methods.make_inputs("local_attention", 1, 70, 3, 8, 5, torch.float64, "cpu", requires_grad)
-    names = [m for m in ("tvm", "tvm_out", "full", "sdpa", "sliding_chunks") + methods.STEPS_METHODS
-             if not methods.unsupported_reason(m, "local_attention", requires_grad, dilation, "cpu")]
+    names = [
+        m
+        for m in ("tvm", "tvm_out", "full", "sdpa", "sliding_chunks") + methods.STEPS_METHODS
+        if not methods.unsupported_reason(m, "local_attention", requires_grad, dilation, "cpu")
+    ]
     assert ("tvm_out" in names) == (not requires_grad) and "tvm" in names
     for name in names:
         run = methods.runner("local_attention", name, inputs, 5, dilation, False)
         first, second = run().clone(), run()  # tvm_out: the second call writes into the first's outputs
         for out in (first, second):
-            torch.testing.assert_close(out, methods.local_attention("full", *inputs, 5, dilation),
-                                       rtol=1e-9, atol=1e-9, msg=name)
+            torch.testing.assert_close(
+                out, methods.local_attention("full", *inputs, 5, dilation), rtol=1e-9, atol=1e-9, msg=name
+            )
 
 
-@pytest.mark.skipif(methods.unsupported_reason("flex", "local_attention", False, (1,), "cpu") is not None,
-                    reason="this torch has no FlexAttention")
+@pytest.mark.skipif(
+    methods.unsupported_reason("flex", "local_attention", False, (1,), "cpu") is not None,
+    reason="this torch has no FlexAttention",
+)
 @pytest.mark.parametrize("dilation", [(1, 1, 1), (2, 2, 2), (1, 2, 3)])
 def test_flex_computes_the_same_local_attention(dilation):
     """Its block mask has three forms (plain window, one dilation, per-head dilations)."""
     inputs = methods.make_inputs("local_attention", 1, 150, 3, 16, 5, torch.float32, "cpu", False)
-    torch.testing.assert_close(methods.local_attention("flex", *inputs, 5, dilation),
-                               methods.local_attention("full", *inputs, 5, dilation), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        methods.local_attention("flex", *inputs, 5, dilation),
+        methods.local_attention("full", *inputs, 5, dilation),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -60,8 +70,11 @@ def test_half_precision_inference_path_matches_float32(dtype):
 @pytest.mark.parametrize("op", ["qk_band", "pv_band", "transposed_band"])
 def test_methods_agree_on_band_products(op, dilation):
     inputs = methods.make_inputs(op, 2, 40, 2, 8, 3, torch.float64, "cpu", False)
-    names = [m for m in ("tvm", "tvm_out", "full", "sliding_chunks")
-             if not methods.unsupported_reason(m, op, False, dilation, "cpu")]
+    names = [
+        m
+        for m in ("tvm", "tvm_out", "full", "sliding_chunks")
+        if not methods.unsupported_reason(m, op, False, dilation, "cpu")
+    ]
     assert {"tvm", "tvm_out", "full"} <= set(names)
     expected = methods.runner(op, "full", inputs, 3, dilation, False)()
     for name in names:
@@ -83,16 +96,41 @@ def test_layer_methods_agree_and_train_with_dropout():
     assert names == ["tvm", "full", "sliding_chunks"]
     expected = methods.runner("layer", "full", (x,), 4, dilation, False)()
     for name in names:
-        torch.testing.assert_close(methods.runner("layer", name, (x,), 4, dilation, False)(), expected,
-                                   rtol=1e-9, atol=1e-9, msg=name)
+        torch.testing.assert_close(
+            methods.runner("layer", name, (x,), 4, dilation, False)(), expected, rtol=1e-9, atol=1e-9, msg=name
+        )
     trained = methods.runner("layer", "tvm", (x.clone().requires_grad_(),), 4, dilation, True)()
     assert not torch.allclose(trained.detach(), expected)
 
 
 def test_cli_writes_results(tmp_path):
-    main(["--seq-lens", "64,128", "--window", "8", "--heads", "2", "--head-dim", "16", "--repeats", "1",
-          "--methods", "tvm,full,sliding_chunks,sdpa", "--dilation", "1", "--dilation", "1,2",
-          "--max-call-seconds", "0.5", "--no-memory", "--out", str(tmp_path), "--name", "smoke"])
+    main(
+        [
+            "--seq-lens",
+            "64,128",
+            "--window",
+            "8",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--repeats",
+            "1",
+            "--methods",
+            "tvm,full,sliding_chunks,sdpa",
+            "--dilation",
+            "1",
+            "--dilation",
+            "1,2",
+            "--max-call-seconds",
+            "0.5",
+            "--no-memory",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "smoke",
+        ]
+    )
     rows = list(csv.DictReader(open(tmp_path / "smoke.csv")))
     for column in ("op", "method", "seq_len", "window", "dilation", "dtype", "device", "time_ms", "peak_mib"):
         assert column in rows[0]
@@ -112,12 +150,92 @@ def test_cli_writes_results(tmp_path):
     assert report.markdown(rows_back, table.split("\n\n###", 1)[0]) == table
 
 
+@pytest.mark.parametrize(
+    "name, flags, kind",
+    [
+        ("amd-epyc-2cpu", "avx2 avx512f avx512_bf16", "amd-epyc-avx512"),
+        ("amd-epyc-2cpu", "avx2", "amd-epyc-avx2"),
+        ("intel-r-xeon-r-processor-2cpu", "avx2 avx512f", "intel-xeon-avx512"),
+        ("intel-r-xeon-r-processor-2cpu", "avx2 avx512f amx_bf16 amx_tile", "intel-xeon-amx"),
+        ("intel-r-xeon-r-platinum-8481c-cpu-2-70ghz-16cpu", "avx512f amx_tile", "intel-xeon-platinum-8481c-amx"),
+        ("amd-epyc-7b13-64-core-processor-8cpu", "avx2", "amd-epyc-7b13-avx2"),
+    ],
+)
+def test_a_cpu_results_folder_is_its_machine_kind(monkeypatch, name, flags, kind):
+    """bench/results/ holds a folder per kind of machine: the CPU's model without trademarks, clock
+    and core count, with its widest vector ISA (the project's EPYCs share one model name)."""
+    from bench import machine
+    from longformer_ops.runtime import loader
+
+    monkeypatch.setattr(machine, "device_name", lambda device: name)
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset(flags.split()))
+    assert machine.machine_kind("cpu") == kind
+    assert machine.results_dir() == machine.RESULTS / kind
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("nvidia-h100-80gb-hbm3", "nvidia-h100"),
+        ("nvidia-h200", "nvidia-h200"),
+        ("nvidia-a100-sxm4-40gb", "nvidia-a100-sxm4"),
+    ],
+)
+def test_a_gpu_results_folder_is_its_model_without_the_memory(monkeypatch, name, kind):
+    from bench import machine
+
+    monkeypatch.setattr(machine, "device_name", lambda device: name)
+    assert machine.machine_kind("cuda") == kind
+
+
+def test_committed_results_are_in_their_machines_folders():
+    """Every committed result lies in a machine kind's folder (bench/results/README.md indexes them)."""
+    from bench import machine
+
+    loose = [p.name for p in machine.RESULTS.iterdir() if p.is_file() and p.name != "README.md"]
+    assert not loose, f"results outside a machine kind's folder: {loose}"
+    assert machine.machine_kind("cpu") == machine.results_dir().name
+
+
+def test_cli_writes_into_the_machines_folder_by_default(tmp_path, monkeypatch):
+    monkeypatch.setattr(measure, "GEMM_SIZE", 128)
+    monkeypatch.setattr(bench_main, "results_dir", lambda device: tmp_path / f"kind-of-{device}")
+    main(
+        [
+            "--seq-lens",
+            "64",
+            "--window",
+            "8",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--repeats",
+            "1",
+            "--ops",
+            "qk_band",
+            "--methods",
+            "tvm",
+            "--passes",
+            "forward",
+            "--dilation",
+            "1",
+            "--no-memory",
+            "--name",
+            "default",
+        ]
+    )
+    assert {p.name for p in (tmp_path / "kind-of-cpu").iterdir()} == {"default.csv", "default.md", "default.png"}
+
+
 @pytest.fixture
 def gemm_rates(monkeypatch):
     """Sets the GFLOP/s that the GEMM probe measures per dtype (the real ones depend on the CPU)."""
+
     def set_rates(**rates):
         monkeypatch.setattr(measure, "_gemm_rate", lambda device, dtype: rates[dtype])
         measure.slow_gemm_reason.cache_clear()
+
     yield set_rates
     measure.slow_gemm_reason.cache_clear()
 
@@ -125,12 +243,40 @@ def gemm_rates(monkeypatch):
 def test_cli_times_several_dtypes_in_one_run(tmp_path, gemm_rates, monkeypatch):
     gemm_rates(float32=100.0, bfloat16=50.0)
     monkeypatch.setattr(measure, "GEMM_SIZE", 128)  # a CPU without a bfloat16 GEMM takes minutes at 2048
-    main(["--seq-lens", "64", "--window", "8", "--heads", "2", "--head-dim", "16", "--repeats", "1",
-          "--ops", "qk_band", "--methods", "tvm,full", "--dtype", "float32,bfloat16", "--dilation", "1",
-          "--no-memory", "--out", str(tmp_path), "--name", "dtypes"])
+    main(
+        [
+            "--seq-lens",
+            "64",
+            "--window",
+            "8",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--repeats",
+            "1",
+            "--ops",
+            "qk_band",
+            "--methods",
+            "tvm,full",
+            "--dtype",
+            "float32,bfloat16",
+            "--dilation",
+            "1",
+            "--no-memory",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "dtypes",
+        ]
+    )
     rows = list(csv.DictReader(open(tmp_path / "dtypes.csv")))
     assert sorted((r["dtype"], r["method"]) for r in rows) == [
-        ("bfloat16", "full"), ("bfloat16", "tvm"), ("float32", "full"), ("float32", "tvm")]
+        ("bfloat16", "full"),
+        ("bfloat16", "tvm"),
+        ("float32", "full"),
+        ("float32", "tvm"),
+    ]
     # One GEMM in the rounds of both dtypes: the dtype comparison holds under the same conditions.
     assert len({r["gemm_gflops"] for r in rows}) == 1
     assert all((r["vs_float32"] != "") == (r["dtype"] == "bfloat16") for r in rows)
@@ -139,15 +285,41 @@ def test_cli_times_several_dtypes_in_one_run(tmp_path, gemm_rates, monkeypatch):
     assert len({r["dtype_gemm_gflops"] for r in rows if r["dtype"] == "bfloat16"}) == 1
     table = (tmp_path / "dtypes.md").read_text()
     assert "### Against float32, round by round" in table and "### Share of the same dtype's GEMM" in table
-    assert "### qk_band, forward, dilation 1, float32" in table and "### qk_band, forward, dilation 1, bfloat16" in table
+    assert (
+        "### qk_band, forward, dilation 1, float32" in table and "### qk_band, forward, dilation 1, bfloat16" in table
+    )
 
 
 def test_a_dtype_without_a_native_gemm_is_not_timed_beside_the_cases(tmp_path, gemm_rates, capsys):
     """bfloat16's torch.mm on an AVX2 CPU is a scalar loop (~15 s per reference call): left out, and said so."""
     gemm_rates(float32=100.0, bfloat16=100.0 / measure.SLOW_GEMM_FACTOR - 0.1)
-    main(["--seq-lens", "64", "--window", "8", "--heads", "2", "--head-dim", "16", "--repeats", "1",
-          "--ops", "qk_band", "--methods", "tvm", "--dtype", "float32,bfloat16", "--dilation", "1",
-          "--no-memory", "--out", str(tmp_path), "--name", "slow"])
+    main(
+        [
+            "--seq-lens",
+            "64",
+            "--window",
+            "8",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--repeats",
+            "1",
+            "--ops",
+            "qk_band",
+            "--methods",
+            "tvm",
+            "--dtype",
+            "float32,bfloat16",
+            "--dilation",
+            "1",
+            "--no-memory",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "slow",
+        ]
+    )
     rows = list(csv.DictReader(open(tmp_path / "slow.csv")))
     assert [r["dtype"] for r in rows] == ["float32", "bfloat16"] and all(r["gemm_share"] for r in rows)
     assert all(r["dtype_gemm_share"] == "" for r in rows)
@@ -165,7 +337,9 @@ def test_cases_timed_together_share_every_round(monkeypatch, gemm_rates):
     """time_interleaved runs each round over every (case, method) and the GEMM, shuffled per round."""
     gemm_rates(float32=100.0, bfloat16=50.0)
     calls = []
-    monkeypatch.setattr(methods, "runner", lambda op, method, inputs, *rest: lambda: calls.append((inputs[0].dtype, method)))
+    monkeypatch.setattr(
+        methods, "runner", lambda op, method, inputs, *rest: lambda: calls.append((inputs[0].dtype, method))
+    )
     monkeypatch.setattr(measure, "gemm_runner", lambda device, dtype: lambda: calls.append(measure.gemm_key(dtype)))
     cases = [Case("qk_band", False, 64, 8, (1, 1), 2, 16, 1, dtype, "cpu") for dtype in ("float32", "bfloat16")]
     entries = [(case, m) for case in cases for m in ("tvm", "full")]
@@ -174,9 +348,11 @@ def test_cases_timed_together_share_every_round(monkeypatch, gemm_rates):
     assert set(samples) == {*gemms, *entries} and all(len(s) == 4 for s in samples.values())
     per_round = len(entries) + 2
     assert len(calls) == 5 * per_round  # the warm-up round, then 4
-    rounds = [calls[i:i + per_round] for i in range(0, len(calls), per_round)]
+    rounds = [calls[i : i + per_round] for i in range(0, len(calls), per_round)]
     for order in rounds:
-        assert sorted(map(str, order)) == sorted(map(str, [*gemms, *[(getattr(torch, c.dtype), m) for c, m in entries]]))
+        assert sorted(map(str, order)) == sorted(
+            map(str, [*gemms, *[(getattr(torch, c.dtype), m) for c, m in entries]])
+        )
     assert len({tuple(map(str, order)) for order in rounds}) > 1, "the order should change between rounds"
 
 
@@ -187,14 +363,39 @@ def test_a_method_out_of_gpu_memory_is_skipped_not_fatal(tmp_path, monkeypatch):
 
     def runner(op, method, inputs, *rest):
         if method == "full" and inputs[0].shape[1] >= 128:
+
             def out_of_memory():
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB.")
+
             return out_of_memory
         return real_runner(op, method, inputs, *rest)
+
     monkeypatch.setattr(methods, "runner", runner)
-    main(["--seq-lens", "64,128,256", "--window", "8", "--heads", "2", "--head-dim", "16", "--ops", "qk_band",
-          "--methods", "tvm,full", "--dilation", "1", "--repeats", "2", "--no-memory",
-          "--out", str(tmp_path), "--name", "oom"])
+    main(
+        [
+            "--seq-lens",
+            "64,128,256",
+            "--window",
+            "8",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--ops",
+            "qk_band",
+            "--methods",
+            "tvm,full",
+            "--dilation",
+            "1",
+            "--repeats",
+            "2",
+            "--no-memory",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "oom",
+        ]
+    )
     rows = {(r["method"], int(r["seq_len"])): r for r in csv.DictReader(open(tmp_path / "oom.csv"))}
     assert all(rows[("tvm", n)]["status"] == "ok" for n in (64, 128, 256))
     assert rows[("full", 64)]["status"] == "ok"
@@ -211,15 +412,39 @@ def test_paired_ratio_compares_round_by_round():
 
 def test_shares_and_dtype_ratios_are_taken_round_by_round(tmp_path, monkeypatch):
     """Round 2 is slow for everything timed in it; per-round ratios see through it."""
+
     def fake_rounds(entries, repeats, expected=None, failures=None):
         samples = {measure.GEMM: [1.0, 10.0, 1.0], "gemm-bfloat16": [0.5, 5.0, 0.5]}
         for case, method in entries:
             samples[(case, method)] = [0.5, 5.0, 5.0] if case.dtype == "bfloat16" else [1.0, 10.0, 10.0]
         return samples
+
     monkeypatch.setattr(bench_main, "time_interleaved", fake_rounds)
-    main(["--seq-lens", "64", "--window", "8", "--heads", "2", "--head-dim", "16", "--ops", "qk_band",
-          "--methods", "tvm", "--dtype", "float32,bfloat16", "--dilation", "1", "--no-memory",
-          "--out", str(tmp_path), "--name", "paired"])
+    main(
+        [
+            "--seq-lens",
+            "64",
+            "--window",
+            "8",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--ops",
+            "qk_band",
+            "--methods",
+            "tvm",
+            "--dtype",
+            "float32,bfloat16",
+            "--dilation",
+            "1",
+            "--no-memory",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "paired",
+        ]
+    )
     rows = {r["dtype"]: r for r in csv.DictReader(open(tmp_path / "paired.csv"))}
     flops = methods.useful_flops("qk_band", False, 1, 64, 2, 16, 8)
     assert float(rows["float32"]["time_ms"]) == 10_000.0  # times stay medians
@@ -232,9 +457,31 @@ def test_shares_and_dtype_ratios_are_taken_round_by_round(tmp_path, monkeypatch)
 
 
 def test_cli_runs_the_layer_op(tmp_path):
-    main(["--seq-lens", "64", "--window", "8", "--heads", "2", "--head-dim", "16", "--repeats", "1",
-          "--ops", "layer", "--methods", "tvm,sdpa", "--dilation", "1", "--no-memory", "--out", str(tmp_path),
-          "--name", "layer"])
+    main(
+        [
+            "--seq-lens",
+            "64",
+            "--window",
+            "8",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--repeats",
+            "1",
+            "--ops",
+            "layer",
+            "--methods",
+            "tvm,sdpa",
+            "--dilation",
+            "1",
+            "--no-memory",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "layer",
+        ]
+    )
     rows = {(r["pass"], r["method"]): r for r in csv.DictReader(open(tmp_path / "layer.csv"))}
     assert rows[("forward", "tvm")]["status"] == rows[("forward+backward", "tvm")]["status"] == "ok"
     assert rows[("forward", "sdpa")]["reason"] == "the layer's attention modes are tvm, sliding_chunks, full"
@@ -245,16 +492,40 @@ def test_poolingformer_op_compares_its_three_methods(tmp_path):
     at its two windows, its yardsticks, others; the CLI runs the four by default, both passes."""
     dilation = (1, 1)
     (x,) = methods.make_inputs("poolingformer", 1, 45, 2, 16, 3, torch.float64, "cpu", False)
-    ours, dense, narrow, wide = (methods.runner("poolingformer", m, (x,), 3, dilation, False)()
-                                 for m in ("tvm", "full", "longformer_w1", "longformer_w2"))
+    ours, dense, narrow, wide = (
+        methods.runner("poolingformer", m, (x,), 3, dilation, False)()
+        for m in ("tvm", "full", "longformer_w1", "longformer_w2")
+    )
     torch.testing.assert_close(ours, dense, rtol=1e-9, atol=1e-9)
     for other in (narrow, wide):
         assert other.shape == ours.shape and not torch.allclose(other, ours)
-    main(["--seq-lens", "45", "--window", "3", "--heads", "2", "--head-dim", "16", "--repeats", "1",
-          "--ops", "poolingformer", "--dilation", "1", "--no-memory", "--out", str(tmp_path), "--name", "pf"])
+    main(
+        [
+            "--seq-lens",
+            "45",
+            "--window",
+            "3",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--repeats",
+            "1",
+            "--ops",
+            "poolingformer",
+            "--dilation",
+            "1",
+            "--no-memory",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "pf",
+        ]
+    )
     rows = list(csv.DictReader(open(tmp_path / "pf.csv")))
     assert {(r["pass"], r["method"]) for r in rows if r["status"] == "ok"} == {
-        (p, m) for p in ("forward", "forward+backward") for m in methods.POOLINGFORMER_METHODS}
+        (p, m) for p in ("forward", "forward+backward") for m in methods.POOLINGFORMER_METHODS
+    }
 
 
 def test_memory_probe_runs_in_a_fresh_process():
@@ -275,13 +546,16 @@ def test_memory_probe_counts_outputs_from_the_output_cache():
 
 
 def test_command_line_records_the_environment_that_changes_results(monkeypatch):
-    for name in [n for n in os.environ if n.startswith(("LONGFORMER_OPS_", "GLIBC_", "MALLOC_", "OMP_", "LD_PRELOAD", "TVM_"))]:
+    for name in [
+        n for n in os.environ if n.startswith(("LONGFORMER_OPS_", "GLIBC_", "MALLOC_", "OMP_", "LD_PRELOAD", "TVM_"))
+    ]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0")
     monkeypatch.setenv("LONGFORMER_OPS_THREAD_POOL", "tvm")
     monkeypatch.setenv("UNRELATED", "x")
     assert command_line(["--seq-lens", "512", "--name", "a b"]) == (
-        "GLIBC_TUNABLES=glibc.malloc.mmap_max=0 LONGFORMER_OPS_THREAD_POOL=tvm python -m bench --seq-lens 512 --name 'a b'")
+        "GLIBC_TUNABLES=glibc.malloc.mmap_max=0 LONGFORMER_OPS_THREAD_POOL=tvm python -m bench --seq-lens 512 --name 'a b'"
+    )
 
 
 def test_hf_model_bench_writes_results_and_skips_what_would_not_fit(tmp_path):
@@ -291,16 +565,34 @@ def test_hf_model_bench_writes_results_and_skips_what_would_not_fit(tmp_path):
     from bench import hf_model, report
 
     budget_gib = 0.001  # far below any call: the second length must be skipped entirely
-    assert hf_model.main(["--seq-lens", "256,512", "--rounds", "1", "--layers", "1", "--memory-budget-gib",
-                          str(budget_gib), "--passes", "forward,training step,checkpointed training step",
-                          "--out", str(tmp_path)]) == 0
+    assert (
+        hf_model.main(
+            [
+                "--seq-lens",
+                "256,512",
+                "--rounds",
+                "1",
+                "--layers",
+                "1",
+                "--memory-budget-gib",
+                str(budget_gib),
+                "--passes",
+                "forward,training step,checkpointed training step",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     stem = next(tmp_path.glob("*-hf-model.csv")).with_suffix("")
     rows = report.read_csv(stem.with_suffix(".csv"))
     assert len(rows) == 12 and stem.with_suffix(".png").stat().st_size > 0
     first = [r for r in rows if r["seq_len"] == 256]
     assert {(r["method"], r["pass"]) for r in first} == {
-        (m, p) for m in ("transformers", "patched") for p in ("forward", "forward+backward",
-                                                               "forward+backward, checkpointed")}
+        (m, p)
+        for m in ("transformers", "patched")
+        for p in ("forward", "forward+backward", "forward+backward, checkpointed")
+    }
     assert all(r["status"] == "ok" and r["time_ms"] > 0 and r["peak_mib"] > 0 for r in first), first
     second = [r for r in rows if r["seq_len"] == 512]
     assert all(r["status"] == "skipped" and "budget" in r["reason"] for r in second), second
@@ -313,12 +605,31 @@ def test_hf_model_bench_runs_a_half_type(tmp_path):
     pytest.importorskip("transformers")
     from bench import hf_model, report
 
-    assert hf_model.main(["--seq-lens", "64", "--rounds", "1", "--layers", "1", "--passes", "forward",
-                          "--dtype", "bfloat16", "--out", str(tmp_path)]) == 0
+    assert (
+        hf_model.main(
+            [
+                "--seq-lens",
+                "64",
+                "--rounds",
+                "1",
+                "--layers",
+                "1",
+                "--passes",
+                "forward",
+                "--dtype",
+                "bfloat16",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     stem = next(tmp_path.glob("*-hf-model-bfloat16.csv")).with_suffix("")
     rows = report.read_csv(stem.with_suffix(".csv"))
     assert {(r["method"], r["dtype"], r["status"]) for r in rows} == {
-        ("transformers", "bfloat16", "ok"), ("patched", "bfloat16", "ok")}, rows
+        ("transformers", "bfloat16", "ok"),
+        ("patched", "bfloat16", "ok"),
+    }, rows
     assert "--dtype bfloat16" in stem.with_suffix(".md").read_text()
     model, _ = hf_model.build(64, 1, "bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -330,16 +641,55 @@ def test_hf_model_bench_runs_led(tmp_path):
     pytest.importorskip("transformers")
     from bench import hf_model, report
 
-    assert hf_model.main(["--model", "led", "--seq-lens", "64", "--rounds", "1", "--layers", "1", "--passes",
-                          "training step,generation", "--out", str(tmp_path)]) == 0
+    assert (
+        hf_model.main(
+            [
+                "--model",
+                "led",
+                "--seq-lens",
+                "64",
+                "--rounds",
+                "1",
+                "--layers",
+                "1",
+                "--passes",
+                "training step,generation",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     stem = next(tmp_path.glob("*-hf-led.csv")).with_suffix("")
     rows = report.read_csv(stem.with_suffix(".csv"))
     assert {(r["method"], r["pass"], r["status"]) for r in rows} == {
-        (m, p, "ok") for m in ("transformers", "patched") for p in ("forward+backward", "generate 64")}
+        (m, p, "ok") for m in ("transformers", "patched") for p in ("forward+backward", "generate 64")
+    }
     assert all(r["op"].startswith("hf LED") and r["time_ms"] > 0 for r in rows)
     assert "LEDForConditionalGeneration" in stem.with_suffix(".md").read_text()
-    assert hf_model.main(["--model", "led", "--methods", "patched", "--seq-lens", "64", "--rounds", "1", "--layers",
-                          "1", "--passes", "forward", "--dtype", "bfloat16", "--out", str(tmp_path)]) == 0
+    assert (
+        hf_model.main(
+            [
+                "--model",
+                "led",
+                "--methods",
+                "patched",
+                "--seq-lens",
+                "64",
+                "--rounds",
+                "1",
+                "--layers",
+                "1",
+                "--passes",
+                "forward",
+                "--dtype",
+                "bfloat16",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     stem = next(tmp_path.glob("*-hf-led-bfloat16.csv")).with_suffix("")
     assert {r["method"] for r in report.read_csv(stem.with_suffix(".csv"))} == {"patched"}
     assert "| not run |" in stem.with_suffix(".md").read_text()
@@ -375,25 +725,44 @@ def test_scale_points_measure_and_write(tmp_path):
     assert layer["status"] == "ok" and layer["peak_mib"] > 0
 
 
-@pytest.mark.parametrize("switch, kernel, per_pass", [("ffn", "bias_gelu_", 12), ("global-merge", "global_merge_", 12),
-                                                      ("layer-norm", "layer_norm", 25), ("residual", "bias_dropout_add_", 24),
-                                                      ("all", "bias_dropout_add_", 24)])
+@pytest.mark.parametrize(
+    "switch, kernel, per_pass",
+    [
+        ("ffn", "bias_gelu_", 12),
+        ("global-merge", "global_merge_", 12),
+        ("layer-norm", "layer_norm", 25),
+        ("residual", "bias_dropout_add_", 24),
+        ("all", "bias_dropout_add_", 24),
+    ],
+)
 def test_alternate_bench_times_both_and_restores_ours(tmp_path, monkeypatch, switch, kernel, per_pass):
     """bench.alternate times the encoder as shipped and with one part on torch's ops in every
     round (our kernel runs in one of the two), writes its table, and leaves the shipped code in place."""
     from bench import alternate
-    from longformer_ops import kernels
-    from longformer_ops.model import LongformerIntermediate, _DenseResidualNorm
+    from longformer_ops.models.model import LongformerIntermediate, _DenseResidualNorm
+    from longformer_ops.runtime import kernels
 
-    shipped = (LongformerIntermediate.forward, kernels.global_merge_available, kernels.layer_norm_available,
-               _DenseResidualNorm.forward)
+    shipped = (LongformerIntermediate.forward, kernels.available, _DenseResidualNorm.forward)
     calls = []
     op = getattr(torch.ops.longformer_ops, kernel)
     monkeypatch.setattr(torch.ops.longformer_ops, kernel, lambda *args: calls.append(kernel) or op(*args))
-    alternate.main(["--switch", switch, "--dtypes", "float32", "--passes", "forward", "--rounds", "2", "--seq-len", "64",
-                    "--out", str(tmp_path)])
-    assert (LongformerIntermediate.forward, kernels.global_merge_available, kernels.layer_norm_available,
-            _DenseResidualNorm.forward) == shipped
+    alternate.main(
+        [
+            "--switch",
+            switch,
+            "--dtypes",
+            "float32",
+            "--passes",
+            "forward",
+            "--rounds",
+            "2",
+            "--seq-len",
+            "64",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert (LongformerIntermediate.forward, kernels.available, _DenseResidualNorm.forward) == shipped
     assert len(calls) == per_pass * 3  # (12 layers) in the warm-up round and both timed rounds
     table = (tmp_path / next(p.name for p in tmp_path.glob(f"*-{switch}.md"))).read_text()
     row = next(line for line in table.splitlines() if line.startswith("| float32 | forward |"))
@@ -410,8 +779,14 @@ def test_results_of_an_archived_tree_name_its_own_commit(tmp_path):
     (tree / "bench" / "__init__.py").write_text("")
     (tree / ".source-commit").write_text("abc1234\n")
     probe = "from bench.machine import source_commit; print(source_commit())"
-    run = subprocess.run([sys.executable, "-c", probe], cwd=tree, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(tree)}, check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        check=True,
+    )
     assert run.stdout.strip() == "abc1234"
 
 
@@ -420,25 +795,49 @@ def test_libraries_bench_alternates_the_fused_kernels_of_each_library(capsys):
     library against itself (once from an explicit directory, once with a soft-cap) comes out as one
     forward and one backward line each, with ratios to the first."""
     from bench import libraries
-    from longformer_ops import _loader
+    from longformer_ops.runtime import loader as _loader
 
     target = _loader.library_for(torch.device("cpu"), "float32").name.split("/")[0]
-    assert libraries.main(["--libraries", f"{target}:float32,{_loader.prebuilt_dir()}:{target}:float32,"
-                           f"{target}:float32@2.5", "--seq-len", "96", "--window", "8", "--dilated",
-                           "--seconds", "0.2"]) == 0
+    assert (
+        libraries.main(
+            [
+                "--libraries",
+                f"{target}:float32,{_loader.prebuilt_dir()}:{target}:float32,{target}:float32@2.5",
+                "--seq-len",
+                "96",
+                "--window",
+                "8",
+                "--dilated",
+                "--seconds",
+                "0.2",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("n = 96, w = 8, 12 heads of 64, dilated")
     timed = [line.split() for line in lines[1:]]
-    assert [(cells[0].count(":"), cells[1]) for cells in timed] == [(1, "forward"), (1, "backward"), (2, "forward"),
-                                                                    (2, "backward"), (1, "forward"), (1, "backward")]
+    assert [(cells[0].count(":"), cells[1]) for cells in timed] == [
+        (1, "forward"),
+        (1, "backward"),
+        (2, "forward"),
+        (2, "backward"),
+        (1, "forward"),
+        (1, "backward"),
+    ]
     assert timed[-1][0].endswith("@2.5")
     assert all(float(cells[2]) > 0 for cells in timed) and [cells[4] for cells in timed[:2]] == ["1.000", "1.000"]
 
 
-@pytest.mark.parametrize("spec, message", [("cpu-avx512", "expected \\[DIR:\\]TARGET:DTYPE"),
-                                           ("cpu-avx512:float32@big", "the soft-cap after '@' .* is not a number"),
-                                           ("cpu-avx512:float8", "'float8' .* is not a torch dtype"),
-                                           ("cpu-none:float32", "no library cpu-none/longformer_float32.so")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("cpu-avx512", "expected \\[DIR:\\]TARGET:DTYPE"),
+        ("cpu-avx512:float32@big", "the soft-cap after '@' .* is not a number"),
+        ("cpu-avx512:float8", "'float8' .* is not a torch dtype"),
+        ("cpu-none:float32", "no library cpu-none/longformer_float32.so"),
+    ],
+)
 def test_libraries_bench_names_a_bad_library(spec, message, capsys):
     from bench import libraries
 
@@ -452,10 +851,16 @@ def test_few_rows_bench_times_its_five_ways(capsys):
     from bench import few_rows
 
     assert few_rows.main(["--keys", "300", "--layers", "2", "--rounds", "1"]) == 0
-    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "way" not in line]
-    assert [cells[1].strip() for cells in rows] == ["few-row kernels", "float32 path", "float32 bmm, float32 caches",
-                                                    "autocast, float32 caches: few-row kernels",
-                                                    "autocast, float32 caches: float32 path"]
+    rows = [
+        line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "way" not in line
+    ]
+    assert [cells[1].strip() for cells in rows] == [
+        "few-row kernels",
+        "float32 path",
+        "float32 bmm, float32 caches",
+        "autocast, float32 caches: few-row kernels",
+        "autocast, float32 caches: float32 path",
+    ]
     assert all(float(cells[2]) > 0 for cells in rows)
 
 
@@ -465,14 +870,30 @@ def test_elementwise_bench_times_every_kernel_in_three_dtypes(capsys):
     by name."""
     from bench import elementwise
 
-    assert elementwise.main(["--rows", "40", "--hidden", "48", "--ffn", "70", "--globals", "2", "--window", "9",
-                             "--rounds", "1"]) == 0
-    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
-            if line.startswith("| ") and "kernel" not in line]
+    assert (
+        elementwise.main(
+            ["--rows", "40", "--hidden", "48", "--ffn", "70", "--globals", "2", "--window", "9", "--rounds", "1"]
+        )
+        == 0
+    )
+    rows = [
+        line.split("|")[1:-1]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ") and "kernel" not in line
+    ]
     assert [cells[0].strip() for cells in rows] == [
-        "bias_gelu", "bias_gelu_backward", "dropout (ffn wide)", "dropout_column_sums", "bias_dropout_add",
-        "layer_norm", "layer_norm_backward", "global_merge", "global_merge_backward", "band_softmax_",
-        "band_softmax_backward"]
+        "bias_gelu",
+        "bias_gelu_backward",
+        "dropout (ffn wide)",
+        "dropout_column_sums",
+        "bias_dropout_add",
+        "layer_norm",
+        "layer_norm_backward",
+        "global_merge",
+        "global_merge_backward",
+        "band_softmax_",
+        "band_softmax_backward",
+    ]
     for cells in rows:
         assert float(cells[1]) > 0
         for cell in cells[2:]:
@@ -493,8 +914,11 @@ def test_startup_bench_times_both_setups(tmp_path, capsys):
 
     assert startup.main(["--runs", "1", "--out", str(tmp_path)]) == 0
     written = next(tmp_path.glob("*-startup.md")).read_text()
-    rows = {cells[1].strip(): cells[2:-1] for cells in (line.split("|") for line in written.splitlines())
-            if len(cells) > 3 and cells[1].strip() in startup.SETUPS}
+    rows = {
+        cells[1].strip(): cells[2:-1]
+        for cells in (line.split("|") for line in written.splitlines())
+        if len(cells) > 3 and cells[1].strip() in startup.SETUPS
+    }
     assert set(rows) == set(startup.SETUPS), written
     assert all(float(cell) > 0 for cells in rows.values() for cell in cells[:4])
     assert rows["runtime dependencies"][-1].strip() == "tvm_ffi", written
@@ -506,8 +930,26 @@ def test_hf_attention_bench_times_three_implementations(tmp_path, model):
     (positive) and their ratios, for each model; an unknown pass is refused by name."""
     from bench import hf_attention
 
-    assert hf_attention.main(["--model", model, "--seq-lens", "80", "--rounds", "1", "--layers", "2", "--no-memory",
-                              "--passes", "forward", "--out", str(tmp_path)]) == 0
+    assert (
+        hf_attention.main(
+            [
+                "--model",
+                model,
+                "--seq-lens",
+                "80",
+                "--rounds",
+                "1",
+                "--layers",
+                "2",
+                "--no-memory",
+                "--passes",
+                "forward",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     written = next(tmp_path.glob(f"*-hf-{model}.md")).read_text()
     rows = [line.split("|")[1:-1] for line in written.splitlines() if line.startswith("| forward")]
     assert len(rows) == 1 and rows[0][1].strip() == "80" and rows[0][2].strip() == "80", written
@@ -526,8 +968,27 @@ def test_hf_attention_bench_times_decode_steps(tmp_path):
     steps), and is refused for an encoder."""
     from bench import hf_attention
 
-    assert hf_attention.main(["--model", "gemma3", "--seq-lens", "70", "--rounds", "1", "--layers", "2",
-                              "--passes", "decode", "--decode-tokens", "3", "--out", str(tmp_path)]) == 0
+    assert (
+        hf_attention.main(
+            [
+                "--model",
+                "gemma3",
+                "--seq-lens",
+                "70",
+                "--rounds",
+                "1",
+                "--layers",
+                "2",
+                "--passes",
+                "decode",
+                "--decode-tokens",
+                "3",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     written = next(tmp_path.glob("*-hf-gemma3.md")).read_text()
     rows = [line.split("|")[1:-1] for line in written.splitlines() if line.startswith("| decode")]
     assert len(rows) == 1 and [cell.strip() for cell in rows[0][1:3]] == ["70", "3"], written
@@ -542,8 +1003,27 @@ def test_grouped_heads_bench_times_both_calls(tmp_path, capsys):
     refuses query heads that are not a multiple of the key/value heads."""
     from bench import grouped_heads
 
-    assert grouped_heads.main(["--seq-lens", "70", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
-                               "--window", "8", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    assert (
+        grouped_heads.main(
+            [
+                "--seq-lens",
+                "70",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "32",
+                "--window",
+                "8",
+                "--rounds",
+                "2",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| forward")]
     assert [cells[0].strip() for cells in rows] == ["forward", "forward+backward"]
     assert all(float(cell) > 0 for cells in rows for cell in cells[2:5])
@@ -563,6 +1043,7 @@ def test_hf_attention_stub_keeps_the_projections_backward():
     assert all(parameter.grad is not None for parameter in model.parameters())
 
 
+@pytest.mark.multiprocess
 def test_distributed_bench_measures_one_process_and_two_ranks_and_writes(tmp_path):
     """bench.distributed: a layer's training step in one process and on two gloo ranks (tiny length),
     each rank's traffic counted (the halo: K and V rows forward, their gradients back), and its CSV,
@@ -575,8 +1056,15 @@ def test_distributed_bench_measures_one_process_and_two_ranks_and_writes(tmp_pat
     assert one["halo_kib_per_layer"] == 0 and one["peak_mib"] > 0
     # Each rank sends its neighbour w = 256 rows of K and V (768 float32 each) and their gradients back.
     assert two["halo_kib_per_layer"] == 2 * 2 * 256 * 768 * 4 / 1024 and two["other_kib_per_layer"] > 0
-    distributed.write([one, two], {"latency_us": 70.0, "bandwidth_gb_s": 1.5}, tmp_path, "test-distributed",
-                      "python -m bench.distributed --quick", "a test", budget_gib=4)
+    distributed.write(
+        [one, two],
+        {"latency_us": 70.0, "bandwidth_gb_s": 1.5},
+        tmp_path,
+        "test-distributed",
+        "python -m bench.distributed --quick",
+        "a test",
+        budget_gib=4,
+    )
     table = (tmp_path / "test-distributed.md").read_text()
     assert "one process fits 600 tokens" in table and "two ranks 600" in table
     assert "| layer | 2 | " in table and (tmp_path / "test-distributed.png").stat().st_size > 0

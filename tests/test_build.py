@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from longformer_ops import _loader, _manifest
-from longformer_ops.reference import diagonaled_mm_reference
+from longformer_ops.ops.reference import diagonaled_mm_reference
+from longformer_ops.runtime import loader as _loader
+from longformer_ops.runtime import manifest as _manifest
 from tvm_kernels import build, variants
 from tvm_kernels.cuda_toolchain import device_code_in
 
@@ -22,14 +23,27 @@ def test_cmake_build_from_scratch_produces_working_kernels(tmp_path, monkeypatch
     """Configure and build a CPU library into an empty directory, then run it against the reference."""
     out, build_dir = tmp_path / "prebuilt", tmp_path / "cmake"
     configure = subprocess.run(
-        ["cmake", "-S", str(_manifest.REPO_ROOT), "-B", str(build_dir), f"-DPython3_EXECUTABLE={sys.executable}",
-         f"-DPREBUILT_DIR={out}", "-DKERNEL_TARGETS=cpu-avx2", "-DKERNEL_DTYPES=float32"],
-        capture_output=True, text=True)
+        [
+            "cmake",
+            "-S",
+            str(_manifest.REPO_ROOT),
+            "-B",
+            str(build_dir),
+            f"-DPython3_EXECUTABLE={sys.executable}",
+            f"-DPREBUILT_DIR={out}",
+            "-DKERNEL_TARGETS=cpu-avx2",
+            "-DKERNEL_DTYPES=float32",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert configure.returncode == 0, configure.stderr
     first = subprocess.run(["cmake", "--build", str(build_dir), "--target", "kernels"], capture_output=True, text=True)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert (f"[1/1] cpu-avx2/longformer_float32.so: building 25 functions for {variants.TARGETS['cpu-avx2'].tvm_target} "
-            f"({build.CPU_LIBRARY_PIECES} pieces)") in first.stdout, first.stdout
+    assert (
+        f"[1/1] cpu-avx2/longformer_float32.so: building 25 functions for {variants.TARGETS['cpu-avx2'].tvm_target} "
+        f"({build.CPU_LIBRARY_PIECES} pieces)"
+    ) in first.stdout, first.stdout
     second = subprocess.run(["cmake", "--build", str(build_dir), "--target", "kernels"], capture_output=True, text=True)
     assert "cpu-avx2/longformer_float32.so: up to date" in second.stdout, second.stdout
 
@@ -48,11 +62,17 @@ def test_cmake_build_from_scratch_produces_working_kernels(tmp_path, monkeypatch
     assert [symbol for symbol, _, _ in build._pieces_of(variants.TARGETS["cpu-avx2"])[-1]][:1] == ["pv_causal"]
     context = torch.empty(1, 40, 2, 16)
     library.function("pv_causal")(scores[..., :4].contiguous(), k, dilation, context, 1)
-    torch.testing.assert_close(context, diagonaled_mm_reference(scores[..., :4], k, 3, dilation, True, autoregressive=True),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        context,
+        diagonaled_mm_reference(scores[..., :4], k, 3, dilation, True, autoregressive=True),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
-CUDA_LIBRARIES = sorted(n for n, e in _manifest.read(_manifest.DEFAULT_PREBUILT)["libraries"].items() if e["device"] == "cuda")
+CUDA_LIBRARIES = sorted(
+    n for n, e in _manifest.read(_manifest.DEFAULT_PREBUILT)["libraries"].items() if e["device"] == "cuda"
+)
 
 
 @pytest.mark.parametrize("name", CUDA_LIBRARIES)
@@ -83,10 +103,13 @@ def test_fatbin_reader_sees_a_fresh_nvcc_fatbin(tmp_path):
     assert sorted(device_code_in(tmp_path / "k.fatbin")) == [("ptx", "sm_90"), ("sass", "sm_80"), ("sass", "sm_90")]
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(key_update_rows=3), "key_update_rows 3 must divide the Q.K^T block of 16 keys"),
-    (dict(backward_tile_rows=9), "backward_tile_rows 9 must be a multiple of qk_rows 6 and band_rows 6"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(key_update_rows=3), "key_update_rows 3 must divide the Q.K^T block of 16 keys"),
+        (dict(backward_tile_rows=9), "backward_tile_rows 9 must be a multiple of qk_rows 6 and band_rows 6"),
+    ],
+)
 def test_fused_backward_refuses_tiles_that_would_drop_keys_or_rows(change, message):
     """A tile table whose update group does not divide the key block, or whose backward tile is not
     made of whole register tiles, would skip keys or queries silently: the build says so instead.
@@ -99,23 +122,29 @@ def test_fused_backward_refuses_tiles_that_would_drop_keys_or_rows(change, messa
         "try:\n"
         "    attention.attention_backward('float32', False, 256)\n"
         "except ValueError as error:\n"
-        "    print(error)\n")
+        "    print(error)\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=_manifest.REPO_ROOT)
     assert run.returncode == 0 and message in run.stdout, run.stdout + run.stderr
 
 
-@pytest.mark.parametrize("data, bound", [
-    ("float32", 2 * 2.0 ** -24),                      # within 2 units of float32's roundoff
-    ("half", torch.finfo(torch.float16).eps / 2 / 100),  # 1/100 of float16's (the finer half type)
-])
+@pytest.mark.parametrize(
+    "data, bound",
+    [
+        ("float32", 2 * 2.0**-24),  # within 2 units of float32's roundoff
+        ("half", torch.finfo(torch.float16).eps / 2 / 100),  # 1/100 of float16's (the finer half type)
+    ],
+)
 def test_exp_polynomials_are_accurate_for_their_data(data, bound):
     """The CPU kernels' exp(t) polynomials (``microkernels._exp``), evaluated as the kernels do (Horner
     in float32) over the reduced range [-ln2/2, ln2/2]: float32 data's within 2 ulp of float32, the
     half types' (degree 4, results rounded to bfloat16 or float16) far below float16's roundoff.
     (Coefficients read in a fresh process: the TVM compiler must not share one with the runtime.)"""
-    code = ("import importlib, json\n"
-            "m = importlib.import_module('tvm_kernels.schedules.cpu.microkernels')\n"
-            f"print(json.dumps(m._EXP_{data.upper()}))\n")
+    code = (
+        "import importlib, json\n"
+        "m = importlib.import_module('tvm_kernels.schedules.cpu.microkernels')\n"
+        f"print(json.dumps(m._EXP_{data.upper()}))\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=_manifest.REPO_ROOT)
     assert run.returncode == 0, run.stderr
     coefficients = json.loads(run.stdout)
@@ -149,13 +178,16 @@ def test_a_library_is_compiled_in_pieces_that_hold_each_function_once(target):
 def test_build_shows_a_failing_workers_message(tmp_path):
     """A piece that fails in its worker process stops the build with the worker's message (library,
     functions, error) on stderr and exit status 1, not a pickling error or a hang."""
-    code = ("import sys\n"
-            "from tvm_kernels import build\n"
-            "build._pieces_of = lambda target: [[('no_such_kernel', 'no_such_kernel', None)]]\n"
-            f"sys.exit(build.main(['--targets', 'cpu-avx2', '--dtypes', 'float32', '--out', {str(tmp_path)!r}, "
-            "'--jobs', '1']))\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=_manifest.REPO_ROOT,
-                         timeout=300)
+    code = (
+        "import sys\n"
+        "from tvm_kernels import build\n"
+        "build._pieces_of = lambda target: [[('no_such_kernel', 'no_such_kernel', None)]]\n"
+        f"sys.exit(build.main(['--targets', 'cpu-avx2', '--dtypes', 'float32', '--out', {str(tmp_path)!r}, "
+        "'--jobs', '1']))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=_manifest.REPO_ROOT, timeout=300
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     assert "cpu-avx2/longformer_float32.so (no_such_kernel): KeyError: 'no_such_kernel'" in run.stderr, run.stderr
     assert "cpu-avx2/longformer_float32.so" not in (_manifest.read(tmp_path) or {}).get("libraries", {})
@@ -170,11 +202,15 @@ def test_build_refuses_a_job_count_under_one(capsys):
 def test_build_shows_the_message_of_a_kernel_source_error():
     """A TVMScript error in a kernel source reaches the console: TVM's excepthook would print only a
     note about TVM_BACKTRACE for it."""
-    code = ("import sys, tvm\n"
-            "from tvm_kernels import build\n"
-            "def broken(*args):\n"
-            "    raise tvm.error.DiagnosticError('error: helper() missing 1 required positional argument')\n"
-            "build.build = broken\n"
-            "sys.exit(build.main(['--targets', 'cpu-avx2']))\n")
+    code = (
+        "import sys, tvm\n"
+        "from tvm_kernels import build\n"
+        "def broken(*args):\n"
+        "    raise tvm.error.DiagnosticError('error: helper() missing 1 required positional argument')\n"
+        "build.build = broken\n"
+        "sys.exit(build.main(['--targets', 'cpu-avx2']))\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=_manifest.REPO_ROOT)
-    assert run.returncode == 1 and "helper() missing 1 required positional argument" in run.stderr, run.stdout + run.stderr
+    assert run.returncode == 1 and "helper() missing 1 required positional argument" in run.stderr, (
+        run.stdout + run.stderr
+    )

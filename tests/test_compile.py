@@ -11,12 +11,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.testing
+from conftest import without_kernels
 from torch._inductor import config as inductor_config
 
-from longformer_ops import (LongformerConfig, LongformerForMaskedLM, LongformerModel, LongformerSelfAttention,
-                            band_softmax_, diagonaled_mm, mask_invalid_locations, sliding_window_attention)
-from longformer_ops import kernels
-from longformer_ops.kernels import accumulation_dtype
+from longformer_ops import (
+    LongformerConfig,
+    LongformerForMaskedLM,
+    LongformerModel,
+    LongformerSelfAttention,
+    band_softmax_,
+    diagonaled_mm,
+    mask_invalid_locations,
+    sliding_window_attention,
+)
+from longformer_ops.runtime import kernels
+from longformer_ops.runtime.kernels import accumulation_dtype
 
 ops = torch.ops.longformer_ops
 W, DILATION = 4, [1, 2, 3, 1]  # per-head dilations, one-sided window 4: reach 12 rows
@@ -42,8 +51,9 @@ def two_step(q, k, v, autoregressive=False, d=DILATION):
 
 
 def local_attention(q, k, v, key_padding_mask, dropout_p=0.0, autoregressive=False):
-    out, lse = sliding_window_attention(q, k, v, W, DILATION, autoregressive, key_padding_mask=key_padding_mask,
-                                        dropout_p=dropout_p, return_lse=True)
+    out, lse = sliding_window_attention(
+        q, k, v, W, DILATION, autoregressive, key_padding_mask=key_padding_mask, dropout_p=dropout_p, return_lse=True
+    )
     return out * torch.sigmoid(lse)[..., None]  # lse's gradient flows too
 
 
@@ -63,12 +73,13 @@ def _assert_same(compiled, eager, atol):
 def test_kernel_decisions_carry_torchs_constant_mark():
     """The availability decisions are marked for Dynamo without importing it (kernels.py): the mark
     must be the one ``torch.compiler.assume_constant_result`` sets, or Dynamo would trace the loader."""
+
     def decision():
         return True
 
     torch.compiler.assume_constant_result(decision)
     assert vars(decision) == {"_dynamo_marked_constant": True}, vars(decision)
-    for marked in (kernels.has_kernels, kernels._has_optional_kernels):
+    for marked in (kernels.has_family,):
         assert {key: vars(marked)[key] for key in vars(decision)} == vars(decision)
 
 
@@ -95,25 +106,34 @@ def _softmax_steps(q, k, v, d, autoregressive, key_padding_mask):
 
 
 def _tensor_dilation_fns():
-    return {"two_step": lambda q, k, v, d, ar, mask: two_step(q, k, v, ar, d=d),
-            "band_softmax_": _softmax_steps,
-            "local_attention": lambda q, k, v, d, ar, mask: sliding_window_attention(q, k, v, W, d, ar,
-                                                                                      key_padding_mask=mask)}
+    return {
+        "two_step": lambda q, k, v, d, ar, mask: two_step(q, k, v, ar, d=d),
+        "band_softmax_": _softmax_steps,
+        "local_attention": lambda q, k, v, d, ar, mask: sliding_window_attention(
+            q, k, v, W, d, ar, key_padding_mask=mask
+        ),
+    }
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
-@pytest.mark.parametrize("fn, softmax", [("two_step", "torch.softmax"), ("band_softmax_", "kernel"),
-                                         ("band_softmax_", "torch_ops"), ("local_attention", "kernel"),
-                                         ("local_attention", "torch_ops")])
+@pytest.mark.parametrize(
+    "fn, softmax",
+    [
+        ("two_step", "torch.softmax"),
+        ("band_softmax_", "kernel"),
+        ("band_softmax_", "torch_ops"),
+        ("local_attention", "kernel"),
+        ("local_attention", "torch_ops"),
+    ],
+)
 def test_dilations_as_a_tensor_compile_fullgraph(fn, softmax, autoregressive, index_dtype, monkeypatch):
     """The original API's dilations, a tensor of one int per head: one graph, no break, dynamic shapes,
     forward and backward those of eager; the values read where the compiled code runs (another tensor
     needs no recompilation, and gives its own result). ``softmax``: the band softmax kernel, or torch's
     ops where a library has none (as on CUDA)."""
     if softmax == "torch_ops":
-        monkeypatch.setattr(kernels, "band_softmax_available", lambda device, dtype: False)
-        monkeypatch.setattr(kernels, "fused_attention_available", lambda device, dtype, backward: False)
+        without_kernels(monkeypatch, "band_softmax", "attention")
     q, k, v = _inputs(7, 41)
     mask = torch.zeros(2, 41, dtype=torch.bool)
     mask[1, 33:] = True
@@ -127,8 +147,11 @@ def test_dilations_as_a_tensor_compile_fullgraph(fn, softmax, autoregressive, in
     compilations = []
     for dilations in (DILATION, [3, 1, 1, 2]):
         d = torch.tensor(dilations, dtype=index_dtype)
-        _assert_same(_values_and_grads(compiled, (q, k, v), d, autoregressive, mask),
-                     _values_and_grads(function, (q, k, v), d, autoregressive, mask), 1e-12)
+        _assert_same(
+            _values_and_grads(compiled, (q, k, v), d, autoregressive, mask),
+            _values_and_grads(function, (q, k, v), d, autoregressive, mask),
+            1e-12,
+        )
         compilations.append(counter.frame_count)
     assert compilations[1] == compilations[0], compilations
 
@@ -143,7 +166,9 @@ def test_compiled_tensor_dilations_are_checked_when_run(fn):
         with pytest.raises((ValueError, RuntimeError), match=r"d \(dilation\) values must be in \[1, 2147483647\]"):
             compiled(q, k, v, torch.tensor(bad), False, None)
     # (raised while tracing: under fullgraph Dynamo reports it as an exception of its own, with this message)
-    with pytest.raises((ValueError, RuntimeError), match=r"d \(dilation\) must have one value per head: expected length 4, got 3"):
+    with pytest.raises(
+        (ValueError, RuntimeError), match=r"d \(dilation\) must have one value per head: expected length 4, got 3"
+    ):
         compiled(q, k, v, torch.tensor([1, 2, 3]), False, None)
 
 
@@ -155,9 +180,10 @@ def test_dynamic_lengths_compile_once():
     for n in (29, 37, 64, 101):
         q, k, v = _inputs(n, n)
         mask = torch.zeros(2, n, dtype=torch.bool)
-        mask[0, n - 3:] = True
-        _assert_same(_values_and_grads(compiled, (q, k, v), mask), _values_and_grads(local_attention, (q, k, v), mask),
-                     1e-12)
+        mask[0, n - 3 :] = True
+        _assert_same(
+            _values_and_grads(compiled, (q, k, v), mask), _values_and_grads(local_attention, (q, k, v), mask), 1e-12
+        )
         compilations.append(counter.frame_count)
     assert compilations[0] > 0 and len(set(compilations)) == 1, f"compilations after each length: {compilations}"
 
@@ -193,14 +219,15 @@ def _band(seed, b, n, h, c, dtype):
 def _opcheck_cases(dtype, device="cpu"):
     """(op, args) for every op on awkward sizes: odd length, head_dim 40 (padded to 32's multiple),
     per-head dilation, window beyond the sequence, both modes. On CUDA the band ops only (its
-    libraries have no fused attention, band softmax, dropouts, bias-GELU, global merge or layer norm)."""
+    libraries have no band softmax, dropouts, bias-GELU, global merge or layer norm; its fused
+    attention is checked against the reference in test_attention.py)."""
     cases = []
     for n, w, autoregressive in ((37, W, False), (9, 12, True)):
         q, k, v = (x.detach().to(device).requires_grad_() for x in _inputs(n, n, dtype=dtype))
         c = w + 1 if autoregressive else 2 * w + 1
         band = _band(n, 2, n, 4, c, dtype).to(device).requires_grad_()
         mask = torch.zeros(2, n, dtype=torch.bool, device=device)
-        mask[1, n // 2:] = True
+        mask[1, n // 2 :] = True
         seed = torch.tensor(1234)
         DILATION = torch.tensor(globals()["DILATION"], dtype=torch.int32)  # (the ops take the dilations as a tensor)
         cases += [
@@ -216,42 +243,92 @@ def _opcheck_cases(dtype, device="cpu"):
         cases += [
             (ops.attention, (q, k, v, mask, seed, w, DILATION, autoregressive, 0.125, 0.0)),
             (ops.attention, (q, k, v, None, seed, w, DILATION, autoregressive, 0.125, 0.2)),
-            (ops.attention_out, (q.detach(), k.detach(), v.detach(), mask, seed, w, DILATION, autoregressive, 0.125,
-                                 0.2, torch.empty_like(v))),
+            (
+                ops.attention_out,
+                (
+                    q.detach(),
+                    k.detach(),
+                    v.detach(),
+                    mask,
+                    seed,
+                    w,
+                    DILATION,
+                    autoregressive,
+                    0.125,
+                    0.2,
+                    torch.empty_like(v),
+                ),
+            ),
         ]
-        out, lse = ops.attention(q.detach(), k.detach(), v.detach(), mask, seed, w, DILATION, autoregressive, 0.125, 0.2)
-        cases.append((ops.attention_backward, (torch.randn_like(out), torch.randn_like(lse), q.detach(), k.detach(),
-                                               v.detach(), mask, seed, out, lse, w, DILATION, autoregressive, 0.125, 0.2)))
+        out, lse = ops.attention(
+            q.detach(), k.detach(), v.detach(), mask, seed, w, DILATION, autoregressive, 0.125, 0.2
+        )
+        cases.append(
+            (
+                ops.attention_backward,
+                (
+                    torch.randn_like(out),
+                    torch.randn_like(lse),
+                    q.detach(),
+                    k.detach(),
+                    v.detach(),
+                    mask,
+                    seed,
+                    out,
+                    lse,
+                    w,
+                    DILATION,
+                    autoregressive,
+                    0.125,
+                    0.2,
+                ),
+            )
+        )
         probs = band.detach().clone()
         cases.append((ops.band_softmax_, (probs, mask, w, DILATION, autoregressive)))
-        cases.append((ops.band_softmax_backward, (probs, torch.randn_like(probs), torch.randn_like(lse), w, DILATION,
-                                                  autoregressive)))
+        cases.append(
+            (
+                ops.band_softmax_backward,
+                (probs, torch.randn_like(probs), torch.randn_like(lse), w, DILATION, autoregressive),
+            )
+        )
         cases.append((ops.dropout, (v, seed, 0.3)))
         rows = v.detach().reshape(-1, v.shape[-1])
         shift = torch.randn(v.shape[-1], dtype=dtype, requires_grad=True)
-        cases += [(ops.bias_dropout_add, (rows.clone().requires_grad_(True), shift, rows.clone().requires_grad_(True), seed, 0.3)),
-                  (ops.bias_dropout_add_, (rows.clone(), shift.detach(), rows, seed, 0.3)),
-                  (ops.dropout_column_sums, (torch.randn_like(rows), seed, 0.3))]
+        cases += [
+            (
+                ops.bias_dropout_add,
+                (rows.clone().requires_grad_(True), shift, rows.clone().requires_grad_(True), seed, 0.3),
+            ),
+            (ops.bias_dropout_add_, (rows.clone(), shift.detach(), rows, seed, 0.3)),
+            (ops.dropout_column_sums, (torch.randn_like(rows), seed, 0.3)),
+        ]
         h, bias = v.reshape(-1, v.shape[-1]).detach(), torch.randn(v.shape[-1], dtype=dtype, requires_grad=True)
-        cases += [(ops.bias_gelu, (h.clone().requires_grad_(True), bias)),
-                  (ops.bias_gelu_backward, (torch.randn_like(h), h, bias.detach())),
-                  (ops.bias_gelu_, (h.clone(), bias.detach()))]
+        cases += [
+            (ops.bias_gelu, (h.clone().requires_grad_(True), bias)),
+            (ops.bias_gelu_backward, (torch.randn_like(h), h, bias.detach())),
+            (ops.bias_gelu_, (h.clone(), bias.detach())),
+        ]
         acc = accumulation_dtype(dtype)
         a, omega = torch.rand(*v.shape[:3], dtype=acc), torch.rand(*v.shape[:3], 2, dtype=acc)
         slots = v.detach()[:, :2].contiguous()
-        cases += [(ops.global_merge, (v.detach(), a, omega, slots)),
-                  (ops.global_merge_, (v.detach().clone(), a, omega, slots)),
-                  (ops.global_merge_backward, (torch.randn_like(v.detach()), v.detach(), slots, a))]
+        cases += [
+            (ops.global_merge, (v.detach(), a, omega, slots)),
+            (ops.global_merge_, (v.detach().clone(), a, omega, slots)),
+            (ops.global_merge_backward, (torch.randn_like(v.detach()), v.detach(), slots, a)),
+        ]
         scale, shift = (torch.randn(v.shape[-1], dtype=dtype, requires_grad=True) for _ in range(2))
         out, mean, rstd = ops.layer_norm(rows, scale.detach(), shift.detach(), 1e-5)
-        cases += [(ops.layer_norm, (rows.clone().requires_grad_(True), scale, shift, 1e-5)),
-                  (ops.layer_norm_backward, (torch.randn_like(rows), rows, scale.detach(), mean, rstd))]
+        cases += [
+            (ops.layer_norm, (rows.clone().requires_grad_(True), scale, shift, 1e-5)),
+            (ops.layer_norm_backward, (torch.randn_like(rows), rows, scale.detach(), mean, rstd)),
+        ]
         query, keys = torch.randn(6, 1, 24, dtype=dtype), torch.randn(6, 37, 24, dtype=dtype)
         cases += [(ops.few_rows_mm_nt, (query, keys)), (ops.few_rows_mm, (query @ keys.transpose(1, 2), keys))]
     return cases
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_opcheck_band_ops_cuda(dtype):
     for op, args in _opcheck_cases(dtype, "cuda"):
@@ -272,9 +349,18 @@ def test_opcheck_every_op(dtype):
 
 # ----------------------------------------------------------------------------- layer and model
 def _tiny(**kwargs) -> LongformerConfig:
-    base = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                max_position_embeddings=80, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                attention_window=[3, 5], attention_dilation=[[1, 2, 1, 3], 1])
+    base = dict(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=80,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attention_window=[3, 5],
+        attention_dilation=[[1, 2, 1, 3], 1],
+    )
     return LongformerConfig(**{**base, **kwargs})
 
 
@@ -318,10 +404,15 @@ def test_compiled_model_matches_eager(cls, training):
     for i, (a, e) in enumerate(zip(compiled, eager)):
         torch.testing.assert_close(a, e, atol=1e-10, rtol=0, msg=lambda m: f"output/grad {i}: {m}")
     explanation = torch._dynamo.explain(model)(batch[0], attention_mask=batch[1], global_attention_mask=batch[2])
-    where = {(frame.filename.rsplit("/", 1)[-1], frame.name, frame.line) for reason in explanation.break_reasons
-             for frame in reason.user_stack[-1:]}
-    assert where == {("layer.py", "from_mask", "g = int(counts.max()) if is_global.numel() else 0"),
-                     ("layer.py", "forward", "any_padding = bool(is_padding.any())")}, where
+    where = {
+        (frame.filename.rsplit("/", 1)[-1], frame.name, frame.line)
+        for reason in explanation.break_reasons
+        for frame in reason.user_stack[-1:]
+    }
+    assert where == {
+        ("layer.py", "from_mask", "g = int(counts.max()) if is_global.numel() else 0"),
+        ("layer.py", "forward", "any_padding = bool(is_padding.any())"),
+    }, where
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])

@@ -15,19 +15,26 @@ import os
 import subprocess
 import sys
 
+import cuda_on_cpu
 import filelock
 import pytest
 import torch
-
-import cuda_on_cpu
 from conftest import assert_close_to_reference, assert_normwise_close, stable_seed
-from longformer_ops.reference import (band_width, diagonaled_mm_reference, dropout_factor_reference,
-                                      sliding_window_attention_reference, sliding_window_lse_reference)
+
+from longformer_ops.ops.reference import (
+    diagonaled_mm_reference,
+    dropout_factor_reference,
+    sliding_window_attention_reference,
+    sliding_window_lse_reference,
+)
+from longformer_ops.runtime.band import band_width
 
 pytestmark = [
     pytest.mark.skipif(cuda_on_cpu.cxx_compiler() is None, reason="no C++ compiler to build the CUDA code for the CPU"),
     # Generating the CUDA source needs the TVM compiler (the test extra; a GPU machine's image may lack it).
-    pytest.mark.skipif(importlib.util.find_spec("tvm") is None, reason="the TVM compiler (apache-tvm) is not installed"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("tvm") is None, reason="the TVM compiler (apache-tvm) is not installed"
+    ),
 ]
 
 # (batch, n, heads, head_dim, w, dilation per head, autoregressive)
@@ -92,8 +99,17 @@ def _call(kernels, name, shape, **arguments):
 
 def _run(kernels, name, t1, t2, dilation, band, padding, out_shape):
     out = torch.full(out_shape, float("nan"))
-    _call(kernels, name, t2.shape, dilation=torch.tensor(dilation, dtype=torch.int32), out=out, t1=t1, t2=t2,
-          band=band, padding=padding)
+    _call(
+        kernels,
+        name,
+        t2.shape,
+        dilation=torch.tensor(dilation, dtype=torch.int32),
+        out=out,
+        t1=t1,
+        t2=t2,
+        band=band,
+        padding=padding,
+    )
     return out
 
 
@@ -118,8 +134,16 @@ def test_cuda_kernel_code_matches_reference(kernels, op, case):
         return keys.grad
 
     first = q if op == "qk" else probs
-    got = _run(kernels, name, first, k if op != "transposed" else q, dilation, band, -7.0,
-               (batch, n, heads, band if op == "qk" else head_dim))
+    got = _run(
+        kernels,
+        name,
+        first,
+        k if op != "transposed" else q,
+        dilation,
+        band,
+        -7.0,
+        (batch, n, heads, band if op == "qk" else head_dim),
+    )
     second = k if op != "transposed" else q
     ref = reference(first.double(), second.double(), padding=-7.0)
     scale = reference(first.double().abs(), second.double().abs())  # 0 at padding: it must be exact
@@ -145,22 +169,37 @@ def test_cuda_attention_code_matches_reference(kernels, case, dropout, kernel):
     scale = 0.3
     key_bias = torch.zeros(batch, n).masked_fill_(mask, float("-inf"))
     out, lse = torch.full_like(q, float("nan")), torch.full((batch, n, heads), float("nan"))
-    _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, q=q, k=k, v=v,
-          key_bias=key_bias, dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=scale,
-          dropout=dropout, seed=1234, out=out, lse=lse)
-    factor = (dropout_factor_reference(1234, batch, n, heads, band_width(w, autoregressive), dropout)
-              if dropout else None)
+    _call(
+        kernels,
+        f"{kernel}_{'causal' if autoregressive else 'symmetric'}",
+        q.shape,
+        q=q,
+        k=k,
+        v=v,
+        key_bias=key_bias,
+        dilation=torch.tensor(dilation, dtype=torch.int32),
+        window=w,
+        scale=scale,
+        dropout=dropout,
+        seed=1234,
+        out=out,
+        lse=lse,
+    )
+    factor = (
+        dropout_factor_reference(1234, batch, n, heads, band_width(w, autoregressive), dropout) if dropout else None
+    )
     exact = [x.double() for x in (q, k, v)]
     ref = sliding_window_attention_reference(*exact, w, dilation, autoregressive, scale, mask, factor)
     ref_lse = sliding_window_lse_reference(*exact[:2], w, dilation, autoregressive, scale, mask)
     try:
         assert not out.isnan().any() and not lse.isnan().any()
-        terms = float((v.double().abs().amax() * (factor.amax() if dropout else 1)) * n ** 0.5)
+        terms = float((v.double().abs().amax() * (factor.amax() if dropout else 1)) * n**0.5)
         assert_normwise_close(out.double(), ref, torch.float32, "result", zero_scale=terms)
         finite = ref_lse.isfinite()
         assert torch.equal(lse.isfinite(), finite), "rows with no key: lse must be -inf exactly there"
-        assert_normwise_close(lse.double()[finite], ref_lse[finite], torch.float32, "lse",
-                              zero_scale=float(ref_lse[finite].norm()))
+        assert_normwise_close(
+            lse.double()[finite], ref_lse[finite], torch.float32, "lse", zero_scale=float(ref_lse[finite].norm())
+        )
     except AssertionError as error:
         raise AssertionError(f"seed {seed}: {error}") from None
 
@@ -177,9 +216,22 @@ def test_cuda_attention_code_carries_a_nan(kernels, case, kernel, which):
     q, k, v = (torch.randn(batch, n, heads, head_dim, generator=g) for _ in range(3))
     dict(q=q, k=k)[which][0, n // 2, 0, 1] = float("nan")
     out, lse = torch.full_like(q, 7.0), torch.full((batch, n, heads), 7.0)
-    _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, q=q, k=k, v=v,
-          key_bias=torch.zeros(batch, n), dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=0.3,
-          dropout=0.0, seed=0, out=out, lse=lse)
+    _call(
+        kernels,
+        f"{kernel}_{'causal' if autoregressive else 'symmetric'}",
+        q.shape,
+        q=q,
+        k=k,
+        v=v,
+        key_bias=torch.zeros(batch, n),
+        dilation=torch.tensor(dilation, dtype=torch.int32),
+        window=w,
+        scale=0.3,
+        dropout=0.0,
+        seed=0,
+        out=out,
+        lse=lse,
+    )
     exact = [x.double() for x in (q, k, v)]
     expected = sliding_window_attention_reference(*exact, w, dilation, autoregressive, 0.3).isnan().any(-1)
     assert expected.any()
@@ -202,8 +254,9 @@ def test_cuda_attention_backward_code_matches_reference(kernels, case, dropout, 
     mask = torch.rand(batch, n, generator=g) < 0.2
     mask[0, : min(n, 3)] = True
     scale = 0.3
-    factor = (dropout_factor_reference(1234, batch, n, heads, band_width(w, autoregressive), dropout)
-              if dropout else None)
+    factor = (
+        dropout_factor_reference(1234, batch, n, heads, band_width(w, autoregressive), dropout) if dropout else None
+    )
     exact = [x.double().requires_grad_() for x in (q, k, v)]
     ref_out = sliding_window_attention_reference(*exact, w, dilation, autoregressive, scale, mask, factor)
     ref_lse = sliding_window_lse_reference(*exact[:2], w, dilation, autoregressive, scale, mask)
@@ -211,10 +264,27 @@ def test_cuda_attention_backward_code_matches_reference(kernels, case, dropout, 
     loss = (ref_out * grad.double()).sum() + (ref_lse.masked_fill(ref_lse.isinf(), 0) * grad_lse.double()).sum()
     want = torch.autograd.grad(loss, exact)
     got = [torch.full_like(q, float("nan")) for _ in range(3)]
-    _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, grad=grad, q=q, k=k,
-          v=v, key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")), out=ref_out.detach().float(),
-          lse=ref_lse.detach().float(), grad_lse=grad_lse, dilation=torch.tensor(dilation, dtype=torch.int32),
-          window=w, scale=scale, dropout=dropout, seed=1234, grad_q=got[0], grad_k=got[1], grad_v=got[2])
+    _call(
+        kernels,
+        f"{kernel}_{'causal' if autoregressive else 'symmetric'}",
+        q.shape,
+        grad=grad,
+        q=q,
+        k=k,
+        v=v,
+        key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")),
+        out=ref_out.detach().float(),
+        lse=ref_lse.detach().float(),
+        grad_lse=grad_lse,
+        dilation=torch.tensor(dilation, dtype=torch.int32),
+        window=w,
+        scale=scale,
+        dropout=dropout,
+        seed=1234,
+        grad_q=got[0],
+        grad_k=got[1],
+        grad_v=got[2],
+    )
     terms = float(grad.norm() + grad_lse.norm()) * max(float(x.abs().max()) for x in (q, k, v)) ** 2
     try:
         for name, x, y in zip("qkv", got, want, strict=True):
@@ -245,15 +315,33 @@ def test_cuda_attention_backward_code_carries_a_nan(kernels, case, kernel, which
     ref_lse = sliding_window_lse_reference(*exact[:2], w, dilation, autoregressive, 0.3)
     want = torch.autograd.grad((ref_out * grad.double()).sum() + (ref_lse * grad_lse.double()).sum(), exact)
     got = [torch.full_like(q, 7.0) for _ in range(3)]
-    _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, grad=grad, q=q, k=k, v=v,
-          key_bias=torch.zeros(batch, n), out=ref_out.detach().float(), lse=ref_lse.detach().float(),
-          grad_lse=grad_lse, dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=0.3, dropout=0.0,
-          seed=0, grad_q=got[0], grad_k=got[1], grad_v=got[2])
+    _call(
+        kernels,
+        f"{kernel}_{'causal' if autoregressive else 'symmetric'}",
+        q.shape,
+        grad=grad,
+        q=q,
+        k=k,
+        v=v,
+        key_bias=torch.zeros(batch, n),
+        out=ref_out.detach().float(),
+        lse=ref_lse.detach().float(),
+        grad_lse=grad_lse,
+        dilation=torch.tensor(dilation, dtype=torch.int32),
+        window=w,
+        scale=0.3,
+        dropout=0.0,
+        seed=0,
+        grad_q=got[0],
+        grad_k=got[1],
+        grad_v=got[2],
+    )
     assert any(y.isnan().any() for y in want), "the reference's gradients are finite (the test's premise)"
     for name, x, y in zip("qkv", got, want, strict=True):
         expected, nan_rows = y.isnan().any(-1), x.isnan().any(-1)
-        assert (nan_rows | ~expected).all(), \
+        assert (nan_rows | ~expected).all(), (
             f"d{name} with a NaN in {which}: rows {(expected & ~nan_rows).nonzero().tolist()} came out finite"
+        )
 
 
 # (batch, n, heads, head_dim, w, dilation per head, autoregressive, kv_heads, dropout)
@@ -274,8 +362,11 @@ def _capped_case(case, what):
     q, grad = (torch.randn(batch, n, heads, head_dim, generator=g) for _ in range(2))
     k, v = (torch.randn(batch, n, kv_heads, head_dim, generator=g) for _ in range(2))
     mask = torch.rand(batch, n, generator=g) < 0.2
-    factor = (dropout_factor_reference(SHARD_SEED, batch, n, heads, band_width(w, autoregressive), dropout)
-              if dropout else None)
+    factor = (
+        dropout_factor_reference(SHARD_SEED, batch, n, heads, band_width(w, autoregressive), dropout)
+        if dropout
+        else None
+    )
     return seed, g, q, k, v, grad, mask, factor
 
 
@@ -286,10 +377,24 @@ def _repeated(x, heads):
 def _capped_forward(kernels, kernel, case, q, k, v, mask, softcap):
     batch, n, heads, head_dim, w, dilation, autoregressive, kv_heads, dropout = case
     out, lse = torch.full_like(q, float("nan")), torch.full((batch, n, heads), float("nan"))
-    _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, q=q, k=k, v=v, kv_heads=kv_heads,
-          key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")),
-          dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=0.6, softcap=softcap, dropout=dropout,
-          seed=SHARD_SEED, out=out, lse=lse)
+    _call(
+        kernels,
+        f"{kernel}_{'causal' if autoregressive else 'symmetric'}",
+        q.shape,
+        q=q,
+        k=k,
+        v=v,
+        kv_heads=kv_heads,
+        key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")),
+        dilation=torch.tensor(dilation, dtype=torch.int32),
+        window=w,
+        scale=0.6,
+        softcap=softcap,
+        dropout=dropout,
+        seed=SHARD_SEED,
+        out=out,
+        lse=lse,
+    )
     return out, lse
 
 
@@ -306,13 +411,14 @@ def test_cuda_attention_code_soft_caps_and_reads_grouped_heads(kernels, case, ke
     exact = [q.double(), _repeated(k.double(), heads), _repeated(v.double(), heads)]
     ref = sliding_window_attention_reference(*exact, w, dilation, autoregressive, 0.6, mask, factor, softcap=SOFTCAP)
     ref_lse = sliding_window_lse_reference(*exact[:2], w, dilation, autoregressive, 0.6, mask, softcap=SOFTCAP)
-    terms = float((v.abs().amax() * (factor.amax() if dropout else 1)) * n ** 0.5)
+    terms = float((v.abs().amax() * (factor.amax() if dropout else 1)) * n**0.5)
     finite = ref_lse.isfinite()
     try:
         assert not out.isnan().any() and torch.equal(lse.isfinite(), finite)
         assert_normwise_close(out.double(), ref, torch.float32, "result", zero_scale=terms)
-        assert_normwise_close(lse.double()[finite], ref_lse[finite], torch.float32, "lse",
-                              zero_scale=float(ref_lse[finite].norm()))
+        assert_normwise_close(
+            lse.double()[finite], ref_lse[finite], torch.float32, "lse", zero_scale=float(ref_lse[finite].norm())
+        )
     except AssertionError as error:
         raise AssertionError(f"seed {seed}: {error}") from None
     uncapped, _ = _capped_forward(kernels, kernel, case, q, k, v, mask, 0.0)
@@ -320,8 +426,9 @@ def test_cuda_attention_code_soft_caps_and_reads_grouped_heads(kernels, case, ke
         assert_normwise_close(uncapped.double(), ref, torch.float32, "result", zero_scale=terms)
     if kv_heads > 1:
         one_off = [x.roll(1, dims=2) for x in exact[1:]]
-        wrong = sliding_window_attention_reference(exact[0], *one_off, w, dilation, autoregressive, 0.6, mask, factor,
-                                                   softcap=SOFTCAP)
+        wrong = sliding_window_attention_reference(
+            exact[0], *one_off, w, dilation, autoregressive, 0.6, mask, factor, softcap=SOFTCAP
+        )
         with pytest.raises(AssertionError):
             assert_normwise_close(out.double(), wrong, torch.float32, "result", zero_scale=terms)
 
@@ -336,7 +443,9 @@ def test_cuda_attention_backward_code_soft_caps_and_reads_grouped_heads(kernels,
     seed, g, q, k, v, grad, mask, factor = _capped_case(case, "backward")
     exact = [x.double().requires_grad_() for x in (q, k, v)]
     repeated = [exact[0], _repeated(exact[1], heads), _repeated(exact[2], heads)]
-    ref_out = sliding_window_attention_reference(*repeated, w, dilation, autoregressive, 0.6, mask, factor, softcap=SOFTCAP)
+    ref_out = sliding_window_attention_reference(
+        *repeated, w, dilation, autoregressive, 0.6, mask, factor, softcap=SOFTCAP
+    )
     ref_lse = sliding_window_lse_reference(*repeated[:2], w, dilation, autoregressive, 0.6, mask, softcap=SOFTCAP)
     grad_lse = torch.randn(batch, n, heads, generator=g).masked_fill_(ref_lse.isinf(), 0)
     loss = (ref_out * grad.double()).sum() + (ref_lse.masked_fill(ref_lse.isinf(), 0) * grad_lse.double()).sum()
@@ -345,11 +454,29 @@ def test_cuda_attention_backward_code_soft_caps_and_reads_grouped_heads(kernels,
 
     def run(softcap):
         got = [torch.full_like(q, float("nan")) for _ in range(3)]  # dK, dV per query head
-        _call(kernels, f"{kernel}_{'causal' if autoregressive else 'symmetric'}", q.shape, grad=grad, q=q, k=k, v=v,
-              kv_heads=kv_heads, key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")),
-              out=ref_out.detach().float(), lse=ref_lse.detach().float(), grad_lse=grad_lse,
-              dilation=torch.tensor(dilation, dtype=torch.int32), window=w, scale=0.6, softcap=softcap,
-              dropout=dropout, seed=SHARD_SEED, grad_q=got[0], grad_k=got[1], grad_v=got[2])
+        _call(
+            kernels,
+            f"{kernel}_{'causal' if autoregressive else 'symmetric'}",
+            q.shape,
+            grad=grad,
+            q=q,
+            k=k,
+            v=v,
+            kv_heads=kv_heads,
+            key_bias=torch.zeros(batch, n).masked_fill_(mask, float("-inf")),
+            out=ref_out.detach().float(),
+            lse=ref_lse.detach().float(),
+            grad_lse=grad_lse,
+            dilation=torch.tensor(dilation, dtype=torch.int32),
+            window=w,
+            scale=0.6,
+            softcap=softcap,
+            dropout=dropout,
+            seed=SHARD_SEED,
+            grad_q=got[0],
+            grad_k=got[1],
+            grad_v=got[2],
+        )
         return [got[0]] + [x.reshape(batch, n, kv_heads, heads // kv_heads, head_dim).sum(3) for x in got[1:]]
 
     try:
@@ -381,11 +508,19 @@ def test_tensor_core_kernels_wait_for_their_copies(tmp_path, generated):
     before waiting for it; without the wait, 16 of the 18 forward cases fail that way, and 16 of
     the 18 backward ones (all pass with the copies done at once, as in the tests above)."""
     environment = _child_environment(**{cuda_on_cpu.ASYNC_ENV: "deferred", cuda_on_cpu.GENERATED_ENV: str(generated)})
-    tests = [f"{__file__}::test_cuda_attention{part}_code_matches_reference[{case_id(case)}-{dropout}-{kernel}]"
-             for case in (CASES[0], CASES[3], CASES[-1]) for dropout in ("no-dropout", "dropout")
-             for part, kernel in (("", "attention_mma"), ("_backward", "attention_backward_mma"))]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-                            env=environment, capture_output=True, text=True, cwd=cuda_on_cpu.REPO)
+    tests = [
+        f"{__file__}::test_cuda_attention{part}_code_matches_reference[{case_id(case)}-{dropout}-{kernel}]"
+        for case in (CASES[0], CASES[3], CASES[-1])
+        for dropout in ("no-dropout", "dropout")
+        for part, kernel in (("", "attention_mma"), ("_backward", "attention_backward_mma"))
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        env=environment,
+        capture_output=True,
+        text=True,
+        cwd=cuda_on_cpu.REPO,
+    )
     assert result.returncode == 0 and f"{len(tests)} passed" in result.stdout, result.stdout[-4000:]
 
 
@@ -398,17 +533,33 @@ def test_tensor_core_kernels_stay_inside_their_arrays(tmp_path, generated):
     head_dim past a feature block) touch nothing outside those arrays. An array sized for a
     pointer's first element only passed every case above on the CPU and failed 206 tests on an H200
     (bench/NOTES.md); this test fails on it."""
-    environment = _child_environment(**{cuda_on_cpu.SANITIZE_ENV: "address", "LD_PRELOAD": cuda_on_cpu.asan_preload(),
-                                        cuda_on_cpu.GENERATED_ENV: str(generated),
-                                        "ASAN_OPTIONS": f"detect_leaks=0:log_path={tmp_path / 'asan'}"})
-    tests = [f"{__file__}::test_cuda_attention{part}_code_matches_reference[{case_id(case)}-{dropout}-{kernel}]"
-             for case in (CASES[0], CASES[3], CASES[-1]) for dropout in ("no-dropout", "dropout")
-             for part, kernel in (("", "attention_mma"), ("_backward", "attention_backward_mma"))]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-                            env=environment, capture_output=True, text=True, cwd=cuda_on_cpu.REPO)
+    environment = _child_environment(
+        **{
+            cuda_on_cpu.SANITIZE_ENV: "address",
+            "LD_PRELOAD": cuda_on_cpu.asan_preload(),
+            cuda_on_cpu.GENERATED_ENV: str(generated),
+            "ASAN_OPTIONS": f"detect_leaks=0:log_path={tmp_path / 'asan'}",
+        }
+    )
+    tests = [
+        f"{__file__}::test_cuda_attention{part}_code_matches_reference[{case_id(case)}-{dropout}-{kernel}]"
+        for case in (CASES[0], CASES[3], CASES[-1])
+        for dropout in ("no-dropout", "dropout")
+        for part, kernel in (("", "attention_mma"), ("_backward", "attention_backward_mma"))
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        env=environment,
+        capture_output=True,
+        text=True,
+        cwd=cuda_on_cpu.REPO,
+    )
     # The sanitizer warns once that it does not fully support swapcontext (the shim's fibers, whose
     # switches it is told of): that line alone is no finding.
-    reports = [text for text in (report.read_text() for report in sorted(tmp_path.glob("asan*")))
-               if any(line and "fully support makecontext/swapcontext" not in line for line in text.splitlines())]
+    reports = [
+        text
+        for text in (report.read_text() for report in sorted(tmp_path.glob("asan*")))
+        if any(line and "fully support makecontext/swapcontext" not in line for line in text.splitlines())
+    ]
     assert not reports, reports[0][:4000]
     assert result.returncode == 0 and f"{len(tests)} passed" in result.stdout, result.stdout[-4000:]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from longformer_ops import diagonaled_mm
-from longformer_ops.reference import diagonaled_mm_reference
+from longformer_ops.ops.reference import diagonaled_mm_reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 
 def test_runs_on_a_non_default_stream_without_synchronising():
@@ -30,8 +30,9 @@ def test_runs_on_a_non_default_stream_without_synchronising():
     expected = diagonaled_mm_reference(q.double(), k.double(), 37, [1, 2, 3, 4])
     torch.testing.assert_close(scores.double(), expected, rtol=1e-4, atol=1e-4)
     probs = torch.softmax(expected, -1)
-    torch.testing.assert_close(context.double(), diagonaled_mm_reference(probs, k.double(), 37, [1, 2, 3, 4], True),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        context.double(), diagonaled_mm_reference(probs, k.double(), 37, [1, 2, 3, 4], True), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_no_hidden_synchronisation_per_call():

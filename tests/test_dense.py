@@ -1,4 +1,4 @@
-"""longformer_ops.dense: the dense products in float32 for the half types where torch has no CPU
+"""longformer_ops.nn.dense: the dense products in float32 for the half types where torch has no CPU
 GEMM of its own for them. Which devices and dtypes take it; the products and their gradients
 against float64 on the same (rounded) inputs, element by element, to one rounding of the half
 type plus float32's accumulation; gradcheck of the autograd functions in float64; the
@@ -14,13 +14,14 @@ import operator
 
 import pytest
 import torch
+from conftest import stable_seed, unit_roundoff
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import stable_seed, unit_roundoff
-from longformer_ops import LongformerConfig, dense
-from longformer_ops.config import PoolingConfig
-from longformer_ops.tasks import LongformerForMaskedLM
+from longformer_ops import LongformerConfig
+from longformer_ops.models.config import PoolingConfig
+from longformer_ops.models.tasks import LongformerForMaskedLM
+from longformer_ops.nn import dense
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -44,8 +45,10 @@ def _assert_one_rounding(got, exact, magnitude, terms, dtype, what, seed):
     assert got.dtype == dtype, f"{what}: dtype {got.dtype}, expected {dtype}"
     bound = unit_roundoff(dtype) * exact.abs() + (terms + 2) * unit_roundoff(torch.float32) * magnitude
     excess = (got.double() - exact).abs() - bound
-    assert (excess <= 0).all(), f"{what}: {int((excess > 0).sum())} elements over the bound, worst by " \
-                                f"{float(excess.max()):.3e} ({dtype}, seed {seed})"
+    assert (excess <= 0).all(), (
+        f"{what}: {int((excess > 0).sum())} elements over the bound, worst by "
+        f"{float(excess.max()):.3e} ({dtype}, seed {seed})"
+    )
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
@@ -70,8 +73,9 @@ def test_linear_and_its_gradients_round_once(float32_products, dtype, shape, wit
     b64 = bias.detach().double() if with_bias else torch.zeros(11, dtype=torch.float64)
     _assert_one_rounding(y, x64 @ w64.t() + b64, x64.abs() @ w64.abs().t() + b64.abs(), shape[-1] + 1, dtype, "y", seed)
     _assert_one_rounding(x.grad, g64 @ w64, g64.abs() @ w64.abs(), 11, dtype, "dx", seed)
-    _assert_one_rounding(weight.grad, grad_rows.t() @ rows, grad_rows.abs().t() @ rows.abs(), rows.shape[0], dtype,
-                         "dW", seed)
+    _assert_one_rounding(
+        weight.grad, grad_rows.t() @ rows, grad_rows.abs().t() @ rows.abs(), rows.shape[0], dtype, "dW", seed
+    )
     if with_bias:
         _assert_one_rounding(bias.grad, grad_rows.sum(0), grad_rows.abs().sum(0), rows.shape[0], dtype, "db", seed)
 
@@ -87,12 +91,33 @@ def test_einsum_and_bmm_and_their_gradients_round_once(float32_products, dtype):
     grad = _random(generator, *out.shape, dtype=dtype)
     out.backward(grad)
     x64, s64, g64 = (t.detach().double() for t in (x, slots, grad))
-    _assert_one_rounding(out, torch.einsum("bnhd,bghd->bnhg", x64, s64),
-                         torch.einsum("bnhd,bghd->bnhg", x64.abs(), s64.abs()), 19, dtype, "out", seed)
-    _assert_one_rounding(x.grad, torch.einsum("bnhg,bghd->bnhd", g64, s64),
-                         torch.einsum("bnhg,bghd->bnhd", g64.abs(), s64.abs()), 5, dtype, "dx", seed)
-    _assert_one_rounding(slots.grad, torch.einsum("bnhd,bnhg->bghd", x64, g64),
-                         torch.einsum("bnhd,bnhg->bghd", x64.abs(), g64.abs()), 37, dtype, "dslots", seed)
+    _assert_one_rounding(
+        out,
+        torch.einsum("bnhd,bghd->bnhg", x64, s64),
+        torch.einsum("bnhd,bghd->bnhg", x64.abs(), s64.abs()),
+        19,
+        dtype,
+        "out",
+        seed,
+    )
+    _assert_one_rounding(
+        x.grad,
+        torch.einsum("bnhg,bghd->bnhd", g64, s64),
+        torch.einsum("bnhg,bghd->bnhd", g64.abs(), s64.abs()),
+        5,
+        dtype,
+        "dx",
+        seed,
+    )
+    _assert_one_rounding(
+        slots.grad,
+        torch.einsum("bnhd,bnhg->bghd", x64, g64),
+        torch.einsum("bnhd,bnhg->bghd", x64.abs(), g64.abs()),
+        37,
+        dtype,
+        "dslots",
+        seed,
+    )
 
     a, b = (_random(generator, *s, dtype=dtype).requires_grad_() for s in ((2, 37, 19), (2, 19, 5)))
     out = dense.bmm(a, b)
@@ -101,13 +126,16 @@ def test_einsum_and_bmm_and_their_gradients_round_once(float32_products, dtype):
     a64, b64, g64 = (t.detach().double() for t in (a, b, grad))
     _assert_one_rounding(out, a64 @ b64, a64.abs() @ b64.abs(), 19, dtype, "bmm", seed)
     _assert_one_rounding(a.grad, g64 @ b64.transpose(1, 2), g64.abs() @ b64.abs().transpose(1, 2), 5, dtype, "da", seed)
-    _assert_one_rounding(b.grad, a64.transpose(1, 2) @ g64, a64.abs().transpose(1, 2) @ g64.abs(), 37, dtype, "db",
-                         seed)
+    _assert_one_rounding(
+        b.grad, a64.transpose(1, 2) @ g64, a64.abs().transpose(1, 2) @ g64.abs(), 37, dtype, "db", seed
+    )
 
 
 _PRODUCT_CALLS = {  # how code that is not ours asks torch for a product: (name, call, operand shapes)
-    "torch.bmm": (torch.bmm, ((3, 9, 19), (3, 19, 5))), "Tensor.bmm": (torch.Tensor.bmm, ((3, 9, 19), (3, 19, 5))),
-    "torch.mm": (torch.mm, ((9, 19), (19, 5))), "Tensor.mm": (torch.Tensor.mm, ((9, 19), (19, 5))),
+    "torch.bmm": (torch.bmm, ((3, 9, 19), (3, 19, 5))),
+    "Tensor.bmm": (torch.Tensor.bmm, ((3, 9, 19), (3, 19, 5))),
+    "torch.mm": (torch.mm, ((9, 19), (19, 5))),
+    "Tensor.mm": (torch.Tensor.mm, ((9, 19), (19, 5))),
     "torch.matmul 2-D": (torch.matmul, ((9, 19), (19, 5))),
     "Tensor.matmul 3-D": (torch.Tensor.matmul, ((3, 9, 19), (3, 19, 5))),
     "@ 4-D": (lambda a, b: a @ b, ((2, 3, 9, 19), (2, 3, 19, 5))),
@@ -133,10 +161,18 @@ def test_float32_products_routes_other_codes_products(float32_products, dtype, c
     assert not products.seen, products.seen
     a64, b64, g64 = a.detach().double(), b_stored.detach().double().transpose(-1, -2), grad.double()
     _assert_one_rounding(out, a64 @ b64, a64.abs() @ b64.abs(), 19, dtype, call, seed)
-    _assert_one_rounding(a.grad, g64 @ b64.transpose(-1, -2), g64.abs() @ b64.abs().transpose(-1, -2), 5, dtype,
-                         f"{call}: da", seed)
-    _assert_one_rounding(b_stored.grad, (a64.transpose(-1, -2) @ g64).transpose(-1, -2),
-                         (a64.abs().transpose(-1, -2) @ g64.abs()).transpose(-1, -2), 9, dtype, f"{call}: db", seed)
+    _assert_one_rounding(
+        a.grad, g64 @ b64.transpose(-1, -2), g64.abs() @ b64.abs().transpose(-1, -2), 5, dtype, f"{call}: da", seed
+    )
+    _assert_one_rounding(
+        b_stored.grad,
+        (a64.transpose(-1, -2) @ g64).transpose(-1, -2),
+        (a64.abs().transpose(-1, -2) @ g64.abs()).transpose(-1, -2),
+        9,
+        dtype,
+        f"{call}: db",
+        seed,
+    )
 
 
 def test_float32_products_leaves_the_rest_to_torch(float32_products):
@@ -147,12 +183,18 @@ def test_float32_products_leaves_the_rest_to_torch(float32_products):
     with dense.float32_products():
         assert torch.equal(torch.bmm(a, b), torch.bmm(a.clone(), b.clone()))
     half_a, half_b = a.bfloat16(), b.bfloat16()
-    for product in (lambda: half_a[:1] @ half_b, lambda: torch.bmm(half_a, half_b, out=torch.empty(3, 9, 5).bfloat16())):
+    for product in (
+        lambda: half_a[:1] @ half_b,
+        lambda: torch.bmm(half_a, half_b, out=torch.empty(3, 9, 5).bfloat16()),
+    ):
         with _HalfTypeProducts() as products, dense.float32_products():
             product()
         assert products.seen, "routed where torch's own call was due"
-    for bad in (lambda: torch.bmm(half_a[0], half_b[0]), lambda: torch.mm(half_a, half_b),
-                lambda: torch.bmm(half_a, b)):
+    for bad in (
+        lambda: torch.bmm(half_a[0], half_b[0]),
+        lambda: torch.mm(half_a, half_b),
+        lambda: torch.bmm(half_a, b),
+    ):
         with pytest.raises(RuntimeError) as torchs:
             bad()
         with pytest.raises(RuntimeError) as ours, dense.float32_products():
@@ -223,7 +265,10 @@ def test_few_row_products_under_autocast_run_in_the_few_row_kernels(float32_prod
     """Under CPU autocast to bfloat16, float32 operands are cast to it (as autocast casts them) and
     multiplied in the few-row kernel: a bfloat16 result, rounded once from the cast operands."""
     generator = torch.Generator().manual_seed(14)
-    query, keys = _random(generator, 12, 1, 64, dtype=torch.float32), _random(generator, 12, 300, 64, dtype=torch.float32)
+    query, keys = (
+        _random(generator, 12, 1, 64, dtype=torch.float32),
+        _random(generator, 12, 300, 64, dtype=torch.float32),
+    )
     with _OpCalls() as calls, torch.autocast("cpu", torch.bfloat16), dense.float32_products():
         out = torch.bmm(query, keys.transpose(1, 2))
     assert [name for name in calls.names if name.startswith("longformer_ops::")] == ["longformer_ops::few_rows_mm_nt"]
@@ -235,8 +280,11 @@ def test_few_row_kernels_leave_more_rows_gradients_and_float32_alone(float32_pro
     """More than ``FEW_ROWS`` rows, a gradient to compute, or float32 operands: no few-row kernel."""
     torch.manual_seed(12)
     keys = torch.randn(12, 300, 64).bfloat16()
-    for query, grad in ((torch.randn(12, dense.FEW_ROWS + 1, 64).bfloat16(), False),
-                        (torch.randn(12, 1, 64).bfloat16(), True), (torch.randn(12, 1, 64), False)):
+    for query, grad in (
+        (torch.randn(12, dense.FEW_ROWS + 1, 64).bfloat16(), False),
+        (torch.randn(12, 1, 64).bfloat16(), True),
+        (torch.randn(12, 1, 64), False),
+    ):
         query.requires_grad_(grad)
         with _OpCalls() as calls, dense.float32_products():
             torch.bmm(query, (keys if query.dtype == keys.dtype else keys.float()).transpose(1, 2))
@@ -271,8 +319,11 @@ def test_einsum_refuses_what_its_backward_cannot_express(float32_products, equat
 def test_mm_into_rounds_once(float32_products, dtype, with_bias):
     seed = stable_seed(str(dtype), "mm_into", with_bias)
     generator = torch.Generator().manual_seed(seed)
-    a, weight, bias = _random(generator, 9, 70, dtype=dtype), _random(generator, 13, 70, dtype=dtype), \
-        _random(generator, 13, dtype=dtype)
+    a, weight, bias = (
+        _random(generator, 9, 70, dtype=dtype),
+        _random(generator, 13, 70, dtype=dtype),
+        _random(generator, 13, dtype=dtype),
+    )
     out = torch.full((9, 13), float("nan"), dtype=dtype)
     assert dense.mm_into(a, weight.t(), out, bias if with_bias else None) is out
     a64, w64 = a.double(), weight.double()
@@ -283,8 +334,12 @@ def test_mm_into_rounds_once(float32_products, dtype, with_bias):
 def test_mixed_dtypes_fail_as_torch_fails(float32_products):
     """Operands of two dtypes outside autocast are not widened into agreeing: torch's error, as without dense.py."""
     x, w = torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(3, 4)
-    for call in (lambda: dense.linear(x, w), lambda: dense.einsum("ij,kj->ik", x, w),
-                 lambda: dense.bmm(x[None], w.t()[None]), lambda: dense.mm_into(x, w.t(), torch.empty(2, 3))):
+    for call in (
+        lambda: dense.linear(x, w),
+        lambda: dense.einsum("ij,kj->ik", x, w),
+        lambda: dense.bmm(x[None], w.t()[None]),
+        lambda: dense.mm_into(x, w.t(), torch.empty(2, 3)),
+    ):
         with pytest.raises(RuntimeError, match="dtype|type"):
             call()
     with torch.autocast("cpu", torch.bfloat16):  # autocast casts them to its dtype: widened from there
@@ -293,12 +348,15 @@ def test_mixed_dtypes_fail_as_torch_fails(float32_products):
 
 def test_autograd_functions_gradcheck_in_float64():
     generator = torch.Generator().manual_seed(0)
-    x, weight, bias = (torch.randn(*s, generator=generator, dtype=torch.float64, requires_grad=True)
-                       for s in ((3, 4, 5), (6, 5), (6,)))
+    x, weight, bias = (
+        torch.randn(*s, generator=generator, dtype=torch.float64, requires_grad=True) for s in ((3, 4, 5), (6, 5), (6,))
+    )
     assert torch.autograd.gradcheck(dense._Float32Linear.apply, (x, weight, bias))
     assert torch.autograd.gradcheck(lambda x, weight: dense._Float32Linear.apply(x, weight, None), (x, weight))
-    a, b = (torch.randn(*s, generator=generator, dtype=torch.float64, requires_grad=True)
-            for s in ((2, 4, 3, 5), (2, 6, 3, 5)))
+    a, b = (
+        torch.randn(*s, generator=generator, dtype=torch.float64, requires_grad=True)
+        for s in ((2, 4, 3, 5), (2, 6, 3, 5))
+    )
     assert torch.autograd.gradcheck(lambda a, b: dense._Float32Einsum.apply("bnhd,bghd->bnhg", a, b), (a, b))
     # Only one input needing a gradient: the other gets None.
     assert torch.autograd.gradcheck(lambda a: dense._Float32Einsum.apply("bnhd,bghd->bnhg", a, b.detach()), (a,))
@@ -343,10 +401,17 @@ def test_float32_products_under_torch_compile_are_eagers(float32_products):
     results.append([value, *torch.autograd.grad(value, (q, k))])
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=unit_roundoff(torch.bfloat16), atol=0)
-    products = [node for graph in backend.graphs for module in graph.modules() if hasattr(module, "graph")
-                for node in module.graph.nodes if node.target in (torch.bmm, torch.matmul, torch.einsum, operator.matmul)]
-    operand_dtypes = {arg.meta["example_value"].dtype for node in products for arg in node.args
-                      if isinstance(arg, torch.fx.Node)}
+    products = [
+        node
+        for graph in backend.graphs
+        for module in graph.modules()
+        if hasattr(module, "graph")
+        for node in module.graph.nodes
+        if node.target in (torch.bmm, torch.matmul, torch.einsum, operator.matmul)
+    ]
+    operand_dtypes = {
+        arg.meta["example_value"].dtype for node in products for arg in node.args if isinstance(arg, torch.fx.Node)
+    }
     assert products and operand_dtypes == {torch.float32}, (products, operand_dtypes)
 
 
@@ -376,8 +441,16 @@ class _HalfTypeProducts(TorchDispatchMode):
     """Records each matrix product torch is asked for with a half-type operand, but those that
     dense.linear leaves to torch by design: at most ``dense.FEW_ROWS`` rows with no gradient."""
 
-    PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
-                torch.ops.aten.mv, torch.ops.aten.addmv, torch.ops.aten.dot, torch.ops.aten.addbmm}
+    PRODUCTS = {
+        torch.ops.aten.mm,
+        torch.ops.aten.addmm,
+        torch.ops.aten.bmm,
+        torch.ops.aten.baddbmm,
+        torch.ops.aten.mv,
+        torch.ops.aten.addmv,
+        torch.ops.aten.dot,
+        torch.ops.aten.addbmm,
+    }
     WITH_ADDEND = {torch.ops.aten.addmm, torch.ops.aten.baddbmm, torch.ops.aten.addmv, torch.ops.aten.addbmm}
 
     def __init__(self, few_rows_without_grad: bool = True):
@@ -389,7 +462,9 @@ class _HalfTypeProducts(TorchDispatchMode):
         if func.overloadpacket in self.PRODUCTS:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             left = tensors[1 if func.overloadpacket in self.WITH_ADDEND else 0]
-            few_rows = func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and left.shape[0] <= dense.FEW_ROWS
+            few_rows = (
+                func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and left.shape[0] <= dense.FEW_ROWS
+            )
             allowed = self.few_rows_without_grad and few_rows and not torch.is_grad_enabled()
             if {t.dtype for t in tensors} & set(dense.HALF_TYPES) and not allowed:
                 self.seen.append((str(func), tuple(t.shape for t in tensors)))
@@ -418,17 +493,28 @@ def test_dense_linear_is_an_nn_linear_through_linear(float32_products):
 
 
 def _encoder_config(pooling_kind: str | None, autoregressive: bool = False) -> LongformerConfig:
-    return LongformerConfig(vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=64, max_position_embeddings=40, attention_window=[2, 3],
-                            attention_dilation=[1, [1, 2, 1, 2]], hidden_dropout_prob=0.1,
-                            attention_probs_dropout_prob=0.1, autoregressive=autoregressive,
-                            pooling=None if pooling_kind is None else PoolingConfig(window=4, kernel_size=2, stride=2,
-                                                                                   kind=pooling_kind, layers=[1]))
+    return LongformerConfig(
+        vocab_size=24,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        attention_window=[2, 3],
+        attention_dilation=[1, [1, 2, 1, 2]],
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        autoregressive=autoregressive,
+        pooling=None
+        if pooling_kind is None
+        else PoolingConfig(window=4, kernel_size=2, stride=2, kind=pooling_kind, layers=[1]),
+    )
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-@pytest.mark.parametrize("pooling_kind, slots",
-                         [(None, 1), (None, 3), (None, 8), ("mean", 2), ("ldconv", 1), ("max", 1)])
+@pytest.mark.parametrize(
+    "pooling_kind, slots", [(None, 1), (None, 3), (None, 8), ("mean", 2), ("ldconv", 1), ("max", 1)]
+)
 def test_the_encoder_sends_no_half_type_product_to_torch(float32_products, dtype, pooling_kind, slots):
     """Masked LM (encoder and LM head); global tokens against the rows block-diagonally (up to
     BLOCK_DIAGONAL_SLOTS) and by einsum (more), their rows through the weights (heads x slots <
@@ -468,15 +554,24 @@ def test_the_float32_path_gives_what_torch_gives_up_to_rounding():
     assert max(errors) < 0.05 and errors[0] < 2 * errors[1] + 4 * unit_roundoff(torch.bfloat16), errors
 
 
-@pytest.mark.parametrize("name", ["LongformerModel", "LongformerForMaskedLM", "LongformerForSequenceClassification",
-                                  "LongformerForTokenClassification", "LongformerForQuestionAnswering",
-                                  "LongformerForMultipleChoice"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "LongformerModel",
+        "LongformerForMaskedLM",
+        "LongformerForSequenceClassification",
+        "LongformerForTokenClassification",
+        "LongformerForQuestionAnswering",
+        "LongformerForMultipleChoice",
+    ],
+)
 def test_transformers_models_patched_send_no_half_type_product_to_torch(float32_products, name):
     """transformers' models patched by ``hf.patch``: attention, FFN and output blocks run our layer,
     the rest of their linear layers (heads, pooler, the masked LM's vocabulary projection) dense.Linear:
     no half-type product reaches torch, training step and inference."""
     transformers = pytest.importorskip("transformers")
     from hf_helpers import hf_config
+
     from longformer_ops import hf
 
     torch.manual_seed(stable_seed(name))
@@ -498,11 +593,24 @@ def test_transformers_models_patched_send_no_half_type_product_to_torch(float32_
 
 
 def _led_config(transformers, **kwargs):
-    return transformers.LEDConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                                  attention_window=[8, 4], max_encoder_position_embeddings=64,
-                                  max_decoder_position_embeddings=32, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                                  decoder_start_token_id=2, **kwargs)
+    return transformers.LEDConfig(
+        vocab_size=97,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        attention_window=[8, 4],
+        max_encoder_position_embeddings=64,
+        max_decoder_position_embeddings=32,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("name", ["LEDModel", "LEDForConditionalGeneration", "LEDForQuestionAnswering"])
@@ -522,14 +630,21 @@ def test_transformers_led_models_patched_send_no_half_type_product_to_torch(half
     is_global = torch.zeros_like(ids)
     is_global[:, 0] = 1
     with _HalfTypeProducts() as products:
-        outputs = [t for t in model.train()(ids, global_attention_mask=is_global).to_tuple()
-                   if isinstance(t, torch.Tensor)]
+        outputs = [
+            t for t in model.train()(ids, global_attention_mask=is_global).to_tuple() if isinstance(t, torch.Tensor)
+        ]
         sum(out.float().square().sum() for out in outputs).backward()
         with torch.no_grad():
             model.eval()(ids, global_attention_mask=is_global)
             if name == "LEDForConditionalGeneration":
-                generated = model.generate(ids, global_attention_mask=is_global, max_new_tokens=4, min_new_tokens=4,
-                                           do_sample=False, num_beams=1)
+                generated = model.generate(
+                    ids,
+                    global_attention_mask=is_global,
+                    max_new_tokens=4,
+                    min_new_tokens=4,
+                    do_sample=False,
+                    num_beams=1,
+                )
     if half_gemm == "float32_products":
         assert not products.seen, products.seen
     else:  # the decoder's attention (and the projections) left to torch
@@ -546,13 +661,16 @@ def test_patched_led_in_bfloat16_errs_as_transformers_own(half_gemm):
     as much as transformers' own bfloat16 code (plus a few units roundoff)."""
     transformers = pytest.importorskip("transformers")
     from hf_helpers import randomize_
+
     from longformer_ops import hf
 
     config = _led_config(transformers, dropout=0.0, attention_dropout=0.0)
     model = randomize_(transformers.LEDForConditionalGeneration(config), 0).eval()
     generator = torch.Generator().manual_seed(11)
-    inputs = dict(input_ids=torch.randint(3, 97, (2, 21), generator=generator),
-                  decoder_input_ids=torch.randint(3, 97, (2, 13), generator=generator))
+    inputs = dict(
+        input_ids=torch.randint(3, 97, (2, 21), generator=generator),
+        decoder_input_ids=torch.randint(3, 97, (2, 13), generator=generator),
+    )
     inputs["global_attention_mask"] = torch.zeros_like(inputs["input_ids"])
     inputs["global_attention_mask"][:, 0] = 1
     with torch.no_grad():

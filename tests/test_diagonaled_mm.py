@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CPU_DTYPES, CUDA_DTYPES, assert_close_to_reference, stable_seed
 
-from conftest import CPU_DTYPES, CUDA, CUDA_DTYPES, assert_close_to_reference, stable_seed
-from longformer_ops import diagonaled_mm, kernels, mask_invalid_locations
-from longformer_ops.diagonaled import transposed_product
-from longformer_ops.reference import diagonaled_mm_reference, invalid_locations
+from longformer_ops import diagonaled_mm, mask_invalid_locations
+from longformer_ops.ops.diagonaled import transposed_product
+from longformer_ops.ops.reference import diagonaled_mm_reference
+from longformer_ops.runtime import kernels
+from longformer_ops.runtime.band import invalid_locations
 
 # (batch, seq_len, heads, head_dim, w): n in {1, 2, 17, 513}, w in {0, 1, >= n}, head_dim in {1, 31, 64}.
 SIZES = [
     (2, 1, 3, 31, 0),
     (1, 1, 2, 64, 1),
-    (2, 1, 2, 1, 3),      # w >= n
+    (2, 1, 2, 1, 3),  # w >= n
     (2, 2, 3, 1, 1),
-    (1, 2, 2, 31, 2),     # w >= n
+    (1, 2, 2, 31, 2),  # w >= n
     (2, 17, 3, 64, 1),
-    (1, 17, 4, 31, 20),   # w >= n
+    (1, 17, 4, 31, 20),  # w >= n
     (2, 17, 2, 1, 0),
     (1, 513, 4, 64, 16),
     (1, 513, 2, 31, 1),
@@ -72,7 +74,9 @@ def _check_forward(device, dtype, size, autoregressive, dilation_kind, mode):
     assert out.dtype == dtype and out.device.type == torch.device(device).type
     if not is_t1_diagonaled:
         invalid = invalid_locations(n, w, torch.as_tensor(d).expand(h) if isinstance(d, int) else d, autoregressive)
-        assert (out.cpu()[:, invalid] == torch.tensor(padding, dtype=dtype)).all(), "padding positions must hold exactly `padding`"
+        assert (out.cpu()[:, invalid] == torch.tensor(padding, dtype=dtype)).all(), (
+            "padding positions must hold exactly `padding`"
+        )
     assert_close_to_reference(out, ref, scale, dtype)
 
 
@@ -116,7 +120,7 @@ def test_cpu_runs_of_queries(cpu_library, size, dtype, autoregressive, mode, run
     _check_forward("cpu", dtype, size, autoregressive, "per-head", mode)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["qk", "pv", "transposed"])
 @pytest.mark.parametrize("dilation_kind", DILATIONS)
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
@@ -141,7 +145,9 @@ def _check_gradients(device, dtype, autoregressive, is_t1_diagonaled):
     ref = diagonaled_mm_reference(r1, r2, w, d, is_t1_diagonaled, 0, autoregressive)
     e1, e2 = torch.autograd.grad(ref, (r1, r2), grad.double().cpu())
     a1, a2 = (r1.detach().abs().requires_grad_(), r2.detach().abs().requires_grad_())
-    s1, s2 = torch.autograd.grad(diagonaled_mm_reference(a1, a2, w, d, is_t1_diagonaled, 0, autoregressive), (a1, a2), grad.double().abs().cpu())
+    s1, s2 = torch.autograd.grad(
+        diagonaled_mm_reference(a1, a2, w, d, is_t1_diagonaled, 0, autoregressive), (a1, a2), grad.double().abs().cpu()
+    )
     assert_close_to_reference(g1, e1, s1, dtype)
     assert_close_to_reference(g2, e2, s2, dtype)
 
@@ -153,7 +159,7 @@ def test_cpu_gradients_match_reference(cpu_library, dtype, autoregressive, is_t1
     _check_gradients("cpu", dtype, autoregressive, is_t1_diagonaled)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("is_t1_diagonaled", [False, True], ids=["qk", "pv"])
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 @pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=str)
@@ -170,7 +176,8 @@ def test_gradcheck_float64(is_t1_diagonaled, autoregressive):
     t1 = torch.randn(b, n, h, c if is_t1_diagonaled else f, dtype=torch.float64, requires_grad=True)
     t2 = torch.randn(b, n, h, f, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda a, bb: diagonaled_mm(a, bb, w, d, is_t1_diagonaled, 0, autoregressive), (t1, t2))
+        lambda a, bb: diagonaled_mm(a, bb, w, d, is_t1_diagonaled, 0, autoregressive), (t1, t2)
+    )
 
 
 @pytest.mark.parametrize("op", ["qk", "pv", "transposed"])
@@ -183,9 +190,11 @@ def test_gradgradcheck_float64(op, autoregressive):
     t1 = torch.randn(b, n, h, f if op == "qk" else c, dtype=torch.float64, requires_grad=True)
     t2 = torch.randn(b, n, h, f, dtype=torch.float64, requires_grad=True)
     ops = torch.ops.longformer_ops
-    fn = {"qk": lambda a, bb: ops.band_qk(a, bb, w, d, autoregressive, 0.0),
-          "pv": lambda a, bb: ops.band_pv(a, bb, w, d, autoregressive),
-          "transposed": lambda a, bb: ops.band_transposed(a, bb, w, d, autoregressive)}[op]
+    fn = {
+        "qk": lambda a, bb: ops.band_qk(a, bb, w, d, autoregressive, 0.0),
+        "pv": lambda a, bb: ops.band_pv(a, bb, w, d, autoregressive),
+        "transposed": lambda a, bb: ops.band_transposed(a, bb, w, d, autoregressive),
+    }[op]
     assert torch.autograd.gradcheck(fn, (t1, t2))
     assert torch.autograd.gradgradcheck(fn, (t1, t2))
 

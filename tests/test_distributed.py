@@ -39,26 +39,37 @@ WORLD_SIZE = 2
 STEPS = 3
 LR = 0.1
 ATOL = 1e-10  # float64: only summation order differs between the runs
-PAD = 1       # the config's default pad_token_id: padding gets position id PAD, as RoBERTa's
+PAD = 1  # the config's default pad_token_id: padding gets position id PAD, as RoBERTa's
 SEQ_LEN = 41
 TIMEOUT_S = 120  # a rank stuck in a collective raises after this (gloo's timeout) ...
 DEADLINE_S = TIMEOUT_S + 60  # ... and the parent stops waiting after this (normally ~7 s in all)
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available() or not dist.is_gloo_available(),
-    reason="torch.distributed with the gloo backend is not available")
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(),
+        reason="torch.distributed with the gloo backend is not available",
+    ),
+]
 
 
 def _config() -> LongformerConfig:
     return LongformerConfig(
-        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
         max_position_embeddings=80,
         # 10x the default init: at 0.02 the attention scores are so flat that the key projections'
         # gradients are ~1e-8, and a 1e-10 absolute bar on them would check next to nothing.
         initializer_range=0.2,
         # No dropout: both runs must compute the same function, whatever each process's RNG draws.
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        attention_window=[3, 5], attention_dilation=[[1, 2, 1, 3], 1])
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attention_window=[3, 5],
+        attention_dilation=[[1, 2, 1, 3], 1],
+    )
 
 
 def _model() -> LongformerForMaskedLM:
@@ -77,8 +88,12 @@ def _batch() -> dict[str, torch.Tensor]:
     labels[attention_mask == 0] = -100
     global_attention_mask = torch.zeros(4, SEQ_LEN, dtype=torch.long)
     global_attention_mask[:, 0] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "global_attention_mask": global_attention_mask, "labels": labels}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "global_attention_mask": global_attention_mask,
+        "labels": labels,
+    }
 
 
 def _loss_sum(model, batch) -> torch.Tensor:
@@ -87,10 +102,14 @@ def _loss_sum(model, batch) -> torch.Tensor:
     Computed here rather than with the model's ``labels=``, which gives the mean over each rank's own
     labelled tokens: the shards hold unequal counts, so only a sum over one global count averages exactly.
     """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   global_attention_mask=batch["global_attention_mask"]).logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
-                                             ignore_index=-100, reduction="sum")
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        global_attention_mask=batch["global_attention_mask"],
+    ).logits
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), ignore_index=-100, reduction="sum"
+    )
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -112,14 +131,19 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     _set_phase(out, rank, "rendezvous")
     torch.set_num_threads(1)  # 2 ranks on 2 cores: intra-op threads would only oversubscribe them
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, whatever the hostname resolves to
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
     _set_phase(out, rank, "training")
     try:
         full = _batch()
         total_tokens = int((full["labels"] != -100).sum())  # over the WHOLE batch, the same on every rank
         per_rank = full["input_ids"].shape[0] // WORLD_SIZE
-        shard = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in full.items()}
+        shard = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in full.items()}
 
         model = torch.nn.parallel.DistributedDataParallel(_model())
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -136,8 +160,10 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             if step == 0:
                 first_grads = _grads(model.module)
             optimizer.step()
-        torch.save({"grads": first_grads, "params": _params(model.module), "losses": losses},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(
+            {"grads": first_grads, "params": _params(model.module), "losses": losses},
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
         _set_phase(out, rank, "done")
     finally:
         dist.destroy_process_group()
@@ -148,8 +174,10 @@ def _set_phase(out: Path, rank: int, phase: str) -> None:
 
 
 def _phases(out: Path) -> list[str]:
-    return [(out / f"rank{r}.phase").read_text() if (out / f"rank{r}.phase").exists() else "starting"
-            for r in range(WORLD_SIZE)]
+    return [
+        (out / f"rank{r}.phase").read_text() if (out / f"rank{r}.phase").exists() else "starting"
+        for r in range(WORLD_SIZE)
+    ]
 
 
 def _stall_report(context, out: Path) -> str:
@@ -236,8 +264,10 @@ def test_ddp_matches_single_process(tmp_path):
 
     # Non-vacuous: the key projections, local and global, get gradients far above ATOL (through the
     # kernels' Q.K^T backward and the global merge).
-    for name in ("longformer.encoder.layer.0.attention.self.key.weight",
-                 "longformer.encoder.layer.1.attention.self.key_global.weight"):
+    for name in (
+        "longformer.encoder.layer.0.attention.self.key.weight",
+        "longformer.encoder.layer.1.attention.self.key_global.weight",
+    ):
         assert ref_grads[name].abs().max() > 1e-3, f"{name}: (almost) no gradient in the reference"
 
     for r, saved in enumerate(ranks):

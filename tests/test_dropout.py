@@ -1,15 +1,14 @@
-"""Hidden-state dropout (longformer_ops.dropout): the CPU kernel against the reference mask of the
+"""Hidden-state dropout (longformer_ops.ops.dropout): the CPU kernel against the reference mask of the
 fused attention's generator, its gradient, the public function's contract and its errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CPU_DTYPES, stable_seed, unit_roundoff, without_kernels
 
-from conftest import CPU_DTYPES, stable_seed, unit_roundoff
-from longformer_ops import kernels
-from longformer_ops.dropout import Dropout, dropout, dropout_seed
-from longformer_ops.reference import dropout_factor_reference
+from longformer_ops.ops.dropout import Dropout, dropout, dropout_seed
+from longformer_ops.ops.reference import dropout_factor_reference
 
 ops = torch.ops.longformer_ops
 
@@ -113,7 +112,7 @@ def test_non_contiguous_input():
 
 
 def test_without_a_kernel_it_is_torch_dropout(monkeypatch):
-    monkeypatch.setattr(kernels, "dropout_available", lambda device, dtype: False)
+    without_kernels(monkeypatch, "dropout")
     x = torch.randn(16, 16)
     torch.manual_seed(3)
     got = dropout(x, 0.5)
@@ -121,14 +120,21 @@ def test_without_a_kernel_it_is_torch_dropout(monkeypatch):
     assert torch.equal(got, torch.nn.functional.dropout(x, 0.5, training=True))
 
 
-@pytest.mark.parametrize("args, error, message", [
-    (("x", 0.5), TypeError, "x must be a floating-point torch.Tensor, got str"),
-    ((torch.ones(3, dtype=torch.int64), 0.5), TypeError, "x must be a floating-point torch.Tensor, got torch.int64"),
-    ((torch.ones(3), 1.5), ValueError, r"p must be a probability in \[0, 1\], got 1.5"),
-    ((torch.ones(3), -0.1), ValueError, r"p must be a probability in \[0, 1\], got -0.1"),
-    ((torch.ones(3), True), ValueError, r"p must be a probability in \[0, 1\], got True"),
-    ((torch.ones(3), 0.5, 1), TypeError, "training must be a bool, got int"),
-])
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (("x", 0.5), TypeError, "x must be a floating-point torch.Tensor, got str"),
+        (
+            (torch.ones(3, dtype=torch.int64), 0.5),
+            TypeError,
+            "x must be a floating-point torch.Tensor, got torch.int64",
+        ),
+        ((torch.ones(3), 1.5), ValueError, r"p must be a probability in \[0, 1\], got 1.5"),
+        ((torch.ones(3), -0.1), ValueError, r"p must be a probability in \[0, 1\], got -0.1"),
+        ((torch.ones(3), True), ValueError, r"p must be a probability in \[0, 1\], got True"),
+        ((torch.ones(3), 0.5, 1), TypeError, "training must be a bool, got int"),
+    ],
+)
 def test_bad_input(args, error, message):
     with pytest.raises(error, match=message):
         dropout(*args)

@@ -7,15 +7,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import CPU_DTYPES, stable_seed, unit_roundoff
 
 ops = torch.ops.longformer_ops
 
 # (batch, rows, inner, cols): one row (a generation step), a few, odd sizes everywhere (vector and
 # register-block tails), a single term or column, more keys than a task's block (256), head sizes.
-SHAPES = [(1, 1, 1, 1), (3, 1, 64, 300), (12, 1, 64, 64), (2, 2, 7, 17), (1, 5, 33, 100), (2, 8, 130, 9),
-          (1, 3, 96, 96), (4, 1, 19, 257), (1, 8, 64, 130), (2, 1, 0, 5)]
+SHAPES = [
+    (1, 1, 1, 1),
+    (3, 1, 64, 300),
+    (12, 1, 64, 64),
+    (2, 2, 7, 17),
+    (1, 5, 33, 100),
+    (2, 8, 130, 9),
+    (1, 3, 96, 96),
+    (4, 1, 19, 257),
+    (1, 8, 64, 130),
+    (2, 1, 0, 5),
+]
 
 
 def _operands(dtype, shape, transposed, *parts):
@@ -34,7 +43,9 @@ def _exact_and_bound(dtype, a, b, transposed):
     if transposed:
         b64 = b64.transpose(1, 2)
     accumulation = torch.float64 if dtype == torch.float64 else torch.float32
-    bound = unit_roundoff(dtype) * (a64 @ b64).abs() + (a.shape[2] + 2) * unit_roundoff(accumulation) * (a64.abs() @ b64.abs())
+    bound = unit_roundoff(dtype) * (a64 @ b64).abs() + (a.shape[2] + 2) * unit_roundoff(accumulation) * (
+        a64.abs() @ b64.abs()
+    )
     return a64 @ b64, bound
 
 
@@ -73,9 +84,13 @@ def test_the_bound_catches_faults(dtype, fault):
     a, b = _operands(dtype, (2, 4, 64, 100), transposed, fault)
     exact, bound = _exact_and_bound(dtype, a, b, transposed)
     got = ops.few_rows_mm_nt(a, b)
-    faulty = {"one-percent-off": lambda: got.double() * 1.01, "negated": lambda: -got, "zeroed": lambda: torch.zeros_like(got),
-              "one-term-dropped": lambda: ops.few_rows_mm_nt(a[..., 1:].contiguous(), b[..., 1:].contiguous()),
-              "rows-swapped": lambda: got.flip(1)}[fault]()
+    faulty = {
+        "one-percent-off": lambda: got.double() * 1.01,
+        "negated": lambda: -got,
+        "zeroed": lambda: torch.zeros_like(got),
+        "one-term-dropped": lambda: ops.few_rows_mm_nt(a[..., 1:].contiguous(), b[..., 1:].contiguous()),
+        "rows-swapped": lambda: got.flip(1),
+    }[fault]()
     _assert_within(got, exact, bound, "the kernel")
     with pytest.raises(AssertionError, match="exceed their bound"):
         _assert_within(faulty, exact, bound, fault)
@@ -85,6 +100,11 @@ def test_the_bound_catches_faults(dtype, fault):
 def test_mismatched_operands_are_refused_by_name(op):
     a = torch.randn(2, 1, 8).bfloat16()
     fits = torch.randn(2, 8, 5).bfloat16() if op == "few_rows_mm" else torch.randn(2, 5, 8).bfloat16()
-    for bad in (fits[:1], fits.float(), fits[0], fits.transpose(1, 2)[:, :3] if op == "few_rows_mm" else fits[:, :, :3]):
+    for bad in (
+        fits[:1],
+        fits.float(),
+        fits[0],
+        fits.transpose(1, 2)[:, :3] if op == "few_rows_mm" else fits[:, :, :3],
+    ):
         with pytest.raises(ValueError, match=rf"{op}: expected a \[batch, rows, inner\] and b \[batch, "):
             getattr(ops, op)(a, bad)

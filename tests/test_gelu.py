@@ -1,4 +1,4 @@
-"""The FFN's bias and GELU (longformer_ops.gelu): the CPU kernels against float64 GELU and its
+"""The FFN's bias and GELU (longformer_ops.nn.gelu): the CPU kernels against float64 GELU and its
 derivative, gradients, the in-place inference path, ``linear_gelu`` against ``gelu(linear(x))``,
 the fallbacks, and the errors."""
 
@@ -8,11 +8,10 @@ import math
 
 import pytest
 import torch
+from conftest import CPU_DTYPES, stable_seed, unaligned, unit_roundoff, without_kernels
 from torch import nn
 
-from conftest import CPU_DTYPES, stable_seed, unaligned, unit_roundoff
-from longformer_ops import kernels
-from longformer_ops.gelu import bias_gelu, linear_gelu
+from longformer_ops.nn.gelu import bias_gelu, linear_gelu
 
 ops = torch.ops.longformer_ops
 
@@ -84,8 +83,12 @@ def test_kernels_match_float64(cpu_library, dtype, shape):
     _assert_within(got, y, 2 * u * y.abs() + approximation * x.abs() + spacing, f"bias_gelu {shape} {dtype}")
     got_grad, got_sums = ops.bias_gelu_backward(grad, h, bias)
     assert got_grad.shape == h.shape and got_grad.dtype == got_sums.dtype == dtype and got_sums.shape == bias.shape
-    _assert_within(got_grad, grad_h, 2 * u * grad_h.abs() + approximation * grad.double().abs() + spacing,
-                   f"bias_gelu_backward {shape} {dtype}")
+    _assert_within(
+        got_grad,
+        grad_h,
+        2 * u * grad_h.abs() + approximation * grad.double().abs() + spacing,
+        f"bias_gelu_backward {shape} {dtype}",
+    )
     terms = got_grad.double().reshape(-1, shape[-1])  # the bias's gradient: the sums of the rounded terms
     _assert_within(got_sums, terms.sum(0), _sums_bound(dtype, terms), f"bias_gelu_backward's sums {shape} {dtype}")
 
@@ -98,10 +101,12 @@ def test_the_bound_catches_faults(dtype, fault):
     h, bias, grad = _inputs(dtype, (5, 3072), fault)
     y, grad_h, x = _exact(h, bias, grad)
     u, approximation = unit_roundoff(dtype), _approximation(dtype)
-    faulty = {"one-percent-off": lambda t, exact, scale: (exact * 1.01).to(dtype),
-              "no-bias": lambda t, exact, scale: t,
-              "negated": lambda t, exact, scale: -t,
-              "coarser-erf": lambda t, exact, scale: (exact - 1.85e-5 * scale).to(dtype)}[fault]
+    faulty = {
+        "one-percent-off": lambda t, exact, scale: (exact * 1.01).to(dtype),
+        "no-bias": lambda t, exact, scale: t,
+        "negated": lambda t, exact, scale: -t,
+        "coarser-erf": lambda t, exact, scale: (exact - 1.85e-5 * scale).to(dtype),
+    }[fault]
     if fault == "no-bias":
         forward = ops.bias_gelu(h, torch.zeros_like(bias))
         backward = ops.bias_gelu_backward(grad, h, torch.zeros_like(bias))[0]
@@ -124,8 +129,10 @@ def test_half_types_round_to_nearest(cpu_library, dtype):
     0x7fff), 49% and 31% differ."""
     h, bias, grad = _inputs(dtype, (64, 3072), "nearest")
     y, grad_h, _ = _exact(h, bias, grad)
-    for what, got, exact in (("bias_gelu", ops.bias_gelu(h, bias), y),
-                             ("bias_gelu_backward", ops.bias_gelu_backward(grad, h, bias)[0], grad_h)):
+    for what, got, exact in (
+        ("bias_gelu", ops.bias_gelu(h, bias), y),
+        ("bias_gelu_backward", ops.bias_gelu_backward(grad, h, bias)[0], grad_h),
+    ):
         large = exact.abs() >= 0.5
         differ = (got.double() != exact.to(dtype).double())[large].double().mean().item()
         assert differ <= 0.05, f"{what} {dtype}: {differ:.1%} of the results differ from the exact ones rounded"
@@ -172,8 +179,11 @@ def test_inputs_at_any_address(dtype):
     h, bias, grad = _inputs(dtype, (3, 64))
 
     assert torch.equal(ops.bias_gelu(unaligned(h), unaligned(bias)), ops.bias_gelu(h, bias))
-    for got, expected in zip(ops.bias_gelu_backward(unaligned(grad), unaligned(h), unaligned(bias)),
-                             ops.bias_gelu_backward(grad, h, bias), strict=True):
+    for got, expected in zip(
+        ops.bias_gelu_backward(unaligned(grad), unaligned(h), unaligned(bias)),
+        ops.bias_gelu_backward(grad, h, bias),
+        strict=True,
+    ):
         assert torch.equal(got, expected)
     in_place = unaligned(h)
     ops.bias_gelu_(in_place, unaligned(bias))
@@ -246,23 +256,42 @@ def test_linear_gelu_calls_other_modules_as_they_are(monkeypatch, which):
 
 
 def test_without_a_kernel_it_is_torch_gelu(monkeypatch):
-    monkeypatch.setattr(kernels, "bias_gelu_available", lambda device, dtype: False)
+    without_kernels(monkeypatch, "bias_gelu")
     h, bias, _ = _inputs(torch.float32, (4, 30))
     assert torch.equal(bias_gelu(h, bias), nn.functional.gelu(h + bias))
     linear = nn.Linear(30, 8)
     assert torch.equal(linear_gelu(h, linear), nn.functional.gelu(linear(h)))
 
 
-@pytest.mark.parametrize("args, error, message", [
-    (("h", torch.ones(3)), TypeError, "h must be a floating-point torch.Tensor, got str"),
-    ((torch.ones(3, dtype=torch.int64), torch.ones(3)), TypeError, "h must be a floating-point torch.Tensor, got torch.int64"),
-    ((torch.tensor(1.0), torch.ones(1)), ValueError, "h must have at least one dimension"),
-    ((torch.ones(2, 3), [1.0, 2.0, 3.0]), TypeError, "bias must be a torch.Tensor, got list"),
-    ((torch.ones(2, 3), torch.ones(2)), ValueError, r"bias must have shape \[3\] \(h's last dimension\), got \[2\]"),
-    ((torch.ones(2, 3), torch.ones(2, 3)), ValueError, r"bias must have shape \[3\] \(h's last dimension\), got \[2, 3\]"),
-    ((torch.ones(2, 3), torch.ones(3, dtype=torch.float64)), TypeError, "bias must have h's dtype torch.float32, got torch.float64"),
-    ((torch.ones(2, 3), torch.ones(3, device="meta")), ValueError, "bias must be on h's device cpu, got meta"),
-])
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (("h", torch.ones(3)), TypeError, "h must be a floating-point torch.Tensor, got str"),
+        (
+            (torch.ones(3, dtype=torch.int64), torch.ones(3)),
+            TypeError,
+            "h must be a floating-point torch.Tensor, got torch.int64",
+        ),
+        ((torch.tensor(1.0), torch.ones(1)), ValueError, "h must have at least one dimension"),
+        ((torch.ones(2, 3), [1.0, 2.0, 3.0]), TypeError, "bias must be a torch.Tensor, got list"),
+        (
+            (torch.ones(2, 3), torch.ones(2)),
+            ValueError,
+            r"bias must have shape \[3\] \(h's last dimension\), got \[2\]",
+        ),
+        (
+            (torch.ones(2, 3), torch.ones(2, 3)),
+            ValueError,
+            r"bias must have shape \[3\] \(h's last dimension\), got \[2, 3\]",
+        ),
+        (
+            (torch.ones(2, 3), torch.ones(3, dtype=torch.float64)),
+            TypeError,
+            "bias must have h's dtype torch.float32, got torch.float64",
+        ),
+        ((torch.ones(2, 3), torch.ones(3, device="meta")), ValueError, "bias must be on h's device cpu, got meta"),
+    ],
+)
 def test_bad_input(args, error, message):
     with pytest.raises(error, match=message):
         bias_gelu(*args)
@@ -276,7 +305,9 @@ def test_compiles_without_graph_break():
 
 def test_in_place_ops_refuse_non_contiguous_tensors():
     h = torch.randn(8, 6).t()
-    with pytest.raises(ValueError, match=r"h must be contiguous to be written in place, got strides \(1, 6\) for shape \(6, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"h must be contiguous to be written in place, got strides \(1, 6\) for shape \(6, 8\)"
+    ):
         ops.bias_gelu_(h, torch.randn(8))
     context = torch.randn(1, 3, 2, 8).transpose(1, 2)
     with pytest.raises(ValueError, match="context must be contiguous to be written in place"):
@@ -285,7 +316,7 @@ def test_in_place_ops_refuse_non_contiguous_tensors():
 
 def test_without_a_kernel_inference_activates_in_place(monkeypatch):
     """Without a kernel (CUDA) and without autograd, the GELU runs in the GEMM's own output."""
-    monkeypatch.setattr(kernels, "bias_gelu_available", lambda device, dtype: False)
+    without_kernels(monkeypatch, "bias_gelu")
     outputs = []
     linear = nn.Linear(10, 20)
     x = torch.randn(3, 10)

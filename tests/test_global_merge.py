@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CPU_DTYPES, stable_seed, unaligned, unit_roundoff, without_kernels
 
-from conftest import CPU_DTYPES, stable_seed, unaligned, unit_roundoff
-from longformer_ops import kernels
-from longformer_ops import layer as layer_module
+from longformer_ops.models import layer as layer_module
+from longformer_ops.runtime import kernels
 
 ops = torch.ops.longformer_ops
 
@@ -17,8 +17,17 @@ ops = torch.ops.longformer_ops
 # one slot and several (the backward takes the slots four at a time, then the 1-3 left in one pass);
 # 190 and 18 for AVX2's bfloat16 forward on pairs (microkernels.py): 11 vectors of pairs, a vector
 # of 8 and a tail of 6; one vector of pairs and a tail of 2; and no slots at all (no global tokens).
-SIZES = [(1, 1, 1, 7, 1), (2, 37, 3, 40, 2), (1, 19, 12, 64, 1), (2, 5, 2, 16, 4), (2, 4, 3, 9, 5), (1, 6, 2, 24, 7),
-         (1, 3, 2, 190, 5), (2, 5, 3, 18, 3), (2, 5, 3, 16, 0)]
+SIZES = [
+    (1, 1, 1, 7, 1),
+    (2, 37, 3, 40, 2),
+    (1, 19, 12, 64, 1),
+    (2, 5, 2, 16, 4),
+    (2, 4, 3, 9, 5),
+    (1, 6, 2, 24, 7),
+    (1, 3, 2, 190, 5),
+    (2, 5, 3, 18, 3),
+    (2, 5, 3, 16, 0),
+]
 
 
 def _inputs(dtype, size, *parts):
@@ -52,12 +61,21 @@ def _bounds(dtype, context, a, omega, values, grad):
     (d u_acc times the sum of magnitudes). The context's gradient: one rounding plus one product.
     Outputs in ``dtype`` also allow a subnormal spacing (where rounding is absolute)."""
     c, a, o, v, gr = (t.double().abs() for t in (context, a, omega, values, grad))
-    u, u_acc, g, d = unit_roundoff(dtype), unit_roundoff(kernels.accumulation_dtype(dtype)), omega.shape[-1], c.shape[-1]
+    u, u_acc, g, d = (
+        unit_roundoff(dtype),
+        unit_roundoff(kernels.accumulation_dtype(dtype)),
+        omega.shape[-1],
+        c.shape[-1],
+    )
     spacing = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
     magnitude = a[..., None] * c + torch.einsum("bnhg,bghd->bnhd", o, v)
     out = u * magnitude + 2 * (g + 1) * u_acc * magnitude + spacing
-    return out, 2 * u * gr * a[..., None] + spacing, (d + 1) * u_acc * (gr * c).sum(-1), \
-        (d + 1) * u_acc * torch.einsum("bnhd,bghd->bnhg", gr, v)
+    return (
+        out,
+        2 * u * gr * a[..., None] + spacing,
+        (d + 1) * u_acc * (gr * c).sum(-1),
+        (d + 1) * u_acc * torch.einsum("bnhd,bghd->bnhg", gr, v),
+    )
 
 
 @pytest.mark.parametrize("size", SIZES, ids=str)
@@ -89,8 +107,11 @@ def test_inputs_at_any_address(cpu_library, dtype):
     in_place = unaligned(context)
     ops.global_merge_(in_place, a, omega, unaligned(values))
     assert torch.equal(in_place, expected)
-    for got, want in zip(ops.global_merge_backward(unaligned(grad), unaligned(context), unaligned(values), a),
-                         ops.global_merge_backward(grad, context, values, a), strict=True):
+    for got, want in zip(
+        ops.global_merge_backward(unaligned(grad), unaligned(context), unaligned(values), a),
+        ops.global_merge_backward(grad, context, values, a),
+        strict=True,
+    ):
         assert torch.equal(got, want)
 
 
@@ -131,7 +152,9 @@ def test_layer_merge_on_the_kernels_is_its_torch_form(monkeypatch, keep):
         return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
 
     context, lse, scores, values = draw(b, n, h, d), draw(b, n, h), draw(b, n, h, g), draw(b, g, h, d)
-    keep_factors = (torch.rand(b, n, h, g, generator=generator, dtype=torch.float64) > 0.3).double() / 0.7 if keep else None
+    keep_factors = (
+        (torch.rand(b, n, h, g, generator=generator, dtype=torch.float64) > 0.3).double() / 0.7 if keep else None
+    )
     inputs = (context, lse, scores, values)
     grad = torch.randn(b, n, h, d, generator=generator, dtype=torch.float64)
 
@@ -145,12 +168,21 @@ def test_layer_merge_on_the_kernels_is_its_torch_form(monkeypatch, keep):
     monkeypatch.setattr(ops, "global_merge_backward", lambda *args: calls.append("backward") or backward(*args))
     ours = run()
     assert calls == ["forward", "backward"]
-    small = tuple(x[index].detach().clone().requires_grad_() for x, index in zip(inputs, (
-        (slice(1), slice(7), slice(2), slice(9)), (slice(1), slice(7), slice(2)), (slice(1), slice(7), slice(2)),
-        (slice(1), slice(None), slice(2), slice(9)))))
+    small = tuple(
+        x[index].detach().clone().requires_grad_()
+        for x, index in zip(
+            inputs,
+            (
+                (slice(1), slice(7), slice(2), slice(9)),
+                (slice(1), slice(7), slice(2)),
+                (slice(1), slice(7), slice(2)),
+                (slice(1), slice(None), slice(2), slice(9)),
+            ),
+        )
+    )
     small_keep = keep_factors[:1, :7, :2] if keep else None
     assert torch.autograd.gradcheck(lambda *x: layer_module._GlobalKeyMerge.apply(*x, small_keep), small)
-    monkeypatch.setattr(kernels, "global_merge_available", lambda device, dtype: False)
+    without_kernels(monkeypatch, "global_merge")
     theirs = run()
     for got, want in zip(ours, theirs, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

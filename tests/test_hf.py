@@ -10,20 +10,26 @@ import warnings
 
 import pytest
 import torch
-
 from hf_helpers import PAD, assert_close, hf_config, random_batch, random_hf_windows, randomize_, single_thread
 
 transformers = pytest.importorskip("transformers")
 import longformer_ops  # noqa: E402
 import longformer_ops.hf as hf  # noqa: E402
-from longformer_ops import dense, kernels  # noqa: E402
+from longformer_ops.nn import dense  # noqa: E402
+from longformer_ops.runtime import kernels  # noqa: E402
 
 _ = single_thread  # autouse fixture
 ATOL = 1e-4  # float32, as the model tests against transformers
 GRADIENT_RTOL = 1e-6  # of a gradient's largest element: ~16 float32 units of roundoff
 
-TASK_MODELS = ["LongformerModel", "LongformerForMaskedLM", "LongformerForSequenceClassification",
-               "LongformerForTokenClassification", "LongformerForQuestionAnswering", "LongformerForMultipleChoice"]
+TASK_MODELS = [
+    "LongformerModel",
+    "LongformerForMaskedLM",
+    "LongformerForSequenceClassification",
+    "LongformerForTokenClassification",
+    "LongformerForQuestionAnswering",
+    "LongformerForMultipleChoice",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +87,7 @@ def _assert_patch_keeps_outputs(model, inputs, training, kernel_calls, what, ato
     assert "attention" in kernel_calls, f"{what}: the patched model did not run our fused kernels"
     assert list(model.state_dict()) == keys
     real = inputs["attention_mask"].bool()
-    if got[0].shape[:real.dim()] == real.shape:
+    if got[0].shape[: real.dim()] == real.shape:
         got[0], expected[0] = got[0][real], expected[0][real]
     assert len(got) == len(expected) > training
     for i, (a, e) in enumerate(zip(got, expected, strict=True)):
@@ -101,14 +107,16 @@ def test_hf_is_reachable_from_a_plain_import():
     """The README's two lines after ``import longformer_ops`` alone: ``longformer_ops.hf`` is imported on
     first access (not with the package), as are ``longformer_ops.info`` and ``longformer_ops.distributed``;
     other names still fail."""
-    code = ("import sys, longformer_ops\n"
-            "assert 'longformer_ops.hf' not in sys.modules, 'hf was imported with the package'\n"
-            "assert 'longformer_ops.distributed' not in sys.modules, 'distributed was imported with the package'\n"
-            "assert callable(longformer_ops.hf.patch) and callable(longformer_ops.hf.unpatch)\n"
-            "assert longformer_ops.info.__name__ == 'longformer_ops.info'\n"
-            "assert callable(longformer_ops.distributed.sliding_window_attention)\n"
-            "try:\n    longformer_ops.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e), e\n"
-            "else:\n    raise AssertionError('no AttributeError')\n")
+    code = (
+        "import sys, longformer_ops\n"
+        "assert 'longformer_ops.hf' not in sys.modules, 'hf was imported with the package'\n"
+        "assert 'longformer_ops.distributed' not in sys.modules, 'distributed was imported with the package'\n"
+        "assert callable(longformer_ops.hf.patch) and callable(longformer_ops.hf.unpatch)\n"
+        "assert longformer_ops.info.__name__ == 'longformer_ops.info'\n"
+        "assert callable(longformer_ops.distributed.sliding_window_attention)\n"
+        "try:\n    longformer_ops.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e), e\n"
+        "else:\n    raise AssertionError('no AttributeError')\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
@@ -134,6 +142,7 @@ def test_patched_models_run_unpadded(how, kernel_calls):
 
     def record(module, args, kwargs):
         seen.append((args[0] if args else kwargs["hidden_states"]).shape[1])
+
     for name in ("LongformerForSequenceClassification", "LED"):
         if how == "classes":
             hf.patch()
@@ -157,6 +166,7 @@ def test_patched_models_run_unpadded(how, kernel_calls):
 
 def test_subclass_of_a_patched_model_runs_unpadded(kernel_calls):
     """A user's subclass of transformers' LongformerModel gets the unpadded sequence too."""
+
     class MyModel(transformers.LongformerModel):
         pass
 
@@ -209,8 +219,11 @@ def test_patched_models_drop_hidden_states_on_our_kernel(name, monkeypatch):
     assert list(model.state_dict()) == keys
 
     calls = []
-    monkeypatch.setattr(torch.ops.longformer_ops, "dropout",
-                        lambda *args, op=torch.ops.longformer_ops.dropout: calls.append(args[2]) or op(*args))
+    monkeypatch.setattr(
+        torch.ops.longformer_ops,
+        "dropout",
+        lambda *args, op=torch.ops.longformer_ops.dropout: calls.append(args[2]) or op(*args),
+    )
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.25
@@ -264,8 +277,12 @@ def test_patched_intermediate_takes_bias_and_gelu_in_our_kernel(hidden_act, monk
     assert _intermediate_types(model) == {theirs}
     calls = []
     forward, backward = torch.ops.longformer_ops.bias_gelu, kernels.bias_gelu_backward
-    monkeypatch.setattr(torch.ops.longformer_ops, "bias_gelu", lambda *args: calls.append("bias_gelu") or forward(*args))
-    monkeypatch.setattr(kernels, "bias_gelu_backward", lambda *args: calls.append("bias_gelu_backward") or backward(*args))
+    monkeypatch.setattr(
+        torch.ops.longformer_ops, "bias_gelu", lambda *args: calls.append("bias_gelu") or forward(*args)
+    )
+    monkeypatch.setattr(
+        kernels, "bias_gelu_backward", lambda *args: calls.append("bias_gelu_backward") or backward(*args)
+    )
     _assert_patch_keeps_outputs(model, inputs, True, kernel_calls, f"patched model with {hidden_act}")
     assert _intermediate_types(model) == {ours}
     assert sorted(set(calls)) == (["bias_gelu", "bias_gelu_backward"] if hidden_act == "gelu" else []), calls
@@ -291,11 +308,15 @@ def test_patched_output_layers_take_bias_dropout_residual_and_norm_in_our_kernel
     assert [_module_types(model, name) for name in names] == theirs
     calls = []
     forward, backward = torch.ops.longformer_ops.bias_dropout_add, kernels.dropout_column_sums
-    monkeypatch.setattr(torch.ops.longformer_ops, "bias_dropout_add", lambda *args: calls.append("forward") or forward(*args))
+    monkeypatch.setattr(
+        torch.ops.longformer_ops, "bias_dropout_add", lambda *args: calls.append("forward") or forward(*args)
+    )
     monkeypatch.setattr(kernels, "dropout_column_sums", lambda *args: calls.append("backward") or backward(*args))
     norm, norm_backward = torch.ops.longformer_ops.layer_norm, kernels.layer_norm_backward
     monkeypatch.setattr(torch.ops.longformer_ops, "layer_norm", lambda *args: calls.append("norm") or norm(*args))
-    monkeypatch.setattr(kernels, "layer_norm_backward", lambda *args: calls.append("norm backward") or norm_backward(*args))
+    monkeypatch.setattr(
+        kernels, "layer_norm_backward", lambda *args: calls.append("norm backward") or norm_backward(*args)
+    )
     norm_types = lambda: {type(m) for m in model.modules() if isinstance(m, torch.nn.LayerNorm)}  # noqa: E731
     assert norm_types() == {torch.nn.LayerNorm}
     _assert_patch_keeps_outputs(model, _inputs("LongformerModel"), True, kernel_calls, "patched output layers")
@@ -348,8 +369,10 @@ def test_patched_led_switches_its_decoder_attention_and_linear_layers():
     decoder_attention = transformers.models.led.modeling_led.LEDDecoderAttention
 
     def types(m):
-        return ({type(x) for x in m.modules() if isinstance(x, decoder_attention)},
-                {type(x) for x in m.modules() if isinstance(x, torch.nn.Linear)})
+        return (
+            {type(x) for x in m.modules() if isinstance(x, decoder_attention)},
+            {type(x) for x in m.modules() if isinstance(x, torch.nn.Linear)},
+        )
 
     keys = list(model.state_dict())
     assert types(model) == ({decoder_attention}, {torch.nn.Linear})
@@ -362,7 +385,9 @@ def test_patched_led_switches_its_decoder_attention_and_linear_layers():
     hf.patch()
     try:
         assert types(transformers.LEDForConditionalGeneration(model.config)) == (
-            {hf._patched_by_name.LEDDecoderAttention}, {hf._PatchedLinear})
+            {hf._patched_by_name.LEDDecoderAttention},
+            {hf._PatchedLinear},
+        )
     finally:
         hf.unpatch()
     assert types(transformers.LEDForConditionalGeneration(model.config)) == ({decoder_attention}, {torch.nn.Linear})
@@ -422,7 +447,10 @@ def test_output_attentions_are_transformers_own(globals_per_example, kernel_call
     assert_close(got[0][real], expected[0][real], ATOL, "hidden states")
     if not any(globals_per_example):
         assert got[2] is None and expected[2] is None
-    for kind, got_layers, expected_layers in (("local", got[1], expected[1]), ("global", got[2] or (), expected[2] or ())):
+    for kind, got_layers, expected_layers in (
+        ("local", got[1], expected[1]),
+        ("global", got[2] or (), expected[2] or ()),
+    ):
         assert len(got_layers) == len(expected_layers)
         for layer, (a, e) in enumerate(zip(got_layers, expected_layers, strict=True)):
             assert_close(a, e, 1e-5, f"{kind} attentions of layer {layer}")
@@ -431,8 +459,12 @@ def test_output_attentions_are_transformers_own(globals_per_example, kernel_call
 def test_led_output_attentions(kernel_calls):
     model = _led()
     ids, attention_mask, global_mask = random_batch(3, [19, 12], 97, [2, 1])
-    inputs = dict(input_ids=ids, attention_mask=attention_mask, global_attention_mask=global_mask,
-                  decoder_input_ids=torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(4)))
+    inputs = dict(
+        input_ids=ids,
+        attention_mask=attention_mask,
+        global_attention_mask=global_mask,
+        decoder_input_ids=torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(4)),
+    )
     expected = _attentions(model, inputs)
     hf.patch(model)
     got = _attentions(model, inputs)
@@ -457,8 +489,11 @@ def test_no_kernel_for_the_call_falls_back_with_one_warning(kernel_calls, monkey
     monkeypatch.setattr(kernels, "_library", no_kernel)
     monkeypatch.setattr(kernels, "library_for", no_kernel)  # what the ops ask whether a kernel serves
     hf._warned.clear()
-    with pytest.warns(UserWarning, match="no kernel for this call .no prebuilt kernels for this test.: this call "
-                                         "runs transformers' own attention code") as caught:
+    with pytest.warns(
+        UserWarning,
+        match="no kernel for this call .no prebuilt kernels for this test.: this call "
+        "runs transformers' own attention code",
+    ) as caught:
         with torch.no_grad():
             got = model(**inputs)[0]
             model(**inputs)
@@ -489,7 +524,7 @@ def test_attention_dropout_is_transformers(kernel_calls):
     hidden = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(2))
     mask = torch.zeros(3, 16)
     mask[0, 3] = mask[2, 0] = 10000.0  # global tokens
-    mask[1, 12:] = -10000.0              # padding
+    mask[1, 12:] = -10000.0  # padding
     attention.eval()
     with torch.no_grad():
         undropped = attention(hidden, mask)[0]
@@ -520,19 +555,34 @@ def test_autocast(kernel_calls):
 def _led():
     """A tiny LED (Longformer-Encoder-Decoder) for summarization, random weights far from the init."""
     torch.manual_seed(0)
-    config = transformers.LEDConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2,
-                                    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                                    decoder_ffn_dim=64, attention_window=[8, 4], max_encoder_position_embeddings=64,
-                                    max_decoder_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
-                                    pad_token_id=PAD, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    config = transformers.LEDConfig(
+        vocab_size=97,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        attention_window=[8, 4],
+        max_encoder_position_embeddings=64,
+        max_decoder_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        pad_token_id=PAD,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+    )
     return randomize_(transformers.LEDForConditionalGeneration(config), 0).eval()
 
 
 def _led_inputs(seed=3):
     ids, attention_mask, global_mask = random_batch(seed, [19, 12], 97, [1, 1])
     decoder_ids = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(seed + 1))
-    return dict(input_ids=ids, attention_mask=attention_mask, global_attention_mask=global_mask,
-                decoder_input_ids=decoder_ids)
+    return dict(
+        input_ids=ids, attention_mask=attention_mask, global_attention_mask=global_mask, decoder_input_ids=decoder_ids
+    )
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
@@ -592,8 +642,9 @@ def test_half_precision_model(dtype, kernel_calls, half_gemm):
 def test_led_generate_gives_the_same_tokens(kernel_calls):
     model = _led()
     ids, attention_mask, global_mask = random_batch(5, [23, 14], 97, [1, 1])
-    options = dict(attention_mask=attention_mask, global_attention_mask=global_mask, max_new_tokens=8,
-                   do_sample=False, num_beams=1)
+    options = dict(
+        attention_mask=attention_mask, global_attention_mask=global_mask, max_new_tokens=8, do_sample=False, num_beams=1
+    )
     expected = model.generate(ids, **options)
     hf.patch(model)
     got = model.generate(ids, **options)
@@ -645,20 +696,22 @@ def test_pickled_patched_model_is_patched_where_it_is_loaded(tmp_path, kernel_ca
         assert_close(_outputs(loaded["model"], inputs)[0], expected, 0.0, f"{name}: torch.save and torch.load")
         assert "attention" in kernel_calls, f"{name}: the loaded copy did not run our kernels"
         hf.unpatch()
-        code = ("import sys, torch, warnings\n"
-                "from longformer_ops import kernels\n"
-                "calls = []\n"
-                "fused = kernels._attention_kernel\n"
-                "kernels._attention_kernel = lambda *args: calls.append(1) or fused(*args)\n"
-                f"saved = torch.load({str(path)!r}, weights_only=False)\n"
-                "patched = [type(m) for m in saved['model'].modules() if type(m).__module__ == 'longformer_ops.hf']\n"
-                "assert any(hasattr(c, '_original_class') for c in patched), 'not patched'\n"
-                "with warnings.catch_warnings(), torch.no_grad():\n"
-                "    warnings.simplefilter('ignore')\n"
-                "    got = saved['model'](**saved['inputs'])[0]\n"
-                "assert calls, 'our kernels did not run'\n"
-                "error = (got - saved['expected']).abs().max().item()\n"
-                f"assert error <= {ATOL}, error\n")
+        code = (
+            "import sys, torch, warnings\n"
+            "from longformer_ops.runtime import kernels\n"
+            "calls = []\n"
+            "fused = kernels._attention_kernel\n"
+            "kernels._attention_kernel = lambda *args: calls.append(1) or fused(*args)\n"
+            f"saved = torch.load({str(path)!r}, weights_only=False)\n"
+            "patched = [type(m) for m in saved['model'].modules() if type(m).__module__ == 'longformer_ops.hf']\n"
+            "assert any(hasattr(c, '_original_class') for c in patched), 'not patched'\n"
+            "with warnings.catch_warnings(), torch.no_grad():\n"
+            "    warnings.simplefilter('ignore')\n"
+            "    got = saved['model'](**saved['inputs'])[0]\n"
+            "assert calls, 'our kernels did not run'\n"
+            "error = (got - saved['expected']).abs().max().item()\n"
+            f"assert error <= {ATOL}, error\n"
+        )
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert done.returncode == 0, f"{name}: loaded in a fresh process: {done.stderr[-2000:]}"
 
@@ -669,8 +722,12 @@ def test_peft_lora_model(kernel_calls):
     import peft  # a test dependency (pyproject.toml)
 
     model = _model("LongformerForSequenceClassification")
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"],
-                                                      lora_dropout=0.0, init_lora_weights=False))
+    lora = peft.get_peft_model(
+        model,
+        peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0, init_lora_weights=False
+        ),
+    )
     trainable = [name for name, p in lora.named_parameters() if p.requires_grad]
     assert any("self.query.lora_A" in name for name in trainable), trainable
     _assert_patch_keeps_outputs(lora, _inputs("LongformerForSequenceClassification"), True, kernel_calls, "LoRA")
@@ -682,8 +739,12 @@ def test_adapters_added_after_patching_join_on_a_second_patch():
     import peft
 
     model = hf.patch(_model("LongformerForSequenceClassification"))
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"],
-                                                      lora_dropout=0.0, init_lora_weights=False))
+    lora = peft.get_peft_model(
+        model,
+        peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0, init_lora_weights=False
+        ),
+    )
     added = [m for name, m in lora.named_modules() if ".lora_" in name and isinstance(m, torch.nn.Linear)]
     assert added and {type(m) for m in added} == {torch.nn.Linear}
     inputs = _inputs("LongformerForSequenceClassification")
@@ -701,8 +762,10 @@ class _Documents(torch.utils.data.Dataset):
     def __init__(self, size=8):
         ids, attention_mask, global_mask = random_batch(7, [19, 11, 16, 19, 8, 13, 19, 17][:size], 97, [1] * size)
         labels = torch.arange(size) % 3
-        self.rows = [dict(input_ids=i, attention_mask=a, global_attention_mask=g, labels=y)
-                     for i, a, g, y in zip(ids, attention_mask, global_mask, labels, strict=True)]
+        self.rows = [
+            dict(input_ids=i, attention_mask=a, global_attention_mask=g, labels=y)
+            for i, a, g, y in zip(ids, attention_mask, global_mask, labels, strict=True)
+        ]
 
     def __len__(self):
         return len(self.rows)
@@ -714,9 +777,20 @@ class _Documents(torch.utils.data.Dataset):
 def _train_with_trainer(model, output_dir):
     """Six SGD steps of transformers.Trainer (on the CPU, batch 2, shuffled by its seed): the logged losses."""
     arguments = transformers.TrainingArguments(
-        output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=2, learning_rate=0.05, optim="sgd",
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0)
+        output_dir=str(output_dir),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        learning_rate=0.05,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     trainer = transformers.Trainer(model=model, args=arguments, train_dataset=_Documents())
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -1,5 +1,5 @@
 """transformers' sliding-window models through ``attn_implementation="longformer_ops"``
-(:mod:`longformer_ops.hf_attention`), against transformers' own ``eager`` attention: tiny random
+(:mod:`longformer_ops.hf.attention`), against transformers' own ``eager`` attention: tiny random
 configs, float64, padding on either side, every parameter's gradient, greedy generation."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import stable_seed
 from hf_helpers import single_thread  # noqa: F401  (one intra-op thread for these tiny models)
 
 transformers = pytest.importorskip("transformers")
 
-from longformer_ops import hf, hf_attention  # noqa: E402
+from longformer_ops import hf  # noqa: E402
+from longformer_ops.hf import attention as hf_attention  # noqa: E402
+
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
@@ -45,7 +46,7 @@ def _batch(seed, lengths, vocab, left_padding=False):
     mask = torch.zeros(len(lengths), n, dtype=torch.long)
     for row, length in enumerate(lengths):
         if left_padding:
-            mask[row, n - length:] = 1
+            mask[row, n - length :] = 1
         else:
             mask[row, :length] = 1
     return ids, mask
@@ -53,17 +54,38 @@ def _batch(seed, lengths, vocab, left_padding=False):
 
 def _modernbert(name, local_attention=8, **kwargs):
     config = transformers.ModernBertConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        global_attn_every_n_layers=3, local_attention=local_attention, max_position_embeddings=128, pad_token_id=0,
-        attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0, num_labels=3, **kwargs)
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        global_attn_every_n_layers=3,
+        local_attention=local_attention,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        attention_dropout=0.0,
+        embedding_dropout=0.0,
+        mlp_dropout=0.0,
+        num_labels=3,
+        **kwargs,
+    )
     return getattr(transformers, name)(config)
 
 
 def _mistral(sliding_window=5):
     config = transformers.MistralConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=sliding_window, max_position_embeddings=128, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2)
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=sliding_window,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return transformers.MistralForCausalLM(config)
 
 
@@ -89,7 +111,7 @@ def _unpadded_eager_outputs_and_grads(model, ids, mask):
     assert all(bool(mask[row, :length].all()) for row, length in enumerate(lengths)), "right padding only"
     logits = None
     for row, length in enumerate(lengths):
-        out = model(input_ids=ids[row:row + 1, :length]).logits[0]
+        out = model(input_ids=ids[row : row + 1, :length]).logits[0]
         if logits is None:
             logits = out.new_zeros(*ids.shape, out.shape[-1])
         logits[row, :length] = out.detach()
@@ -119,7 +141,8 @@ def _assert_matches_eager(model, ids, mask, calls, exact_run=None, **inputs):
     # (a key bias's gradient is 0 exactly: softmax ignores a constant per row), so all gradients' largest.
     gradient_scale = max(grad.abs().max().item() for grad in exact_grads.values())
     for name, got, bar, reference in [("output", ours, theirs, exact)] + [
-            (key, our_grads[key], their_grads[key], exact_grads[key]) for key in exact_grads]:
+        (key, our_grads[key], their_grads[key], exact_grads[key]) for key in exact_grads
+    ]:
         error, their_error = ((x.double() - reference).abs().max().item() for x in (got, bar))
         bound = 2 * their_error + 8 * unit * (reference.abs().max().item() if name == "output" else gradient_scale)
         assert error <= bound, f"{name}: error {error:.3e} > {bound:.3e} (eager's {their_error:.3e})"
@@ -160,10 +183,16 @@ def test_mistral_matches_eager_with_grouped_heads(left_padding, kernel_calls):
 
 _CAUSAL_FAMILIES = {  # (config class, model class, options): each with sliding layers, most beside full ones
     "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, max_window_layers=1)),
-    "Gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(head_dim=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
-    "Cohere2": ("Cohere2Config", "Cohere2ForCausalLM",
-                dict(layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "Gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(head_dim=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    ),
+    "Cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        dict(layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    ),
     "Starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
     "Phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
     "Olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {}),
@@ -173,9 +202,19 @@ _CAUSAL_FAMILIES = {  # (config class, model class, options): each with sliding 
 def _causal_lm(family, sliding_window=5):
     config_class, model_class, options = _CAUSAL_FAMILIES[family]
     config = getattr(transformers, config_class)(
-        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=sliding_window, max_position_embeddings=128, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, **options)
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=sliding_window,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **options,
+    )
     return getattr(transformers, model_class)(config)
 
 
@@ -195,9 +234,19 @@ def test_embeddinggemma_matches_eager(left_padding, kernel_calls):
     window given, 5 -> 5 // 2 + 1): outputs and every gradient as eager's, the sliding layers on the
     kernels (w = W - 1 = 2)."""
     config = transformers.Gemma3TextConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=5, max_position_embeddings=128, pad_token_id=0,
-        use_bidirectional_attention=True, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        use_bidirectional_attention=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
     ids, mask = _batch(stable_seed("embeddinggemma", left_padding), [23, 15], 61, left_padding)
     _assert_matches_eager(_LastHidden(transformers.Gemma3TextModel(config)), ids, mask, kernel_calls)
     assert config.sliding_window == 3 and set(kernel_calls) == {2}
@@ -218,7 +267,9 @@ def test_mistral_generates_eagers_tokens(kernel_calls, cache, sliding_window):
     its static one, whose unwritten slots the keys must leave out while the prompt and the tokens
     so far are shorter than the window): the prefill on the kernels, the steps on sdpa over the
     window, no warning, the same tokens as eager."""
-    model = _randomize(_mistral(sliding_window=sliding_window), 3, std=0.3).eval()  # (float32: eager gives NaN in float64)
+    model = _randomize(
+        _mistral(sliding_window=sliding_window), 3, std=0.3
+    ).eval()  # (float32: eager gives NaN in float64)
     _assert_generates_eagers_tokens(model, 8, 9, kernel_calls, cache_implementation=cache)
 
 
@@ -227,8 +278,15 @@ def _assert_generates_eagers_tokens(model, seed, tokens, kernel_calls, **options
     warning, the kernels having run."""
     hf.register()
     ids, mask = _batch(seed, [11, 7], 61, left_padding=True)
-    options = dict(attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1,
-                   pad_token_id=0, **options)
+    options = dict(
+        attention_mask=mask,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=0,
+        **options,
+    )
     model.set_attn_implementation("eager")
     expected = model.generate(ids, **options)
     model.set_attn_implementation(hf_attention.NAME)
@@ -262,8 +320,12 @@ def test_chunked_prefill_equals_one_pass(kernel_calls, chunks):
         cache, start, parts = transformers.DynamicCache(config=model.config), 0, []
         for size in chunks:
             kernel_calls.clear()
-            out = model(input_ids=ids[:, start:start + size], attention_mask=mask[:, :start + size],
-                        past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=ids[:, start : start + size],
+                attention_mask=mask[:, : start + size],
+                past_key_values=cache,
+                use_cache=True,
+            )
             assert bool(kernel_calls) == (size >= 4), (size, kernel_calls)
             parts.append(out.logits)
             start += size
@@ -314,18 +376,40 @@ def _assert_falls_back_to_eager(model, feature: str, seed: int, kernel_calls):
 def _gemma2(sliding_window, softcap=0.5):
     """Gemma 2 with a soft-cap near its scores' size (random weights: a few tenths), so that tanh bends them."""
     config = transformers.Gemma2Config(
-        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=sliding_window, max_position_embeddings=64, pad_token_id=0,
-        attn_logit_softcapping=softcap, final_logit_softcapping=None, query_pre_attn_scalar=1)
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=sliding_window,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        attn_logit_softcapping=softcap,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=1,
+    )
     return transformers.Gemma2ForCausalLM(config)
 
 
 def _gpt_oss(sliding_window):
     config = transformers.GptOssConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=sliding_window, num_local_experts=2, num_experts_per_tok=1,
-        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64, pad_token_id=0,
-        experts_implementation="eager")  # (float64: torch's grouped_mm takes no double)
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=sliding_window,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=64,
+        pad_token_id=0,
+        experts_implementation="eager",
+    )  # (float64: torch's grouped_mm takes no double)
     return transformers.GptOssForCausalLM(config)
 
 
@@ -352,8 +436,9 @@ def test_a_dropped_softcap_or_sink_fails_the_comparison(monkeypatch, kernel_call
     """The comparisons above see the soft-cap or the sinks left out."""
     if fault == "softcap":
         original = hf_attention.sliding_window_attention
-        monkeypatch.setattr(hf_attention, "sliding_window_attention",
-                            lambda *args, softcap=None, **kwargs: original(*args, **kwargs))
+        monkeypatch.setattr(
+            hf_attention, "sliding_window_attention", lambda *args, softcap=None, **kwargs: original(*args, **kwargs)
+        )
         model = _gemma2(4)
     else:
         monkeypatch.setattr(hf_attention, "with_sinks", lambda out, lse, sinks: out + 0 * sinks.sum())
@@ -398,10 +483,20 @@ def test_dense_mask_is_transformers_mask(causal, window, q_length):
     padding[1, :4] = False
     function = masks.causal_mask_function if causal else masks.bidirectional_mask_function
     if window is not None:
-        function = (masks.sliding_window_causal_mask_function(window) if causal
-                    else masks.sliding_window_bidirectional_mask_function(window - 1))
-    expected = masks.sdpa_mask(batch, q_length, kv_length, q_offset=kv_length - q_length, mask_function=function,
-                               attention_mask=padding, allow_is_causal_skip=False)
+        function = (
+            masks.sliding_window_causal_mask_function(window)
+            if causal
+            else masks.sliding_window_bidirectional_mask_function(window - 1)
+        )
+    expected = masks.sdpa_mask(
+        batch,
+        q_length,
+        kv_length,
+        q_offset=kv_length - q_length,
+        mask_function=function,
+        attention_mask=padding,
+        allow_is_causal_skip=False,
+    )
     got = hf_attention.dense_mask(padding, batch, q_length, kv_length, causal, window, "cpu")
     assert torch.equal(got.expand(expected.shape), expected)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from longformer_ops import band_softmax_, diagonaled_mm, sliding_window_attention
-from longformer_ops.diagonaled import transposed_product
+from longformer_ops.ops.diagonaled import transposed_product
 
 N = 2**20
 HEADS, HEAD_DIM, W = 4, 32, 256

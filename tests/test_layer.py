@@ -8,17 +8,26 @@ import math
 
 import pytest
 import torch
-
 from hf_helpers import assert_close, hf_config, single_thread
-from longformer_ops import AttentionMode, LongformerConfig, LongformerSelfAttention, _loader
+
+from longformer_ops import AttentionMode, LongformerConfig, LongformerSelfAttention
+from longformer_ops.runtime import loader as _loader
 
 _ = single_thread  # autouse fixture: these tiny ops only lose from intra-op threads on a loaded machine
 MODES = list(AttentionMode)
 
 
 def tiny_config(**kwargs) -> LongformerConfig:
-    base = dict(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    base = dict(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return LongformerConfig(**{**base, **kwargs})
 
 
@@ -74,13 +83,20 @@ def explicit_attention(layer: LongformerSelfAttention, x, mask, w, dilation, aut
                     factor = lambda kk: dropout[2][bi, hi, slot[i], kk]  # noqa: E731
                 else:
                     band = [i + dilation[hi] * (j - w) for j in range(2 * w + 1)]
-                    band = [kk for kk in band if 0 <= kk < n and not pad[kk] and not glob[kk]
-                            and (not autoregressive or kk <= i)]
+                    band = [
+                        kk
+                        for kk in band
+                        if 0 <= kk < n and not pad[kk] and not glob[kk] and (not autoregressive or kk <= i)
+                    ]
                     glob_keys = [kk for kk in range(n) if glob[kk] and (not autoregressive or kk <= i)]
                     keys = sorted(set(band) | set(glob_keys))
                     qq, kk_, vv = q[bi, i, hi], k[bi, keys, hi], v[bi, keys, hi]
-                    factor = lambda kk: (dropout[1][bi, i, hi, slot[kk]] if glob[kk]  # noqa: E731
-                                         else dropout[0][bi, i, hi, w + (kk - i) // dilation[hi]])
+
+                    def factor(kk):
+                        if glob[kk]:
+                            return dropout[1][bi, i, hi, slot[kk]]
+                        return dropout[0][bi, i, hi, w + (kk - i) // dilation[hi]]
+
                 weights = torch.softmax(kk_ @ qq, 0)
                 if dropout is not None:
                     weights = weights * torch.stack([factor(kk) for kk in keys]).to(weights.dtype)
@@ -90,8 +106,9 @@ def explicit_attention(layer: LongformerSelfAttention, x, mask, w, dilation, aut
 
 # ----------------------------------------------------------------------------- config
 def test_config_normalises_per_layer_fields_and_mode():
-    cfg = tiny_config(num_hidden_layers=3, attention_window=[1, 2, 3], attention_dilation=[1, [1, 2, 3, 4], 2],
-                      attention_mode="full")
+    cfg = tiny_config(
+        num_hidden_layers=3, attention_window=[1, 2, 3], attention_dilation=[1, [1, 2, 3, 4], 2], attention_mode="full"
+    )
     assert cfg.attention_mode is AttentionMode.FULL
     assert cfg.attention_window == [1, 2, 3]
     assert cfg.layer_dilation(0) == (1, 1, 1, 1)
@@ -100,23 +117,36 @@ def test_config_normalises_per_layer_fields_and_mode():
     assert tiny_config(num_hidden_layers=2, attention_window=5).attention_window == [5, 5]
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(attention_mode="n2"), ValueError, r"attention_mode must be one of \['tvm', 'sliding_chunks', 'full'\]"),
-    (dict(attention_window=-1), ValueError, r"attention_window .* got -1 for layer 0"),
-    (dict(num_hidden_layers=2, attention_window=[4]), ValueError, r"attention_window must have one entry per layer"),
-    (dict(attention_dilation=0), ValueError, r"attention_dilation for layer 0 must be an int >= 1"),
-    (dict(attention_dilation=[[1, 2]]), ValueError, r"attention_dilation for layer 0 .* 4 \(num_attention_heads\)"),
-    (dict(num_hidden_layers=2, attention_dilation=[1, 2, 3, 4]), ValueError, r"one entry per layer"),
-    (dict(attention_mode="sliding_chunks", attention_dilation=2), ValueError,
-     r"attention_dilation=2 \(layer 0\) is not supported with attention_mode='sliding_chunks'"),
-    (dict(attention_mode="sliding_chunks", autoregressive=True), ValueError,
-     r"autoregressive=True is not supported with attention_mode='sliding_chunks'"),
-    (dict(attention_mode="sliding_chunks", attention_window=0), ValueError, r"attention_window=0 \(layer 0\)"),
-    (dict(autoregressive=1), TypeError, r"autoregressive must be a bool"),
-    (dict(hidden_size=30), ValueError, r"hidden_size \(30\) must be a multiple of num_attention_heads \(4\)"),
-    (dict(hidden_act="mish"), ValueError, r"hidden_act must be one of"),
-    (dict(hidden_dropout_prob=1.5), ValueError, r"hidden_dropout_prob must be a float in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(attention_mode="n2"), ValueError, r"attention_mode must be one of \['tvm', 'sliding_chunks', 'full'\]"),
+        (dict(attention_window=-1), ValueError, r"attention_window .* got -1 for layer 0"),
+        (
+            dict(num_hidden_layers=2, attention_window=[4]),
+            ValueError,
+            r"attention_window must have one entry per layer",
+        ),
+        (dict(attention_dilation=0), ValueError, r"attention_dilation for layer 0 must be an int >= 1"),
+        (dict(attention_dilation=[[1, 2]]), ValueError, r"attention_dilation for layer 0 .* 4 \(num_attention_heads\)"),
+        (dict(num_hidden_layers=2, attention_dilation=[1, 2, 3, 4]), ValueError, r"one entry per layer"),
+        (
+            dict(attention_mode="sliding_chunks", attention_dilation=2),
+            ValueError,
+            r"attention_dilation=2 \(layer 0\) is not supported with attention_mode='sliding_chunks'",
+        ),
+        (
+            dict(attention_mode="sliding_chunks", autoregressive=True),
+            ValueError,
+            r"autoregressive=True is not supported with attention_mode='sliding_chunks'",
+        ),
+        (dict(attention_mode="sliding_chunks", attention_window=0), ValueError, r"attention_window=0 \(layer 0\)"),
+        (dict(autoregressive=1), TypeError, r"autoregressive must be a bool"),
+        (dict(hidden_size=30), ValueError, r"hidden_size \(30\) must be a multiple of num_attention_heads \(4\)"),
+        (dict(hidden_act="mish"), ValueError, r"hidden_act must be one of"),
+        (dict(hidden_dropout_prob=1.5), ValueError, r"hidden_dropout_prob must be a float in \[0, 1\)"),
+    ],
+)
 def test_config_rejects_invalid_values(kwargs, error, match):
     with pytest.raises(error, match=match):
         tiny_config(**kwargs)
@@ -159,11 +189,11 @@ def test_modes_agree_with_padding_and_globals():
         assert_close(att, results[AttentionMode.FULL][1], 1e-12, f"{mode} attentions")
         assert_close(gatt, results[AttentionMode.FULL][2], 1e-12, f"{mode} global attentions")
     out, att, gatt = results[AttentionMode.TVM]
-    assert (out[~real] == 0).all()                  # padding queries attend to nothing
-    assert (att[1, :, 7:] == 0).all()               # ... and have zero rows
-    assert (att[0, :, [0, 5, 9]] == 0).all()        # rows of global tokens are zeroed (HF)
-    assert (gatt[1, :, :, 1:] == 0).all()           # empty global slots hold 0
-    sums = att.sum(-1)[:, :, ~(mask[0] != 0)]       # local rows of example 0 sum to 1
+    assert (out[~real] == 0).all()  # padding queries attend to nothing
+    assert (att[1, :, 7:] == 0).all()  # ... and have zero rows
+    assert (att[0, :, [0, 5, 9]] == 0).all()  # rows of global tokens are zeroed (HF)
+    assert (gatt[1, :, :, 1:] == 0).all()  # empty global slots hold 0
+    sums = att.sum(-1)[:, :, ~(mask[0] != 0)]  # local rows of example 0 sum to 1
     assert_close(sums[0], torch.ones_like(sums[0]), 1e-12, "row sums")
 
 
@@ -213,13 +243,29 @@ def test_layer_rejects_a_mask_of_the_wrong_shape():
         layer(torch.zeros(2, 9, 32, dtype=torch.float64), torch.zeros(2, 1, 1, 9))
 
 
-@pytest.mark.parametrize("hidden_states, error, match", [
-    (torch.zeros(9, 32, dtype=torch.float64), ValueError, r"hidden_states must be \[batch, seq_len, hidden_size = 32\], got shape \(9, 32\)"),
-    (torch.zeros(2, 9, 31, dtype=torch.float64), ValueError, r"hidden_size = 32\], got shape \(2, 9, 31\)"),
-    (torch.zeros(2, 9, 32, dtype=torch.long), TypeError, "hidden_states must be a floating-point torch.Tensor, got torch.int64"),
-    ([[0.0] * 32], TypeError, "hidden_states must be a floating-point torch.Tensor, got list"),
-    (torch.zeros(2, 9, 32, dtype=torch.float64, device="meta"), ValueError, "hidden_states must be on the layer's device cpu, got meta"),
-], ids=["2-D", "hidden-size", "integer", "list", "device"])
+@pytest.mark.parametrize(
+    "hidden_states, error, match",
+    [
+        (
+            torch.zeros(9, 32, dtype=torch.float64),
+            ValueError,
+            r"hidden_states must be \[batch, seq_len, hidden_size = 32\], got shape \(9, 32\)",
+        ),
+        (torch.zeros(2, 9, 31, dtype=torch.float64), ValueError, r"hidden_size = 32\], got shape \(2, 9, 31\)"),
+        (
+            torch.zeros(2, 9, 32, dtype=torch.long),
+            TypeError,
+            "hidden_states must be a floating-point torch.Tensor, got torch.int64",
+        ),
+        ([[0.0] * 32], TypeError, "hidden_states must be a floating-point torch.Tensor, got list"),
+        (
+            torch.zeros(2, 9, 32, dtype=torch.float64, device="meta"),
+            ValueError,
+            "hidden_states must be on the layer's device cpu, got meta",
+        ),
+    ],
+    ids=["2-D", "hidden-size", "integer", "list", "device"],
+)
 def test_layer_rejects_bad_hidden_states(hidden_states, error, match):
     layer = layer_for(tiny_config(attention_window=2))
     with pytest.raises(error, match=match):
@@ -256,11 +302,14 @@ def test_no_global_tokens_and_no_mask():
     assert_close(out, expected, 1e-10, "no mask")
 
 
-@pytest.mark.parametrize("mode, dilation, autoregressive", [
-    (AttentionMode.TVM, [1, 2, 1, 3], True),
-    (AttentionMode.TVM, [2, 1, 1, 1], False),
-    (AttentionMode.SLIDING_CHUNKS, [1, 1, 1, 1], False),
-])
+@pytest.mark.parametrize(
+    "mode, dilation, autoregressive",
+    [
+        (AttentionMode.TVM, [1, 2, 1, 3], True),
+        (AttentionMode.TVM, [2, 1, 1, 1], False),
+        (AttentionMode.SLIDING_CHUNKS, [1, 1, 1, 1], False),
+    ],
+)
 def test_gradients_match_full_mode(mode, dilation, autoregressive):
     cfg = tiny_config(attention_window=2, attention_dilation=[dilation], autoregressive=autoregressive)
     x, mask = layer_inputs(5, 2, 10, 32, pad_from=[10, 8], globals_=[(0, 3), (1, 0), (1, 6)])
@@ -270,7 +319,7 @@ def test_gradients_match_full_mode(mode, dilation, autoregressive):
         xi = x.clone().requires_grad_()
         out, att, gatt = layer(xi, mask, output_attentions=True)
         weight = torch.linspace(-1, 1, out.numel(), dtype=x.dtype).view_as(out)
-        ((out * weight).sum() + (att ** 2).sum() + gatt.sum()).backward()
+        ((out * weight).sum() + (att**2).sum() + gatt.sum()).backward()
         grads[m] = [xi.grad] + [p.grad for p in layer.parameters()]
     for a, b in zip(grads[mode], grads[AttentionMode.FULL], strict=True):
         assert_close(a, b, 1e-10, f"{mode} gradient")
@@ -280,7 +329,8 @@ def test_gradients_match_full_mode(mode, dilation, autoregressive):
 def test_half_precision_tvm_layer(monkeypatch, dtype, half_gemm):
     """Half inputs (scores and probabilities in half, softmax accumulated in float32 by torch):
     close to the float32 result, no NaN/inf."""
-    import longformer_ops.layer
+    import longformer_ops.models.layer
+
     cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 1]])
     x, mask = layer_inputs(6, 2, 12, 32, dtype=torch.float32, pad_from=[12, 8], globals_=[(0, 1), (1, 5)])
     reference = layer_for(cfg, dtype=torch.float32)(x, mask, output_attentions=True)
@@ -291,29 +341,38 @@ def test_half_precision_tvm_layer(monkeypatch, dtype, half_gemm):
     # (The bar's global rows project every row's keys and values, as transformers does; ours take the
     # slots' queries through the weights.)
     with monkeypatch.context() as patch:
-        patch.setattr(longformer_ops.layer, "_global_rows_through_weights", lambda *_: False)
-        dense = layer_for(tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 1]], attention_mode="full"),
-                          dtype=dtype)(x.to(dtype), mask, output_attentions=True)
+        patch.setattr(longformer_ops.models.layer, "_global_rows_through_weights", lambda *_: False)
+        dense = layer_for(
+            tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 1]], attention_mode="full"), dtype=dtype
+        )(x.to(dtype), mask, output_attentions=True)
     unit = torch.finfo(dtype).eps / 2
     assert half[0].dtype == dtype and half[1].dtype == dtype
     with torch.no_grad():  # no attentions asked for: one call, global keys merged by log-sum-exp
         merged = layer_for(cfg, dtype=dtype)(x.to(dtype), mask)[0]
     assert merged.dtype == dtype
-    for what, ours, bar, exact in (("out", half[0][real], dense[0][real], reference[0][real]),
-                                   ("attentions", half[1], dense[1], reference[1]),
-                                   ("merged out", merged[real], dense[0][real], reference[0][real])):
+    for what, ours, bar, exact in (
+        ("out", half[0][real], dense[0][real], reference[0][real]),
+        ("attentions", half[1], dense[1], reference[1]),
+        ("merged out", merged[real], dense[0][real], reference[0][real]),
+    ):
         error, bar_error = ((x.float() - exact).abs().max().item() for x in (ours, bar))
         assert error <= 2 * bar_error + 4 * unit * exact.abs().max().item(), (dtype, what, error, bar_error)
 
 
 @pytest.mark.parametrize("mode", [AttentionMode.TVM, AttentionMode.SLIDING_CHUNKS])
-@pytest.mark.parametrize("pad_from, globals_", [(None, ()), ([9, 6], ()), (None, [(0, 4)]), ([9, 6], [(0, 4), (1, 2)])],
-                         ids=["plain", "padding", "global", "both"])
+@pytest.mark.parametrize(
+    "pad_from, globals_",
+    [(None, ()), ([9, 6], ()), (None, [(0, 4)]), ([9, 6], [(0, 4), (1, 2)])],
+    ids=["plain", "padding", "global", "both"],
+)
 def test_inference_path_equals_the_autograd_path(mode, pad_from, globals_):
     """Without autograd the layer softmaxes in place and skips the key and padding fills when there
     is nothing to remove; outputs and attentions must not change by a bit."""
-    cfg = tiny_config(attention_window=2, attention_mode=mode,
-                      attention_dilation=1 if mode is AttentionMode.SLIDING_CHUNKS else [[1, 2, 1, 3]])
+    cfg = tiny_config(
+        attention_window=2,
+        attention_mode=mode,
+        attention_dilation=1 if mode is AttentionMode.SLIDING_CHUNKS else [[1, 2, 1, 3]],
+    )
     x, mask = layer_inputs(4, 2, 9, 32, dtype=torch.float32, pad_from=pad_from, globals_=globals_)
     layer = layer_for(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -324,12 +383,19 @@ def test_inference_path_equals_the_autograd_path(mode, pad_from, globals_):
 
 
 @pytest.mark.parametrize("library", ["fused", "three-steps"])
-@pytest.mark.parametrize("pad_from, globals_", [
-    (None, []), ([37, 21], []), (None, [(0, 4), (0, 30), (1, 2)]), ([37, 21], [(0, 4), (0, 30), (1, 2)]),
-    # Example 1's global token (position 20) is padding, so it has none, and its rows from ~15 on
-    # see no key at all (no band key, no global key).
-    ([37, 5], [(0, 4), (0, 30), (1, 20)]),
-], ids=["plain", "padding", "globals", "globals-padding", "keyless-rows"])
+@pytest.mark.parametrize(
+    "pad_from, globals_",
+    [
+        (None, []),
+        ([37, 21], []),
+        (None, [(0, 4), (0, 30), (1, 2)]),
+        ([37, 21], [(0, 4), (0, 30), (1, 2)]),
+        # Example 1's global token (position 20) is padding, so it has none, and its rows from ~15 on
+        # see no key at all (no band key, no global key).
+        ([37, 5], [(0, 4), (0, 30), (1, 20)]),
+    ],
+    ids=["plain", "padding", "globals", "globals-padding", "keyless-rows"],
+)
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["symmetric", "causal"])
 def test_local_attention_is_one_call(monkeypatch, autoregressive, pad_from, globals_, library):
     """No attentions asked for: the layer runs one sliding_window_attention call (the fused kernels
@@ -337,8 +403,8 @@ def test_local_attention_is_one_call(monkeypatch, autoregressive, pad_from, glob
     columns merged in by the rows' log-sum-exp; outputs and gradients those of the band path.
     With globals example 1 has fewer than example 0 (an empty slot), and causal early rows see
     no global key."""
-    import longformer_ops.kernels
-    import longformer_ops.layer
+    import longformer_ops.models.layer
+    import longformer_ops.runtime.kernels
 
     if library == "three-steps":  # a library without the fused kernels (the CUDA ones)
         monkeypatch.setattr(_loader.KernelLibrary, "has", lambda self, name: False)
@@ -349,9 +415,9 @@ def test_local_attention_is_one_call(monkeypatch, autoregressive, pad_from, glob
     banded = layer(xb, mask, output_attentions=True)[0]  # the band path (attentions need the band)
     grad = torch.randn_like(banded)
     banded.backward(grad)
-    monkeypatch.setattr(longformer_ops.layer, "diagonaled_mm", None)  # the layer's own band path would fail
+    monkeypatch.setattr(longformer_ops.models.layer, "diagonaled_mm", None)  # the layer's own band path would fail
     if library == "fused":
-        monkeypatch.setattr(longformer_ops.kernels, "_band_kernel", None)  # so would any band product
+        monkeypatch.setattr(longformer_ops.runtime.kernels, "_band_kernel", None)  # so would any band product
     with torch.no_grad():
         merged = layer(x, mask)[0]
     assert_close(merged, banded.detach(), 1e-12, "one call vs banded")
@@ -364,14 +430,14 @@ def test_local_attention_is_one_call(monkeypatch, autoregressive, pad_from, glob
 def test_training_with_attention_dropout_is_one_call(monkeypatch, globals_):
     """Training with attention dropout takes the one-call path too (dropout in the fused kernels, the
     global columns' by torch), reproducibly under one torch seed, and dropout changes the result."""
-    import longformer_ops.kernels
-    import longformer_ops.layer
+    import longformer_ops.models.layer
+    import longformer_ops.runtime.kernels
 
     cfg = tiny_config(attention_window=3, attention_dilation=[[1, 2, 1, 3]], attention_probs_dropout_prob=0.3)
     x, mask = layer_inputs(9, 2, 37, 32, pad_from=[37, 21], globals_=globals_)
     layer = layer_for(cfg).train()
-    monkeypatch.setattr(longformer_ops.layer, "diagonaled_mm", None)
-    monkeypatch.setattr(longformer_ops.kernels, "_band_kernel", None)
+    monkeypatch.setattr(longformer_ops.models.layer, "diagonaled_mm", None)
+    monkeypatch.setattr(longformer_ops.runtime.kernels, "_band_kernel", None)
     runs = []
     for seed in (5, 5):
         torch.manual_seed(seed)
@@ -390,11 +456,15 @@ def test_attention_dropout_matches_the_definition(autoregressive):
     """Training-mode dropout, values and gradients, against the definition with the same masks: the
     band's from the fused kernels' generator (its seed the call's first draw from torch's generator),
     then torch's dropout of the global keys' columns [b, n, h, g], then of the global rows [b, h, g, n]."""
-    from longformer_ops.reference import dropout_factor_reference
+    from longformer_ops.ops.reference import dropout_factor_reference
 
     p, w, dilation = 0.3, 3, (1, 2, 1, 3)
-    cfg = tiny_config(attention_window=w, attention_dilation=[list(dilation)], attention_probs_dropout_prob=p,
-                      autoregressive=autoregressive)
+    cfg = tiny_config(
+        attention_window=w,
+        attention_dilation=[list(dilation)],
+        attention_probs_dropout_prob=p,
+        autoregressive=autoregressive,
+    )
     x, mask = layer_inputs(12, 2, 23, 32, pad_from=[23, 17], globals_=[(0, 4), (0, 9), (1, 2)])
     layer = layer_for(cfg).train()
     b, n, h, g = 2, 23, 4, 2
@@ -442,8 +512,12 @@ def test_global_tokens_do_not_copy_hidden_size_tensors(autoregressive):
     ~5% of a bfloat16 layer step at n = 4096.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    cfg = tiny_config(attention_window=2, attention_dilation=[[1, 2, 1, 3]], attention_probs_dropout_prob=0.2,
-                      autoregressive=autoregressive)
+    cfg = tiny_config(
+        attention_window=2,
+        attention_dilation=[[1, 2, 1, 3]],
+        attention_probs_dropout_prob=0.2,
+        autoregressive=autoregressive,
+    )
     x, mask = layer_inputs(5, 2, 19, 32, dtype=torch.float32, pad_from=[19, 11], globals_=[(0, 4), (0, 9), (1, 2)])
     layer = layer_for(cfg, dtype=torch.float32).train()
     hidden_size = x.numel()
@@ -453,8 +527,10 @@ def test_global_tokens_do_not_copy_hidden_size_tensors(autoregressive):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if any(isinstance(o, torch.Tensor) and o.numel() >= hidden_size for o in (out if isinstance(out, (tuple, list))
-                                                                                    else [out])):
+            if any(
+                isinstance(o, torch.Tensor) and o.numel() >= hidden_size
+                for o in (out if isinstance(out, (tuple, list)) else [out])
+            ):
                 self.names.add(func.overloadpacket.__name__)
             return out
 
@@ -471,14 +547,14 @@ def test_global_tokens_do_not_copy_hidden_size_tensors(autoregressive):
 def test_many_global_tokens_take_the_einsum(monkeypatch, autoregressive, output_attentions):
     """Past BLOCK_DIAGONAL_SLOTS global slots the products with them are einsums (the block-diagonal
     matmul's h-fold work would cost more than the einsum's copies): the same outputs and gradients."""
-    import longformer_ops.layer
+    import longformer_ops.models.layer
 
     cfg = tiny_config(attention_window=2, attention_dilation=[[1, 2, 1, 3]], autoregressive=autoregressive)
     x, mask = layer_inputs(8, 2, 19, 32, pad_from=[19, 11], globals_=[(0, 4), (0, 9), (1, 2)])
     layer = layer_for(cfg)
     results = []
-    for slots in (longformer_ops.layer.BLOCK_DIAGONAL_SLOTS, 0):
-        monkeypatch.setattr(longformer_ops.layer, "BLOCK_DIAGONAL_SLOTS", slots)
+    for slots in (longformer_ops.models.layer.BLOCK_DIAGONAL_SLOTS, 0):
+        monkeypatch.setattr(longformer_ops.models.layer, "BLOCK_DIAGONAL_SLOTS", slots)
         xi = x.clone().requires_grad_()
         out = layer(xi, mask, output_attentions=output_attentions)
         out[0].backward(torch.randn(out[0].shape, generator=torch.Generator().manual_seed(3), dtype=out[0].dtype))
@@ -494,15 +570,19 @@ def test_global_rows_through_the_weights_or_projected(monkeypatch, autoregressiv
     """The global rows' two ways (keys and values of every row projected, or the slots' queries through
     the key weights and the probabilities through the value weights): the same outputs, input and
     parameter gradients, each equal to the explicit definition's output."""
-    import longformer_ops.layer
+    import longformer_ops.models.layer
 
-    cfg = tiny_config(attention_window=2, attention_dilation=[[1, 2, 1, 3]], autoregressive=autoregressive,
-                      attention_probs_dropout_prob=dropout)
+    cfg = tiny_config(
+        attention_window=2,
+        attention_dilation=[[1, 2, 1, 3]],
+        autoregressive=autoregressive,
+        attention_probs_dropout_prob=dropout,
+    )
     x, mask = layer_inputs(9, 2, 17, 32, pad_from=[17, 12], globals_=[(0, 3), (0, 10), (1, 5)])
     layer = layer_for(cfg).train(dropout > 0)
     results = []
     for through_weights in (True, False):
-        monkeypatch.setattr(longformer_ops.layer, "_global_rows_through_weights", lambda *_: through_weights)
+        monkeypatch.setattr(longformer_ops.models.layer, "_global_rows_through_weights", lambda *_: through_weights)
         xi = x.clone().requires_grad_()
         torch.manual_seed(11)  # the same dropout masks both ways
         out, _, global_probs = layer(xi, mask, output_attentions=dropout > 0)
@@ -525,6 +605,7 @@ def test_global_rows_through_the_weights_or_projected(monkeypatch, autoregressiv
 def test_wrapped_projections_are_called():
     """A query or global projection that is not a plain nn.Linear (a LoRA adapter, a quantized layer:
     its output is more than its weight tells) is called, not read through its weight."""
+
     class Adapted(torch.nn.Linear):
         def forward(self, x):
             return super().forward(x) + 0.5 * torch.tanh(x)
@@ -567,12 +648,15 @@ def test_dropout_in_training_mode():
     assert torch.equal(layer(x, mask)[0], layer(x, mask)[0])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mode", MODES)
 def test_layer_on_cuda_matches_cpu(mode, dtype):
-    cfg = tiny_config(attention_window=3, attention_mode=mode,
-                      attention_dilation=1 if mode is AttentionMode.SLIDING_CHUNKS else [[1, 2, 1, 3]])
+    cfg = tiny_config(
+        attention_window=3,
+        attention_mode=mode,
+        attention_dilation=1 if mode is AttentionMode.SLIDING_CHUNKS else [[1, 2, 1, 3]],
+    )
     x, mask = layer_inputs(8, 2, 14, 32, dtype=torch.float32, pad_from=[14, 9], globals_=[(0, 3), (1, 1), (1, 6)])
     cpu = layer_for(cfg, dtype=torch.float32)
     expected = cpu(x, mask, output_attentions=True)
@@ -588,18 +672,28 @@ def test_layer_on_cuda_matches_cpu(mode, dtype):
 
 @pytest.mark.parametrize("with_grad", [False, True], ids=["in-blocks", "autograd"])
 @pytest.mark.parametrize("autoregressive", [False, True])
-@pytest.mark.parametrize("n, w, dilation", [(1, 0, (1,)), (9, 3, (1, 2, 5)), (40, 7, (3, 1, 9, 2)), (17, 4, (2, 2, 2)),
-                                             (30, 5, (1, 1, 1, 1)), (1700, 20, (1, 8, 3)), (1300, 9, (2, 2))])
+@pytest.mark.parametrize(
+    "n, w, dilation",
+    [
+        (1, 0, (1,)),
+        (9, 3, (1, 2, 5)),
+        (40, 7, (3, 1, 9, 2)),
+        (17, 4, (2, 2, 2)),
+        (30, 5, (1, 1, 1, 1)),
+        (1700, 20, (1, 8, 3)),
+        (1300, 9, (2, 2)),
+    ],
+)
 def test_fill_band_at_keys_matches_an_explicit_gather(n, w, dilation, autoregressive, with_grad):
-    from longformer_ops.diagonaled import fill_band_at_keys_
-    from longformer_ops.reference import key_positions
+    from longformer_ops.ops.diagonaled import fill_band_at_keys_
+    from longformer_ops.runtime.band import key_positions
 
     flags = torch.rand(2, n, generator=torch.Generator().manual_seed(n)) < 0.3
     if n > 1000:  # sparse, as padding and global tokens are: most row blocks have nothing to fill
         flags = torch.zeros(2, n, dtype=torch.bool)
         flags[0, [0, n // 2]] = True
-        flags[1, n - 30:] = True
-    keys = key_positions(n, w, torch.tensor(dilation), autoregressive)          # [n, h, c]
+        flags[1, n - 30 :] = True
+    keys = key_positions(n, w, torch.tensor(dilation), autoregressive)  # [n, h, c]
     inside = (keys >= 0) & (keys < n)
     expected = flags[:, keys.clamp(0, n - 1)] & inside
     leaf = torch.zeros(expected.shape, requires_grad=with_grad)
@@ -616,7 +710,7 @@ def test_fill_band_at_keys_matches_an_explicit_gather(n, w, dilation, autoregres
 def test_fill_band_at_keys_compiles():
     """Traced as one graph without autograd (every block filled, no host sync) and with it (the
     custom function), giving eager's result and gradient."""
-    from longformer_ops.diagonaled import fill_band_at_keys_
+    from longformer_ops.ops.diagonaled import fill_band_at_keys_
 
     flags = torch.zeros(2, 1100, dtype=torch.bool)
     flags[0, 3] = flags[1, 1050] = True

@@ -1,4 +1,4 @@
-"""Layer normalisation (longformer_ops.layer_norm): the CPU kernels against float64 torch (forward,
+"""Layer normalisation (longformer_ops.nn.layer_norm): the CPU kernels against float64 torch (forward,
 the saved statistics, the three gradients), gradcheck, the module against torch's, the fallbacks,
 and the errors."""
 
@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CPU_DTYPES, stable_seed, unaligned, unit_roundoff, without_kernels
 from torch import nn
 
-from conftest import CPU_DTYPES, stable_seed, unaligned, unit_roundoff
-from longformer_ops import kernels
-from longformer_ops.layer_norm import LayerNorm, layer_norm
+from longformer_ops.nn.layer_norm import LayerNorm, layer_norm
 
 ops = torch.ops.longformer_ops
 
@@ -65,8 +64,11 @@ def _bounds(dtype, x, weight, bias, grad, exact):
     terms = gw + gw.mean(-1, keepdim=True) + xhat_abs * (gw * xhat_abs).mean(-1, keepdim=True)
     dx = u * grad_x.abs() + (relative + 4 * unit_roundoff(torch.float64)) * rstd[..., None] * terms + spacing
     flat_g, flat_xhat = g64.reshape(rows, cols), xhat_abs.reshape(rows, cols)
-    dw = u * grad_w.abs() + (rows + cols + 8) * _slack(dtype) * (flat_g * flat_xhat).abs().sum(0) \
+    dw = (
+        u * grad_w.abs()
+        + (rows + cols + 8) * _slack(dtype) * (flat_g * flat_xhat).abs().sum(0)
         + (flat_g.abs() * reference.reshape(rows, cols)).sum(0)
+    )
     db = u * grad_b.abs() + (rows + 8) * _slack(dtype) * flat_g.abs().sum(0)
     return out, dx, dw, db
 
@@ -109,9 +111,16 @@ def test_the_bounds_catch_faults(fault, dtype):
     got = [out, *ops.layer_norm_backward(grad, x, weight, mean, rstd)]
     if fault == "no-weight":  # the kernels run with weight 1: every result and gradient but d bias changes
         out, mean, rstd = ops.layer_norm(x, torch.ones_like(weight), bias, EPS)
-        got = [out, ops.layer_norm_backward(grad, x, torch.ones_like(weight), mean, rstd)[0]]  # (d weight: no weight in it)
-    faulty = {"one-percent-off": lambda t: t.double() * 1.01, "negated": lambda t: -t, "zeroed": torch.zeros_like,
-              "no-weight": lambda t: t}[fault]
+        got = [
+            out,
+            ops.layer_norm_backward(grad, x, torch.ones_like(weight), mean, rstd)[0],
+        ]  # (d weight: no weight in it)
+    faulty = {
+        "one-percent-off": lambda t: t.double() * 1.01,
+        "negated": lambda t: -t,
+        "zeroed": torch.zeros_like,
+        "no-weight": lambda t: t,
+    }[fault]
     expected = [exact[0], *exact[3]]
     for i, (result, want, bound) in enumerate(zip(got, expected, bounds)):
         with pytest.raises(AssertionError, match="exceeds its bound"):
@@ -141,15 +150,16 @@ def test_module_is_torchs_layer_norm_on_the_kernel(monkeypatch):
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
     assert calls == [1]
     for module in (LayerNorm(40, elementwise_affine=False), LayerNorm(40, bias=False), LayerNorm((5, 40))):
-        torch.testing.assert_close(module(x), nn.functional.layer_norm(x, module.normalized_shape, module.weight,
-                                                                        module.bias, module.eps))
+        torch.testing.assert_close(
+            module(x), nn.functional.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
+        )
     assert calls == [1]
 
 
 @pytest.mark.parametrize("case", ["no-kernel", "autocast", "float32-parameters"])
 def test_falls_back_to_torch(monkeypatch, case):
     if case == "no-kernel":
-        monkeypatch.setattr(kernels, "layer_norm_available", lambda device, dtype: False)
+        without_kernels(monkeypatch, "layer_norm")
     monkeypatch.setattr(ops, "layer_norm", lambda *args: pytest.fail("kernel called"))
     x, weight, bias, _ = _inputs(torch.bfloat16 if case == "float32-parameters" else torch.float32, (6, 30))
     if case == "float32-parameters":
@@ -169,8 +179,11 @@ def test_inputs_at_any_address_and_empty(dtype):
     expected = ops.layer_norm(x, weight, bias, EPS)
     for got, want in zip(ops.layer_norm(unaligned(x), unaligned(weight), unaligned(bias), EPS), expected, strict=True):
         assert torch.equal(got, want)
-    for got, want in zip(ops.layer_norm_backward(unaligned(grad), unaligned(x), unaligned(weight), *expected[1:]),
-                         ops.layer_norm_backward(grad, x, weight, *expected[1:]), strict=True):
+    for got, want in zip(
+        ops.layer_norm_backward(unaligned(grad), unaligned(x), unaligned(weight), *expected[1:]),
+        ops.layer_norm_backward(grad, x, weight, *expected[1:]),
+        strict=True,
+    ):
         assert torch.equal(got, want)
     empty = torch.empty(0, 64, dtype=dtype, requires_grad=True)
     out = layer_norm(empty, weight, bias)
@@ -179,15 +192,30 @@ def test_inputs_at_any_address_and_empty(dtype):
     assert empty.grad.shape == (0, 64)
 
 
-@pytest.mark.parametrize("args, error, message", [
-    (("x", torch.ones(3), torch.ones(3)), TypeError, "x must be a floating-point torch.Tensor, got str"),
-    ((torch.tensor(1.0), torch.ones(1), torch.ones(1)), ValueError, "x must have at least one dimension"),
-    ((torch.ones(2, 3), [1.0], torch.ones(3)), TypeError, "weight must be a torch.Tensor, got list"),
-    ((torch.ones(2, 3), torch.ones(2), torch.ones(3)), ValueError, r"weight must have shape \[3\] \(x's last dimension\), got \[2\]"),
-    ((torch.ones(2, 3), torch.ones(3), torch.ones(3, 1)), ValueError, r"bias must have shape \[3\] \(x's last dimension\), got \[3, 1\]"),
-    ((torch.ones(2, 3), torch.ones(3), torch.ones(3, device="meta")), ValueError, "bias must be on x's device cpu, got meta"),
-    ((torch.ones(2, 3), torch.ones(3), torch.ones(3), -1.0), ValueError, r"eps must be a number >= 0, got -1.0"),
-])
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (("x", torch.ones(3), torch.ones(3)), TypeError, "x must be a floating-point torch.Tensor, got str"),
+        ((torch.tensor(1.0), torch.ones(1), torch.ones(1)), ValueError, "x must have at least one dimension"),
+        ((torch.ones(2, 3), [1.0], torch.ones(3)), TypeError, "weight must be a torch.Tensor, got list"),
+        (
+            (torch.ones(2, 3), torch.ones(2), torch.ones(3)),
+            ValueError,
+            r"weight must have shape \[3\] \(x's last dimension\), got \[2\]",
+        ),
+        (
+            (torch.ones(2, 3), torch.ones(3), torch.ones(3, 1)),
+            ValueError,
+            r"bias must have shape \[3\] \(x's last dimension\), got \[3, 1\]",
+        ),
+        (
+            (torch.ones(2, 3), torch.ones(3), torch.ones(3, device="meta")),
+            ValueError,
+            "bias must be on x's device cpu, got meta",
+        ),
+        ((torch.ones(2, 3), torch.ones(3), torch.ones(3), -1.0), ValueError, r"eps must be a number >= 0, got -1.0"),
+    ],
+)
 def test_bad_input(args, error, message):
     with pytest.raises(error, match=message):
         layer_norm(*args)

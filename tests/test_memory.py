@@ -19,8 +19,15 @@ import pytest
 PROBE = Path(__file__).with_name("memory_probe.py")
 MARGIN = 32 * 2**20
 
-CASES = [("qk", 16384), ("pv", 16384), ("transposed", 16384), ("mask", 16384), ("softmax", 16384),
-         ("attention", 65536), ("attention_backward", 16384)]
+CASES = [
+    ("qk", 16384),
+    ("pv", 16384),
+    ("transposed", 16384),
+    ("mask", 16384),
+    ("softmax", 16384),
+    ("attention", 65536),
+    ("attention_backward", 16384),
+]
 
 
 @pytest.mark.parametrize("call,n", CASES, ids=[c for c, _ in CASES])
@@ -29,7 +36,9 @@ def test_peak_memory_is_outputs_and_scratch(call, n):
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     allowed = result["outputs"] + result["scratch"] + MARGIN
-    mib = {key: round(value / 2**20, 1) for key, value in result.items() if key in ("growth", "outputs", "scratch", "band")}
+    mib = {
+        key: round(value / 2**20, 1) for key, value in result.items() if key in ("growth", "outputs", "scratch", "band")
+    }
     assert result["growth"] <= allowed, f"{call} at n={n}: peak RSS grew beyond outputs + scratch + 32 MiB: {mib}"
     # The margin is far below one band: a hidden band-shaped tensor (even a bool one) could not pass.
     assert MARGIN + result["scratch"] < result["band"] / 4

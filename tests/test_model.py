@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 import torch
+from hf_helpers import PAD, assert_close, hf_config, random_batch, random_hf_windows, randomize_, single_thread
 
-from hf_helpers import PAD, assert_close, single_thread, hf_config, random_batch, random_hf_windows, randomize_
 from longformer_ops import AttentionMode, LongformerConfig, LongformerForMaskedLM, LongformerModel, from_hf_pretrained
 
 transformers = pytest.importorskip("transformers")
@@ -88,8 +88,12 @@ def test_model_matches_transformers_inputs_embeds_and_token_types():
     ids, attention_mask, global_mask = random_batch(2, [10, 7], hf_cfg.vocab_size, [1, 2])
     token_types = torch.randint(0, 2, ids.shape, generator=torch.Generator().manual_seed(0))
     embeds = hf.embeddings.word_embeddings(ids).detach()
-    inputs = dict(inputs_embeds=embeds, attention_mask=attention_mask, global_attention_mask=global_mask,
-                  token_type_ids=token_types)
+    inputs = dict(
+        inputs_embeds=embeds,
+        attention_mask=attention_mask,
+        global_attention_mask=global_mask,
+        token_type_ids=token_types,
+    )
     ref = hf_run(hf, **inputs)
     with torch.no_grad():
         out = model(**inputs, output_attentions=True, output_hidden_states=True)
@@ -113,13 +117,22 @@ def test_masked_lm_matches_transformers(mode):
     assert out.hidden_states is None and out.attentions is None
 
 
-@pytest.mark.parametrize("hf_name, cls", [("LongformerModel", LongformerModel),
-                                          ("LongformerForMaskedLM", LongformerForMaskedLM)])
+@pytest.mark.parametrize(
+    "hf_name, cls", [("LongformerModel", LongformerModel), ("LongformerForMaskedLM", LongformerForMaskedLM)]
+)
 def test_state_dict_keys_and_reverse_transfer(hf_name, cls):
     """Same key names; transformers loads our weights (config via to_hf) strictly and agrees."""
-    cfg = LongformerConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=32, max_position_embeddings=40, attention_window=[2, 4],
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = LongformerConfig(
+        vocab_size=60,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=40,
+        attention_window=[2, 4],
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     ours = randomize_(cls(cfg), 4).eval()
     hf = getattr(transformers, hf_name)(cfg.to_hf()).eval()
@@ -189,16 +202,25 @@ def test_from_hf_pretrained(tmp_path):
 def test_batch_consistency_padded_batch_equals_one_by_one():
     """With per-head dilation and autoregressive attention too (what transformers does not have)."""
     for extra in ({}, dict(attention_dilation=[[1, 2, 1, 3], 1], autoregressive=True)):
-        cfg = LongformerConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                               intermediate_size=64, max_position_embeddings=40, attention_window=[2, 3],
-                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
+        cfg = LongformerConfig(
+            vocab_size=50,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=40,
+            attention_window=[2, 3],
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **extra,
+        )
         torch.manual_seed(6)
         model = randomize_(LongformerModel(cfg), 6).eval()
         ids, attention_mask, global_mask = random_batch(6, [15, 8, 11], 50, [2, 0, 3])
         with torch.no_grad():
             batch = model(ids, attention_mask, global_mask, output_attentions=True)
             for b, length in enumerate([15, 8, 11]):
-                one = model(ids[b:b + 1, :length], None, global_mask[b:b + 1, :length], output_attentions=True)
+                one = model(ids[b : b + 1, :length], None, global_mask[b : b + 1, :length], output_attentions=True)
                 assert_close(batch.last_hidden_state[b, :length], one.last_hidden_state[0], ATOL, f"example {b}")
                 g = int(global_mask[b].sum())
                 for a_batch, a_one in zip(batch.attentions, one.attentions, strict=True):  # [1, h, n, g_one + c]
@@ -207,10 +229,19 @@ def test_batch_consistency_padded_batch_equals_one_by_one():
 
 
 def test_autoregressive_model_is_causal():
-    cfg = LongformerConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=64, max_position_embeddings=40, attention_window=3,
-                           attention_dilation=[[1, 1, 2, 2], [1, 2, 3, 4]], autoregressive=True,
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = LongformerConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        attention_window=3,
+        attention_dilation=[[1, 1, 2, 2], [1, 2, 3, 4]],
+        autoregressive=True,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     model = randomize_(LongformerModel(cfg), 7).eval()
     ids, _, global_mask = random_batch(7, [20], 50, [3])
     changed = ids.clone()
@@ -224,10 +255,19 @@ def test_autoregressive_model_is_causal():
 
 
 def tiny_mlm_config(mode) -> LongformerConfig:
-    return LongformerConfig(vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=64, max_position_embeddings=40, attention_window=[2, 3],
-                            attention_dilation=[1, [1, 2, 1, 2]], hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0, attention_mode=mode)
+    return LongformerConfig(
+        vocab_size=24,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        attention_window=[2, 3],
+        attention_dilation=[1, [1, 2, 1, 2]],
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attention_mode=mode,
+    )
 
 
 def synthetic_mlm_batch(seed, batch=8, n=18, vocab=24, mask_id=3):
@@ -239,7 +279,7 @@ def synthetic_mlm_batch(seed, batch=8, n=18, vocab=24, mask_id=3):
     masked = torch.rand(batch, n, generator=gen) < 0.2
     labels = torch.where(masked, ids, -100)
     attention_mask = torch.ones(batch, n, dtype=torch.long)
-    attention_mask[: batch // 2, n - 5:] = 0  # half the batch padded
+    attention_mask[: batch // 2, n - 5 :] = 0  # half the batch padded
     inputs = ids.masked_fill(masked, mask_id).masked_fill(attention_mask == 0, PAD)
     labels = labels.masked_fill(attention_mask == 0, -100)
     global_mask = torch.zeros(batch, n, dtype=torch.long)
@@ -277,8 +317,15 @@ def test_tiny_mlm_trains_with_tvm_and_gradients_match_full():
 
 
 def test_model_input_errors():
-    cfg = LongformerConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                           intermediate_size=16, max_position_embeddings=12, attention_window=2)
+    cfg = LongformerConfig(
+        vocab_size=20,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=12,
+        attention_window=2,
+    )
     model = LongformerModel(cfg)
     ids = torch.randint(3, 20, (1, 5))
     with pytest.raises(ValueError, match="exactly one of input_ids"):
@@ -289,8 +336,11 @@ def test_model_input_errors():
         model(torch.randint(3, 20, (1, 11)))
     for name in ("attention_mask", "global_attention_mask"):  # torch would broadcast these silently
         for shape in ((5,), (1, 1), (2, 5), (1, 6)):
-            with pytest.raises(ValueError, match=rf"{name} must be \[batch, seq_len\] = \(1, 5\), like the input, "
-                                                 rf"got shape {re.escape(str(shape))}"):
+            with pytest.raises(
+                ValueError,
+                match=rf"{name} must be \[batch, seq_len\] = \(1, 5\), like the input, "
+                rf"got shape {re.escape(str(shape))}",
+            ):
                 model(ids, **{name: torch.ones(shape, dtype=torch.long)})
     empty = torch.zeros(2, 0, dtype=torch.long)
     with pytest.raises(ValueError, match=r"the input has no token \(shape \(2, 0\)\) and the pooler reads the first"):
@@ -303,13 +353,15 @@ def test_import_is_cheap():
     torch's compiler (``torch._dynamo``, about 1 s to import); a first kernel call adds the runtime
     (``tvm_ffi``) but still not torch's compiler (torch.library.custom_op's implementations import it
     at their first call: the ops are registered without that wrapper)."""
-    code = ("import sys, torch, longformer_ops\n"
-            "def heavy(): return sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in "
-            "('transformers', 'tvm', 'tvm_ffi', 'safetensors')} | {m for m in ('torch._dynamo',) if m in sys.modules})\n"
-            "assert heavy() == [], heavy()\n"
-            "x = torch.randn(1, 16, 2, 8)\n"
-            "longformer_ops.sliding_window_attention(x, x, x, 2)\n"
-            "assert heavy() == ['tvm_ffi'], heavy()\n")
+    code = (
+        "import sys, torch, longformer_ops\n"
+        "def heavy(): return sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in "
+        "('transformers', 'tvm', 'tvm_ffi', 'safetensors')} | {m for m in ('torch._dynamo',) if m in sys.modules})\n"
+        "assert heavy() == [], heavy()\n"
+        "x = torch.randn(1, 16, 2, 8)\n"
+        "longformer_ops.sliding_window_attention(x, x, x, 2)\n"
+        "assert heavy() == ['tvm_ffi'], heavy()\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -332,8 +384,15 @@ def test_inference_path_equals_autograd_path(act):
     >= 1 MiB here, so the output cache serves it) and the residuals are added in place: the same
     numbers, bit for bit, as the autograd path, twice in a row (the second call reuses memory)."""
     torch.manual_seed(0)
-    config = LongformerConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=256,
-                              attention_window=16, hidden_act=act, max_position_embeddings=1100)
+    config = LongformerConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        attention_window=16,
+        hidden_act=act,
+        max_position_embeddings=1100,
+    )
     model = LongformerModel(config).eval()
     ids = torch.randint(5, 100, (1, 1024))
     expected = model(input_ids=ids).last_hidden_state

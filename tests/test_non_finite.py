@@ -4,7 +4,7 @@ once gave its row probabilities of 0 in float32 and the half types: the fast exp
 NaN into its lower bound; and bfloat16 rounding turned some NaNs into 0). Also the GELU's far tails,
 where the fast erf once gave GELU(x) > 0 for large negative x.
 
-Masks are compared with the float64 references of :mod:`longformer_ops.reference` on the same
+Masks are compared with the float64 references of :mod:`longformer_ops.ops.reference` on the same
 rounded inputs. Known, documented excess: a non-finite value of ``v`` also reaches the rows of the
 same tile of queries whose band does not hold its key (the kernels multiply its row by their
 probability 0, and 0 * NaN is NaN), so ``v``'s masks are checked to hold the reference's."""
@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import CPU_DTYPES, stable_seed, unit_roundoff
 from test_layer import explicit_attention, layer_for, layer_inputs, tiny_config
+
 from longformer_ops import band_softmax_, diagonaled_mm, sliding_window_attention
-from longformer_ops.reference import (diagonaled_mm_reference, sliding_window_attention_reference,
-                                      sliding_window_lse_reference)
+from longformer_ops.ops.reference import (
+    diagonaled_mm_reference,
+    sliding_window_attention_reference,
+    sliding_window_lse_reference,
+)
 
 ops = torch.ops.longformer_ops
 
@@ -28,8 +31,9 @@ BAD_ROW = 17  # the sequence position of the non-finite element (head 0, feature
 
 def _inputs(dtype, which, bad, *parts):
     generator = torch.Generator().manual_seed(stable_seed(str(dtype), which, bad, *parts))
-    q, k, v = (torch.randn(BATCH, N, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64).to(dtype)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(BATCH, N, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64).to(dtype) for _ in range(3)
+    )
     dict(q=q, k=k, v=v)[which][0, BAD_ROW, 0, 3] = bad
     return q, k, v
 
@@ -61,8 +65,9 @@ def test_attention_carries_non_finite_inputs(cpu_library, dtype, which, bad, d, 
     flagged = torch.zeros(BATCH, N, dtype=torch.bool)
     flagged[0, BAD_ROW::4] = True  # the non-finite key among them
     for mask in (None, flagged):
-        ref = sliding_window_attention_reference(q.double(), k.double(), v.double(), W, d, autoregressive,
-                                                 key_padding_mask=mask)
+        ref = sliding_window_attention_reference(
+            q.double(), k.double(), v.double(), W, d, autoregressive, key_padding_mask=mask
+        )
         ref_lse = sliding_window_lse_reference(q.double(), k.double(), W, d, autoregressive, key_padding_mask=mask)
         out, lse = sliding_window_attention(q, k, v, W, d, autoregressive, key_padding_mask=mask, return_lse=True)
         expected, got = _rows_not_finite(ref), _rows_not_finite(out)
@@ -73,22 +78,29 @@ def test_attention_carries_non_finite_inputs(cpu_library, dtype, which, bad, d, 
         else:
             if bad != bad:  # (an infinity's scores may all be -inf or finite: no premise then)
                 assert expected.any(), f"{what}: the reference has no non-finite row (the test's premise)"
-            assert torch.equal(got, expected), f"{what}: non-finite rows {_described(got)}, expected {_described(expected)}"
-            assert torch.equal(_diverged(lse), _diverged(ref_lse)), \
+            assert torch.equal(got, expected), (
+                f"{what}: non-finite rows {_described(got)}, expected {_described(expected)}"
+            )
+            assert torch.equal(_diverged(lse), _diverged(ref_lse)), (
                 f"{what}: NaN or +inf lse at {_described(_diverged(lse))}, expected {_described(_diverged(ref_lse))}"
+            )
 
 
 # NaN and infinities in every dtype, and bfloat16's NaNs by their bits: quiet, negative, every payload
 # bit set, signalling (x86 quiets it, keeping the payload).
-SCORE_BAD_INPUTS = ([(dtype, bad) for dtype in CPU_DTYPES for bad in (float("nan"), float("inf"), -float("inf"))]
-                    + [(torch.bfloat16, bits) for bits in (0x7FC0, 0xFFC0, 0x7FFF, 0xFFFF, 0x7F81)])
+SCORE_BAD_INPUTS = [(dtype, bad) for dtype in CPU_DTYPES for bad in (float("nan"), float("inf"), -float("inf"))] + [
+    (torch.bfloat16, bits) for bits in (0x7FC0, 0xFFC0, 0x7FFF, 0xFFFF, 0x7F81)
+]
 
 
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["two-sided", "autoregressive"])
 @pytest.mark.parametrize("d", [1, [1, 3]], ids=["undilated", "dilations-1-3"])
 @pytest.mark.parametrize("which", ["q", "k"])
-@pytest.mark.parametrize("dtype,bad", SCORE_BAD_INPUTS,
-                         ids=[f"{dtype}-{hex(bad) if isinstance(bad, int) else bad}" for dtype, bad in SCORE_BAD_INPUTS])
+@pytest.mark.parametrize(
+    "dtype,bad",
+    SCORE_BAD_INPUTS,
+    ids=[f"{dtype}-{hex(bad) if isinstance(bad, int) else bad}" for dtype, bad in SCORE_BAD_INPUTS],
+)
 def test_scores_carry_non_finite_inputs(cpu_library, dtype, bad, which, d, autoregressive):
     """Q.K^T's band holds NaN, +inf and -inf exactly where the float64 reference on the same inputs
     does. bfloat16 stores its scores rounded without the NaN guard of the other kernels' roundings
@@ -107,8 +119,9 @@ def test_scores_carry_non_finite_inputs(cpu_library, dtype, bad, which, d, autor
     what = f"{which}[{row}] = {bad}, {dtype}, d = {d}, autoregressive {autoregressive}"
     assert not torch.isfinite(ref).all(), f"{what}: the reference is finite (the test's premise)"
     for name, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
-        assert torch.equal(test(got), test(ref)), \
+        assert torch.equal(test(got), test(ref)), (
             f"{what}: {name} at {_described(test(got))}, expected at {_described(test(ref))}"
+        )
 
 
 @pytest.mark.parametrize("which", ["q", "k", "v"])
@@ -119,17 +132,21 @@ def test_attention_gradients_carry_a_nan(cpu_library, dtype, which):
     NaN probabilities at every column of its tile, and those reach the tile's dK and dV rows, as V's
     NaN reaches its tile in the forward; a NaN forward makes the loss NaN anyway."""
     q, k, v = _inputs(dtype, which, float("nan"), "backward")
-    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(stable_seed("grad", str(dtype), which)),
-                       dtype=torch.float64)
+    grad = torch.randn(
+        q.shape, generator=torch.Generator().manual_seed(stable_seed("grad", str(dtype), which)), dtype=torch.float64
+    )
     ours = [x.clone().requires_grad_(True) for x in (q, k, v)]
     sliding_window_attention(*ours, W, [1, 2]).backward(grad.to(dtype))
     exact = [x.double().requires_grad_(True) for x in (q, k, v)]
     sliding_window_attention_reference(*exact, W, [1, 2]).backward(grad)
-    assert any((~torch.isfinite(x.grad)).any() for x in exact), "the reference's gradients are finite (the test's premise)"
+    assert any((~torch.isfinite(x.grad)).any() for x in exact), (
+        "the reference's gradients are finite (the test's premise)"
+    )
     for name, mine, theirs in zip("qkv", ours, exact):
         expected, got = _rows_not_finite(theirs.grad), _rows_not_finite(mine.grad)
-        assert (got | ~expected).all(), \
+        assert (got | ~expected).all(), (
             f"d{name} with a NaN in {which}, {dtype}: rows {_described(expected & ~got)} came out finite"
+        )
 
 
 # float32 NaNs by bit pattern: the quiet NaNs x86 makes (0xffc00000) and one of each sign with
@@ -149,8 +166,9 @@ def test_attention_gradients_carry_a_nan_lse_gradient(cpu_library, dtype, patter
     the float64 reference's autograd does, whatever its bits: the half types' dK and dV are summed in
     float32 and rounded at the end, where bfloat16's rounding once carried 0xffffffff into 0."""
     generator = torch.Generator().manual_seed(stable_seed("lse gradient", str(dtype), pattern))
-    q, k, v = (torch.randn(BATCH, N, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64).to(dtype)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(BATCH, N, HEADS, HEAD_DIM, generator=generator, dtype=torch.float64).to(dtype) for _ in range(3)
+    )
     grad_lse = torch.zeros(BATCH, N, HEADS, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
     grad_lse[0, BAD_ROW, 0] = _float32_nans([pattern])[0]
     ours = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -162,8 +180,9 @@ def test_attention_gradients_carry_a_nan_lse_gradient(cpu_library, dtype, patter
     assert expected_k.sum() > 1, "the reference's dK is NaN in one row or none (the test's premise)"
     for name, mine, theirs in zip("qk", ours, exact):
         expected, got = _rows_not_finite(theirs.grad), _rows_not_finite(mine.grad)
-        assert (got | ~expected).all(), \
+        assert (got | ~expected).all(), (
             f"d{name} with the lse gradient NaN {pattern:#x}, {dtype}: rows {_described(expected & ~got)} came out finite"
+        )
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
@@ -200,8 +219,9 @@ def test_band_softmax_carries_nan_on_every_path(cpu_library, dtype):
             scores[0, row, head, column] = float("nan")
         expected[0, row, head] = True
     probs, lse = band_softmax_(scores, w, 1, return_lse=True)
-    assert torch.equal(probs.isnan().all(-1), expected) and torch.equal(probs.isnan().any(-1), expected), \
-        _described(probs.isnan().any(-1) ^ expected)
+    assert torch.equal(probs.isnan().all(-1), expected) and torch.equal(probs.isnan().any(-1), expected), _described(
+        probs.isnan().any(-1) ^ expected
+    )
     assert torch.equal(lse.isnan(), expected), _described(lse.isnan() ^ expected)
 
 
@@ -222,7 +242,9 @@ def test_band_softmax_gradient_carries_a_nan_lse_gradient(cpu_library, dtype):
         expected[0, row, head] = True
     leaf = scores.clone().requires_grad_()
     probs, lse = band_softmax_(leaf.clone(), w, 1, return_lse=True)
-    (got,) = torch.autograd.grad([probs, lse], leaf, [torch.randn(probs.shape, generator=generator).to(dtype), grad_lse])
+    (got,) = torch.autograd.grad(
+        [probs, lse], leaf, [torch.randn(probs.shape, generator=generator).to(dtype), grad_lse]
+    )
     wrong = (got.isnan().all(-1) ^ expected) | (got.isnan().any(-1) ^ expected)
     assert not wrong.any(), f"{dtype}: score gradients NaN in part or in the wrong rows: {_described(wrong)}"
 
@@ -239,14 +261,21 @@ def test_gelu_far_tails(cpu_library, dtype):
     x = torch.tensor(TAILS, dtype=torch.float64).to(dtype)
     bias, grad = torch.zeros(len(TAILS), dtype=dtype), torch.ones(len(TAILS), dtype=dtype)
     exact = torch.nn.functional.gelu(x.double())
-    exact_derivative = torch.special.ndtr(x.double()) + x.double() * torch.exp(-0.5 * x.double() ** 2) / (2 * torch.pi) ** 0.5
+    exact_derivative = (
+        torch.special.ndtr(x.double()) + x.double() * torch.exp(-0.5 * x.double() ** 2) / (2 * torch.pi) ** 0.5
+    )
     got = ops.bias_gelu(x[None], bias)[0]
     got_derivative = ops.bias_gelu_backward(grad[None], x[None], bias)[0][0]
     u = unit_roundoff(dtype)
-    for what, mine, theirs, truncation in (("gelu", got, exact, 4.3e-8), ("gelu'", got_derivative, exact_derivative, 7.6e-9)):
+    for what, mine, theirs, truncation in (
+        ("gelu", got, exact, 4.3e-8),
+        ("gelu'", got_derivative, exact_derivative, 7.6e-9),
+    ):
         error = (mine.double() - theirs).abs()
         bound = 2 * u * theirs.abs() + truncation + torch.finfo(dtype).tiny
-        assert (error <= bound).all(), f"{what} {dtype}: at x = {x[error > bound].tolist()} got {mine[error > bound].tolist()}"
+        assert (error <= bound).all(), (
+            f"{what} {dtype}: at x = {x[error > bound].tolist()} got {mine[error > bound].tolist()}"
+        )
     assert (got[x < 0] <= 0).all(), f"{dtype}: GELU positive at negative x: {got.tolist()}"
 
 
@@ -349,9 +378,11 @@ def test_bfloat16_outputs_keep_any_nan(cpu_library, dtype):
     out = ops.global_merge(context, a, torch.zeros(1, len(NAN_PATTERNS), 1, 1), values)
     grad_context = ops.global_merge_backward(torch.ones_like(context), context, values, a)[0]
     rows = context.view(len(NAN_PATTERNS), 190)
-    grad_x = ops.layer_norm_backward(torch.ones_like(rows), rows, torch.ones(190, dtype=dtype),
-                                     torch.zeros(len(NAN_PATTERNS)), a.view(-1))[0]
+    grad_x = ops.layer_norm_backward(
+        torch.ones_like(rows), rows, torch.ones(190, dtype=dtype), torch.zeros(len(NAN_PATTERNS)), a.view(-1)
+    )[0]
     for name, x in (("output", out), ("context gradient", grad_context), ("layer norm's input gradient", grad_x)):
         per_pattern = x.reshape(len(NAN_PATTERNS), -1)
-        assert x.isnan().all(), \
+        assert x.isnan().all(), (
             f"finite {name} for the NaNs {[hex(p) for p, row in zip(NAN_PATTERNS, per_pattern) if not row.isnan().all()]}"
+        )

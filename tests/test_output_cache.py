@@ -8,12 +8,14 @@ import threading
 
 import pytest
 import torch
-
 from conftest import CPU_DTYPES
-from longformer_ops import _output_cache, dense, diagonaled_mm, empty_cache, sliding_window_attention
-from longformer_ops.diagonaled import transposed_product
-from longformer_ops.reference import diagonaled_mm_reference
 from test_diagonaled_mm import SIZES, _random
+
+from longformer_ops import diagonaled_mm, empty_cache, sliding_window_attention
+from longformer_ops.nn import dense
+from longformer_ops.ops.diagonaled import transposed_product
+from longformer_ops.ops.reference import diagonaled_mm_reference
+from longformer_ops.runtime import output_cache as _output_cache
 
 MIB = 2**20
 
@@ -39,7 +41,9 @@ def _outputs(op: str, size, dtype) -> list[torch.Tensor]:
         if op == "transposed":
             return [transposed_product(t1, t2, w, d)]
         return [diagonaled_mm(t1, t2, w, d, op == "pv", -2.0)]
-    q, k, v = (_random((b, n, h, f), dtype, "cpu", generator).requires_grad_(op == "attention_backward") for _ in range(3))
+    q, k, v = (
+        _random((b, n, h, f), dtype, "cpu", generator).requires_grad_(op == "attention_backward") for _ in range(3)
+    )
     out, lse = sliding_window_attention(q, k, v, w, d, return_lse=True)
     if op == "attention":
         return [out, lse]
@@ -161,7 +165,9 @@ def test_large_outputs_use_the_cache_by_default(monkeypatch):
 def test_a_bad_limit_is_a_clear_error(every_output_cached, monkeypatch, value):
     monkeypatch.setenv(_output_cache.CACHE_LIMIT_ENV, value)
     q = torch.randn(1, 9, 2, 4)
-    with pytest.raises(ValueError, match=rf"LONGFORMER_OPS_OUTPUT_CACHE_MIB must be a number of MiB >= 0 .*got '{value}'"):
+    with pytest.raises(
+        ValueError, match=rf"LONGFORMER_OPS_OUTPUT_CACHE_MIB must be a number of MiB >= 0 .*got '{value}'"
+    ):
         diagonaled_mm(q, q, 2, 1)
 
 
@@ -172,7 +178,7 @@ def _smaps_flags(address: int) -> list[str]:
         if "-" in span and all(c in "0123456789abcdef-" for c in span):
             start, end = (int(x, 16) for x in span.split("-"))
             if start <= address < end:
-                return next(e for e in lines[index + 1:] if e.startswith("VmFlags:")).split()[1:]
+                return next(e for e in lines[index + 1 :] if e.startswith("VmFlags:")).split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
 
 

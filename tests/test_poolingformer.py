@@ -10,33 +10,49 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import CPU_DTYPES, assert_normwise_close, stable_seed
 from hf_helpers import random_batch, single_thread
-from longformer_ops import (AttentionMode, LongformerConfig, LongformerModel, PoolingConfig,
-                            PoolingformerSelfAttention, from_hf_pretrained)
-from longformer_ops.layer import LongformerSelfAttention
-from longformer_ops.pooling import num_pools, pool_centres, pool_sequence, pool_then_project, pooling_attention
-from longformer_ops.reference import pool_sequence_reference, pooling_attention_reference
+
+from longformer_ops import (
+    AttentionMode,
+    LongformerConfig,
+    LongformerModel,
+    PoolingConfig,
+    PoolingformerSelfAttention,
+    from_hf_pretrained,
+)
+from longformer_ops.models.layer import LongformerSelfAttention
+from longformer_ops.models.pooling import num_pools, pool_centres, pool_sequence, pool_then_project, pooling_attention
+from longformer_ops.ops.reference import pool_sequence_reference, pooling_attention_reference
 
 _ = single_thread  # autouse fixture
 KINDS = ["mean", "max", "ldconv"]
 # (n, kernel_size, stride, window): n not a multiple of the stride or of the window, k < s, k = s,
 # k > s, a window of 0, windows near and beyond n, stride 1 (every position a pool).
-SIZES = [(1, 1, 1, 0), (13, 3, 2, 4), (23, 4, 4, 9), (31, 5, 3, 7), (40, 2, 3, 0), (29, 4, 2, 28), (17, 3, 5, 40),
-         (50, 1, 1, 3)]
+SIZES = [
+    (1, 1, 1, 0),
+    (13, 3, 2, 4),
+    (23, 4, 4, 9),
+    (31, 5, 3, 7),
+    (40, 2, 3, 0),
+    (29, 4, 2, 28),
+    (17, 3, 5, 40),
+    (50, 1, 1, 3),
+]
 
 
 def _case(n, kernel_size, stride, dtype=torch.float64, padded=True, seed=0, requires_grad=False):
     gen = torch.Generator().manual_seed(stable_seed(n, kernel_size, stride, seed))
     b, h, d = 2, 3, 8
     m = num_pools(n, stride)
-    x, v, q = (torch.randn(b, n, h, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
-               for _ in range(3))
+    x, v, q = (
+        torch.randn(b, n, h, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
+        for _ in range(3)
+    )
     logits = (2 * torch.randn(b, m, h, kernel_size, generator=gen, dtype=torch.float64)).requires_grad_(requires_grad)
     is_padding = torch.zeros(b, n, dtype=torch.bool)
     if padded:
-        is_padding[1, max(1, n - 6):] = True  # the second example's tail is padding
+        is_padding[1, max(1, n - 6) :] = True  # the second example's tail is padding
     return q, x, v, logits, is_padding
 
 
@@ -60,8 +76,9 @@ def test_pooling_the_input_then_projecting_is_projecting_then_pooling(n, kernel_
     projections = [torch.nn.Linear(24, 24).double() for _ in range(2)]
     got, valid = pool_then_project(y, projections, 3, kernel_size, stride, kind, is_padding, logits)
     for projection, pooled in zip(projections, got, strict=True):
-        expected, expected_valid = pool_sequence(projection(y).view(2, n, 3, 8), kernel_size, stride, kind,
-                                                 is_padding, logits)
+        expected, expected_valid = pool_sequence(
+            projection(y).view(2, n, 3, 8), kernel_size, stride, kind, is_padding, logits
+        )
         assert torch.equal(valid, expected_valid)
         torch.testing.assert_close(pooled, expected, rtol=1e-12, atol=1e-12)
 
@@ -74,13 +91,20 @@ def test_pooling_attention_matches_the_reference(n, kernel_size, stride, window,
     q, x, v, logits, is_padding = _case(n, kernel_size, stride, dtype)
     pooled_k, valid = pool_sequence(x, kernel_size, stride, "mean", is_padding)
     pooled_v, _ = pool_sequence(v, kernel_size, stride, "max", is_padding)
-    got = pooling_attention(q, pooled_k, pooled_v, window, kernel_size, stride, pool_valid=valid,
-                            autoregressive=autoregressive)
+    got = pooling_attention(
+        q, pooled_k, pooled_v, window, kernel_size, stride, pool_valid=valid, autoregressive=autoregressive
+    )
     assert got.dtype == dtype
-    expected = pooling_attention_reference(q.double(), pooled_k.double(), pooled_v.double(), window, kernel_size,
-                                           stride, valid, autoregressive)
-    assert_normwise_close(got, expected, dtype, f"pooling attention n={n} k={kernel_size} s={stride} w={window}",
-                          zero_scale=float(pooled_v.double().norm()))
+    expected = pooling_attention_reference(
+        q.double(), pooled_k.double(), pooled_v.double(), window, kernel_size, stride, valid, autoregressive
+    )
+    assert_normwise_close(
+        got,
+        expected,
+        dtype,
+        f"pooling attention n={n} k={kernel_size} s={stride} w={window}",
+        zero_scale=float(pooled_v.double().norm()),
+    )
 
 
 def test_the_reference_comparison_sees_a_window_off_by_one():
@@ -117,10 +141,12 @@ def test_bad_pooling_arguments_are_named():
         pool_sequence(x, 3, 2, "ldconv", None, logits[..., :2])
     with pytest.raises(ValueError, match="pooled_k and pooled_v must be"):
         pooling_attention(q, x, x, 4, 3, 2)
-    for field, value, message in (("kind", "median", "pooling kind must be one of"),
-                                  ("stride", 0, "pooling stride must be an int >= 1"),
-                                  ("window", -1, "pooling window must be an int >= 0"),
-                                  ("layers", [5], r"pooling layers must be in \[0, num_hidden_layers=4\)")):
+    for field, value, message in (
+        ("kind", "median", "pooling kind must be one of"),
+        ("stride", 0, "pooling stride must be an int >= 1"),
+        ("window", -1, "pooling window must be an int >= 0"),
+        ("layers", [5], r"pooling layers must be in \[0, num_hidden_layers=4\)"),
+    ):
         with pytest.raises((ValueError, TypeError), match=message):
             LongformerConfig(num_hidden_layers=4, pooling={field: value})
 
@@ -135,9 +161,16 @@ def test_config_defaults_to_the_top_quarter():
 
 
 def _layer_config(kind, autoregressive=False, dilation=1):
-    return LongformerConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, attention_window=3,
-                            attention_dilation=dilation, autoregressive=autoregressive,
-                            attention_probs_dropout_prob=0.0, pooling=dict(window=9, kernel_size=4, stride=3, kind=kind))
+    return LongformerConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        attention_window=3,
+        attention_dilation=dilation,
+        autoregressive=autoregressive,
+        attention_probs_dropout_prob=0.0,
+        pooling=dict(window=9, kernel_size=4, stride=3, kind=kind),
+    )
 
 
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["two-sided", "causal"])
@@ -155,8 +188,8 @@ def test_layer_is_level_one_plus_level_two(kind, autoregressive):
     b, n = 2, 26
     hidden = torch.randn(b, n, 32, generator=gen, dtype=torch.float64)
     mask = torch.zeros(b, n)
-    mask[0, 5] = mask[1, 0] = 1      # global tokens
-    mask[1, 20:] = -1                # padding
+    mask[0, 5] = mask[1, 0] = 1  # global tokens
+    mask[1, 20:] = -1  # padding
 
     def reference():
         layer.attention_mode = AttentionMode.FULL  # level 1: the Longformer layer's dense mode, same parameters
@@ -166,7 +199,10 @@ def test_layer_is_level_one_plus_level_two(kind, autoregressive):
         m = num_pools(n, 3)
         centres = [min(j * 3 + (4 - 1) // 2, n - 1) for j in range(m)]  # each pool's centre token
         logits = layer.ldconv(y[:, centres]).view(b, m, 4, 4) if kind == "ldconv" else None
-        heads = (lambda t: t.view(b, -1, 4, 8))
+
+        def heads(t):
+            return t.view(b, -1, 4, 8)
+
         pooled_k, valid = pool_sequence_reference(heads(layer.key2(y)), 4, 3, kind, is_padding, logits)
         pooled_v, _ = pool_sequence_reference(heads(layer.value2(y)), 4, 3, kind, is_padding, logits)
         z = pooling_attention_reference(heads(layer.query2(y)), pooled_k, pooled_v, 9, 4, 3, valid, autoregressive)
@@ -185,8 +221,9 @@ def test_layer_is_level_one_plus_level_two(kind, autoregressive):
             # Adds q.b to every score of a row: softmax does not change, the gradient is 0 up to roundoff.
             assert got.abs().max() < 1e-10 and expected.abs().max() < 1e-10, name
             continue
-        assert_normwise_close(got, expected, torch.float64, f"{kind} layer: {name}", zero_scale=1.0,
-                              gradients=name != "output")
+        assert_normwise_close(
+            got, expected, torch.float64, f"{kind} layer: {name}", zero_scale=1.0, gradients=name != "output"
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -237,8 +274,9 @@ def test_a_longformer_checkpoint_loads_into_a_poolingformer(tmp_path):
     hf_model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "longformer"
     with pytest.warns(UserWarning, match="newly initialized .Poolingformer's level 2") as caught:
-        model = from_hf_pretrained(tmp_path, LongformerModel, pooling=dict(window=16, kernel_size=4, stride=4,
-                                                                           kind="ldconv"))
+        model = from_hf_pretrained(
+            tmp_path, LongformerModel, pooling=dict(window=16, kernel_size=4, stride=4, kind="ldconv")
+        )
     message = str(next(w.message for w in caught if "level 2" in str(w.message)))
     assert "encoder.layer.3.attention.self.query2.weight" in message and "layer.2." not in message
     assert isinstance(model.encoder.layer[3].attention.self, PoolingformerSelfAttention)
@@ -251,8 +289,9 @@ def test_a_longformer_checkpoint_loads_into_a_poolingformer(tmp_path):
         ours = model(ids, attention_mask, global_mask).last_hidden_state
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            theirs = hf_model(input_ids=ids, attention_mask=attention_mask,
-                              global_attention_mask=global_mask).last_hidden_state
+            theirs = hf_model(
+                input_ids=ids, attention_mask=attention_mask, global_attention_mask=global_mask
+            ).last_hidden_state
     real = attention_mask.bool()
     torch.testing.assert_close(ours[real], theirs[real], rtol=1e-4, atol=1e-4)
     assert (changed[real] - theirs[real]).abs().max() > 1e-2  # level 2 did add something before
@@ -262,10 +301,17 @@ def test_a_longformer_checkpoint_loads_into_a_poolingformer(tmp_path):
 def test_poolingformer_model_trains(autoregressive):
     """A whole model with Poolingformer layers: finite gradients for every parameter (level 2's
     included), and a causal model's outputs never read later tokens."""
-    config = LongformerConfig(vocab_size=97, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
-                              intermediate_size=64, attention_window=2, max_position_embeddings=80,
-                              autoregressive=autoregressive, pooling=dict(window=12, kernel_size=3, stride=2,
-                                                                          kind="ldconv"))
+    config = LongformerConfig(
+        vocab_size=97,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        attention_window=2,
+        max_position_embeddings=80,
+        autoregressive=autoregressive,
+        pooling=dict(window=12, kernel_size=3, stride=2, kind="ldconv"),
+    )
     model = LongformerModel(config, add_pooling_layer=False)
     ids = torch.randint(3, 97, (2, 41))
     global_mask = torch.zeros_like(ids)

@@ -1,4 +1,4 @@
-"""A block's dense output into the residual stream (longformer_ops.residual): the CPU kernels
+"""A block's dense output into the residual stream (longformer_ops.nn.residual): the CPU kernels
 against float64 ``(h + b) * factor + x`` with the dropout's reference mask, the backward's column
 sums, gradients, the in-place inference path, ``linear_dropout_add`` against ``drop(linear(x)) +
 x``, the fallbacks, and the errors."""
@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CPU_DTYPES, stable_seed, unaligned, unit_roundoff, without_kernels
 from torch import nn
 
-from conftest import CPU_DTYPES, stable_seed, unaligned, unit_roundoff
-from longformer_ops import kernels
-from longformer_ops.dropout import Dropout, dropout
-from longformer_ops.reference import dropout_factor_reference
-from longformer_ops.residual import bias_dropout_add, linear_dropout_add
+from longformer_ops.nn.residual import bias_dropout_add, linear_dropout_add
+from longformer_ops.ops.dropout import Dropout, dropout
+from longformer_ops.ops.reference import dropout_factor_reference
 
 ops = torch.ops.longformer_ops
 
@@ -76,7 +75,9 @@ def test_kernels_match_float64(cpu_library, dtype, shape, p):
     exact = (h.double() + bias.double()) * factor + residual.double()
     got = ops.bias_dropout_add(h, bias, residual, torch.tensor(seed), p)
     assert got.shape == h.shape and got.dtype == dtype
-    _assert_within(got, exact, _forward_bound(dtype, exact, h, bias, factor, residual), f"bias_dropout_add {shape} p={p}")
+    _assert_within(
+        got, exact, _forward_bound(dtype, exact, h, bias, factor, residual), f"bias_dropout_add {shape} p={p}"
+    )
     dropped = factor == 0
     assert torch.equal(got[dropped], residual[dropped]), "a dropped element is not the residual"
 
@@ -85,8 +86,12 @@ def test_kernels_match_float64(cpu_library, dtype, shape, p):
     assert torch.equal(grad_h, ops.dropout(grad, torch.tensor(seed), p)), "not the dropout kernel's output"
     exact_grad = grad.double() * factor
     spacing = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # (subnormal results round absolutely)
-    _assert_within(grad_h, exact_grad, (unit_roundoff(dtype) + 2 * _slack(dtype)) * exact_grad.abs() + spacing,
-                   f"dropped gradient {shape} p={p}")
+    _assert_within(
+        grad_h,
+        exact_grad,
+        (unit_roundoff(dtype) + 2 * _slack(dtype)) * exact_grad.abs() + spacing,
+        f"dropped gradient {shape} p={p}",
+    )
     terms = grad_h.double().reshape(-1, shape[-1])
     _assert_within(sums, terms.sum(0), _column_sums_bound(dtype, terms), f"column sums {shape} p={p}")
 
@@ -101,9 +106,13 @@ def test_half_types_round_to_nearest(cpu_library, dtype):
     factor = _factor(seed, (64, 768), 0.1)
     kept = factor != 0
     for what, got, exact in (
-            ("bias_dropout_add", ops.bias_dropout_add(h, bias, residual, torch.tensor(seed), 0.1),
-             (h.double() + bias.double()) * factor + residual.double()),
-            ("dropout_column_sums", ops.dropout_column_sums(grad, torch.tensor(seed), 0.1)[0], grad.double() * factor)):
+        (
+            "bias_dropout_add",
+            ops.bias_dropout_add(h, bias, residual, torch.tensor(seed), 0.1),
+            (h.double() + bias.double()) * factor + residual.double(),
+        ),
+        ("dropout_column_sums", ops.dropout_column_sums(grad, torch.tensor(seed), 0.1)[0], grad.double() * factor),
+    ):
         differ = (got.double() != exact.to(dtype).double())[kept].double().mean().item()
         assert differ <= 0.02, f"{what} {dtype}: {differ:.1%} of the kept results differ from the exact ones rounded"
 
@@ -117,18 +126,25 @@ def test_the_bounds_catch_faults(fault, dtype):
     factor = _factor(seed, shape, p)
     exact = (h.double() + bias.double()) * factor + residual.double()
     bound = _forward_bound(dtype, exact, h, bias, factor, residual)
-    got = {"one-percent-off": lambda: (exact * 1.01).to(dtype),
-           "no-bias": lambda: ops.bias_dropout_add(h, torch.zeros_like(bias), residual, torch.tensor(seed), p),
-           "no-residual": lambda: ops.bias_dropout_add(h, bias, torch.zeros_like(residual), torch.tensor(seed), p),
-           "negated": lambda: -ops.bias_dropout_add(h, bias, residual, torch.tensor(seed), p),
-           "another-mask": lambda: ops.bias_dropout_add(h, bias, residual, torch.tensor(seed + 1), p)}[fault]()
+    got = {
+        "one-percent-off": lambda: (exact * 1.01).to(dtype),
+        "no-bias": lambda: ops.bias_dropout_add(h, torch.zeros_like(bias), residual, torch.tensor(seed), p),
+        "no-residual": lambda: ops.bias_dropout_add(h, bias, torch.zeros_like(residual), torch.tensor(seed), p),
+        "negated": lambda: -ops.bias_dropout_add(h, bias, residual, torch.tensor(seed), p),
+        "another-mask": lambda: ops.bias_dropout_add(h, bias, residual, torch.tensor(seed + 1), p),
+    }[fault]()
     with pytest.raises(AssertionError, match="exceeds its bound"):
         _assert_within(got, exact, bound, fault)
     grad_h, sums = ops.dropout_column_sums(grad, torch.tensor(seed), p)
     terms = grad_h.double()
     # (for the sums: 1% off, zeroed, the gradient's sums without the mask, negated, another mask's)
-    faulty_sums = {"one-percent-off": sums.double() * 1.01, "no-bias": torch.zeros_like(sums), "no-residual": grad.sum(0),
-                   "negated": -sums, "another-mask": ops.dropout_column_sums(grad, torch.tensor(seed + 1), p)[1]}[fault]
+    faulty_sums = {
+        "one-percent-off": sums.double() * 1.01,
+        "no-bias": torch.zeros_like(sums),
+        "no-residual": grad.sum(0),
+        "negated": -sums,
+        "another-mask": ops.dropout_column_sums(grad, torch.tensor(seed + 1), p)[1],
+    }[fault]
     with pytest.raises(AssertionError, match="exceeds its bound"):
         _assert_within(faulty_sums, terms.sum(0), _column_sums_bound(dtype, terms), fault + " (sums)")
 
@@ -141,7 +157,9 @@ def test_the_mask_is_the_dropouts():
 
 
 def test_gradcheck_float64():
-    h, bias, residual = (torch.randn(shape, dtype=torch.float64, requires_grad=True) for shape in ((3, 2, 21), (21,), (3, 2, 21)))
+    h, bias, residual = (
+        torch.randn(shape, dtype=torch.float64, requires_grad=True) for shape in ((3, 2, 21), (21,), (3, 2, 21))
+    )
     seed = torch.tensor(77)
     assert torch.autograd.gradcheck(lambda *args: ops.bias_dropout_add(*args, seed, 0.3), (h, bias, residual))
 
@@ -173,7 +191,9 @@ def test_not_training_or_p_zero_draws_no_seed():
         state = torch.get_rng_state()
         got = bias_dropout_add(h, bias, residual, p, training)
         assert torch.equal(torch.get_rng_state(), state)
-        _assert_within(got, exact, _forward_bound(torch.float32, exact, h, bias, 1.0, residual), f"p={p} training={training}")
+        _assert_within(
+            got, exact, _forward_bound(torch.float32, exact, h, bias, 1.0, residual), f"p={p} training={training}"
+        )
 
 
 def test_in_place_is_the_same_kernel():
@@ -204,8 +224,10 @@ def test_non_contiguous_and_empty():
     transposed = h.t().contiguous().t()  # [12, 20], not contiguous
     assert not transposed.is_contiguous()
     seed = torch.tensor(seed)
-    assert torch.equal(ops.bias_dropout_add(transposed, bias, residual.t().contiguous().t(), seed, 0.5),
-                       ops.bias_dropout_add(h, bias, residual, seed, 0.5))
+    assert torch.equal(
+        ops.bias_dropout_add(transposed, bias, residual.t().contiguous().t(), seed, 0.5),
+        ops.bias_dropout_add(h, bias, residual, seed, 0.5),
+    )
     assert bias_dropout_add(torch.empty(0, 20), bias, torch.empty(0, 20)).shape == (0, 20)
     grad_h, sums = ops.dropout_column_sums(torch.empty(0, 20), seed, 0.5)
     assert grad_h.shape == (0, 20) and torch.equal(sums, torch.zeros(20))
@@ -265,8 +287,9 @@ class _ScaledLinear(nn.Linear):
         return 2 * super().forward(x)
 
 
-@pytest.mark.parametrize("which", ["subclass", "hooked", "own-forward", "no-bias", "torch-dropout", "hooked-dropout",
-                                   "broadcast-residual"])
+@pytest.mark.parametrize(
+    "which", ["subclass", "hooked", "own-forward", "no-bias", "torch-dropout", "hooked-dropout", "broadcast-residual"]
+)
 def test_linear_dropout_add_calls_other_modules_as_they_are(monkeypatch, which):
     """An adapter, a hook, a forward replaced on the instance, a missing bias, torch's own dropout or
     a hooked one, a residual that broadcasts: the modules are called, our kernels are not."""
@@ -290,7 +313,7 @@ def test_linear_dropout_add_calls_other_modules_as_they_are(monkeypatch, which):
 
 
 def test_without_a_kernel_it_is_torchs_ops(monkeypatch):
-    monkeypatch.setattr(kernels, "bias_dropout_add_available", lambda device, dtype: False)
+    without_kernels(monkeypatch, "bias_dropout_add")
     h, bias, residual, _, _ = _inputs(torch.float32, (4, 30))
     torch.manual_seed(2)
     got = bias_dropout_add(h, bias, residual, 0.5)
@@ -311,26 +334,51 @@ def test_inference_adds_in_place_in_the_gemms_output(monkeypatch):
     mm, linear_ = torch.mm, nn.functional.linear
     for available in (True, False):
         outputs = []
-        monkeypatch.setattr(kernels, "bias_dropout_add_available", lambda device, dtype: available)
+        if not available:
+            without_kernels(monkeypatch, "bias_dropout_add")
         monkeypatch.setattr(torch, "mm", lambda *args, **kwargs: outputs.append(mm(*args, **kwargs)) or outputs[-1])
         monkeypatch.setattr(nn.functional, "linear", lambda *args: outputs.append(linear_(*args)) or outputs[-1])
         with torch.no_grad():
             got = linear_dropout_add(x, linear, drop, residual)
         assert len(outputs) == 1 and got.data_ptr() == outputs[0].data_ptr(), available
-        _assert_within(got, expected.double(), 4 * unit_roundoff(torch.float32) * (expected.abs().double() + 1), str(available))
+        _assert_within(
+            got, expected.double(), 4 * unit_roundoff(torch.float32) * (expected.abs().double() + 1), str(available)
+        )
 
 
-@pytest.mark.parametrize("args, error, message", [
-    (("h", torch.ones(3), torch.ones(3)), TypeError, "h must be a floating-point torch.Tensor, got str"),
-    ((torch.ones(2, 3), torch.ones(2), torch.ones(2, 3)), ValueError, r"bias must have shape \[3\] \(h's last dimension\), got \[2\]"),
-    ((torch.ones(2, 3), torch.ones(3), [1.0]), TypeError, "residual must be a torch.Tensor, got list"),
-    ((torch.ones(2, 3), torch.ones(3), torch.ones(3)), ValueError, r"residual must have h's shape \[2, 3\], got \[3\]"),
-    ((torch.ones(2, 3), torch.ones(3), torch.ones(2, 3, dtype=torch.float64)), TypeError,
-     "residual must have h's dtype torch.float32, got torch.float64"),
-    ((torch.ones(2, 3), torch.ones(3), torch.ones(2, 3, device="meta")), ValueError, "residual must be on h's device cpu, got meta"),
-    ((torch.ones(2, 3), torch.ones(3), torch.ones(2, 3), 1.5), ValueError, r"p must be a probability in \[0, 1\], got 1.5"),
-    ((torch.ones(2, 3), torch.ones(3), torch.ones(2, 3), 0.5, 1), TypeError, "training must be a bool, got int"),
-])
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (("h", torch.ones(3), torch.ones(3)), TypeError, "h must be a floating-point torch.Tensor, got str"),
+        (
+            (torch.ones(2, 3), torch.ones(2), torch.ones(2, 3)),
+            ValueError,
+            r"bias must have shape \[3\] \(h's last dimension\), got \[2\]",
+        ),
+        ((torch.ones(2, 3), torch.ones(3), [1.0]), TypeError, "residual must be a torch.Tensor, got list"),
+        (
+            (torch.ones(2, 3), torch.ones(3), torch.ones(3)),
+            ValueError,
+            r"residual must have h's shape \[2, 3\], got \[3\]",
+        ),
+        (
+            (torch.ones(2, 3), torch.ones(3), torch.ones(2, 3, dtype=torch.float64)),
+            TypeError,
+            "residual must have h's dtype torch.float32, got torch.float64",
+        ),
+        (
+            (torch.ones(2, 3), torch.ones(3), torch.ones(2, 3, device="meta")),
+            ValueError,
+            "residual must be on h's device cpu, got meta",
+        ),
+        (
+            (torch.ones(2, 3), torch.ones(3), torch.ones(2, 3), 1.5),
+            ValueError,
+            r"p must be a probability in \[0, 1\], got 1.5",
+        ),
+        ((torch.ones(2, 3), torch.ones(3), torch.ones(2, 3), 0.5, 1), TypeError, "training must be a bool, got int"),
+    ],
+)
 def test_bad_input(args, error, message):
     with pytest.raises(error, match=message):
         bias_dropout_add(*args)
@@ -338,7 +386,9 @@ def test_bad_input(args, error, message):
 
 def test_in_place_op_refuses_non_contiguous_tensors():
     h = torch.randn(8, 6).t()
-    with pytest.raises(ValueError, match=r"h must be contiguous to be written in place, got strides \(1, 6\) for shape \(6, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"h must be contiguous to be written in place, got strides \(1, 6\) for shape \(6, 8\)"
+    ):
         ops.bias_dropout_add_(h, torch.randn(8), torch.randn(6, 8), torch.tensor(0), 0.0)
 
 

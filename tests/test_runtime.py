@@ -12,7 +12,9 @@ import sys
 import pytest
 import torch
 
-from longformer_ops import _loader, _manifest, diagonaled_mm
+from longformer_ops import diagonaled_mm
+from longformer_ops.runtime import loader as _loader
+from longformer_ops.runtime import manifest as _manifest
 
 
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:
@@ -20,8 +22,9 @@ def _run_python(code: str, **env) -> subprocess.CompletedProcess:
     the loader exported in this process (from torch's thread count when a library was first
     loaded here, 1 if that was inside a single-threaded test module): the child chooses its own."""
     inherited = {k: v for k, v in os.environ.items() if k != _loader.THREADS_ENV}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**inherited, **env}, cwd=_manifest.REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**inherited, **env}, cwd=_manifest.REPO_ROOT
+    )
 
 
 def test_import_and_kernel_run_never_load_the_tvm_compiler():
@@ -34,7 +37,8 @@ def test_import_and_kernel_run_never_load_the_tvm_compiler():
         "assert 'tvm' not in sys.modules, 'the TVM compiler package was imported'\n"
         "assert 'libtvm_compiler' not in maps, 'libtvm_compiler.so was mapped'\n"
         "assert 'libtvm_runtime.so' in maps\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
@@ -42,7 +46,8 @@ _THREADS_PROBE = (
     "import torch, tvm_ffi, longformer_ops\n"
     "q = torch.randn(1, 64, 4, 16)\n"
     "longformer_ops.diagonaled_mm(q, q, 4, 1)\n"
-    "print(torch.get_num_threads(), tvm_ffi.get_global_func('runtime.NumThreads')())\n")
+    "print(torch.get_num_threads(), tvm_ffi.get_global_func('runtime.NumThreads')())\n"
+)
 
 
 def test_kernels_use_as_many_threads_as_torch():
@@ -60,7 +65,7 @@ def test_an_explicit_tvm_thread_count_is_respected():
 
 _POOL_PROBE = (
     "import ctypes, os, torch, longformer_ops\n"
-    "from longformer_ops import _loader, _manifest\n"
+    "from longformer_ops.runtime import loader as _loader, manifest as _manifest\n"
     "torch.randn(1 << 20).mul_(2)  # torch's OpenMP threads exist from here on\n"
     "threads_before = len(os.listdir('/proc/self/task'))\n"
     "q = torch.randn(1, 64, 4, 16)\n"
@@ -71,7 +76,8 @@ _POOL_PROBE = (
     "ours = ctypes.CDLL(str(_loader.prebuilt_dir() / 'runtime' / _manifest.OPENMP_LAUNCH_LIBRARY))\n"
     "print(slot == ctypes.cast(ours.longformer_parallel_launch, ctypes.c_void_p).value,\n"
     "      len(os.listdir('/proc/self/task')) - threads_before,\n"
-    "      len({line.split()[-1] for line in open('/proc/self/maps') if 'libgomp' in line}))\n")
+    "      len({line.split()[-1] for line in open('/proc/self/maps') if 'libgomp' in line}))\n"
+)
 
 
 def test_cpu_kernels_run_on_torchs_openmp_threads():
@@ -141,7 +147,9 @@ def test_kernel_functions_are_looked_up_once():
 
 
 def test_missing_manifest(tmp_path, monkeypatch):
-    with pytest.raises(_loader.KernelNotAvailableError, match=r"no kernel manifest: expected .*manifest.json.*make kernels"):
+    with pytest.raises(
+        _loader.KernelNotAvailableError, match=r"no kernel manifest: expected .*manifest.json.*make kernels"
+    ):
         _call_with_prebuilt(monkeypatch, tmp_path)
 
 
@@ -149,7 +157,10 @@ def test_missing_library(tmp_path, monkeypatch):
     directory = _copy_prebuilt(tmp_path)
     for path in directory.glob("cpu-*/longformer_float32.so"):
         path.unlink()
-    with pytest.raises(_loader.KernelNotAvailableError, match=r"prebuilt kernel library missing: expected .*longformer_float32.so.*make kernels"):
+    with pytest.raises(
+        _loader.KernelNotAvailableError,
+        match=r"prebuilt kernel library missing: expected .*longformer_float32.so.*make kernels",
+    ):
         _call_with_prebuilt(monkeypatch, directory)
 
 
@@ -157,8 +168,12 @@ def test_stale_library(tmp_path, monkeypatch):
     def edit(manifest, _):
         for entry in manifest["libraries"].values():
             entry["inputs"]["sources_sha256"] = "0" * 64
+
     directory = _copy_prebuilt(tmp_path, edit)
-    with pytest.raises(_loader.StaleKernelError, match=r"is stale: built from tvm_kernels sources with sha256 000000000000.*make kernels"):
+    with pytest.raises(
+        _loader.StaleKernelError,
+        match=r"is stale: built from tvm_kernels sources with sha256 000000000000.*make kernels",
+    ):
         _call_with_prebuilt(monkeypatch, directory)
 
 
@@ -166,8 +181,10 @@ def test_missing_openmp_launcher(tmp_path, monkeypatch):
     directory = _copy_prebuilt(tmp_path)
     (directory / "runtime" / _manifest.OPENMP_LAUNCH_LIBRARY).unlink()
     _loader._load.cache_clear()
-    with pytest.raises(_loader.KernelNotAvailableError,
-                       match=r"OpenMP launcher missing: expected .*liblongformer_openmp_launch.so.*make kernels.*THREAD_POOL=tvm"):
+    with pytest.raises(
+        _loader.KernelNotAvailableError,
+        match=r"OpenMP launcher missing: expected .*liblongformer_openmp_launch.so.*make kernels.*THREAD_POOL=tvm",
+    ):
         _call_with_prebuilt(monkeypatch, directory)
 
 
@@ -181,8 +198,11 @@ def test_foreign_cpu(tmp_path, monkeypatch):
     def edit(manifest, _):
         for entry in manifest["libraries"].values():
             entry["cpu_flags"].append("imaginary_isa")
+
     directory = _copy_prebuilt(tmp_path, edit)
-    with pytest.raises(_loader.KernelNotAvailableError, match=r"no prebuilt CPU kernel runs on this CPU: missing .*imaginary_isa"):
+    with pytest.raises(
+        _loader.KernelNotAvailableError, match=r"no prebuilt CPU kernel runs on this CPU: missing .*imaginary_isa"
+    ):
         _call_with_prebuilt(monkeypatch, directory)
 
 
@@ -206,21 +226,44 @@ _AVX2_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
 _AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 
 
-@pytest.mark.parametrize("vendor, flags, dtype, expected", [
-    ("AuthenticAMD", _AVX2_FLAGS, "float32", "cpu-avx2"),
-    ("AuthenticAMD", _AVX2_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx2"),  # BF16 without AVX-512 foundation: not enough
-    ("GenuineIntel", _AVX512_FLAGS, "float32", "cpu-avx512"),
-    ("GenuineIntel", _AVX512_FLAGS, "bfloat16", "cpu-avx512"),  # Skylake-X / Ice Lake: AVX-512 without BF16
-    ("AuthenticAMD", _AVX512_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx512-bf16"),  # Zen 4 and 5
-    ("AuthenticAMD", _AVX512_FLAGS | {"avx512_bf16"}, "float32", "cpu-avx512"),  # the bf16 library holds bfloat16 only
-    # Emerald Rapids (measured; Intel's other AVX512-BF16 cores assumed alike): vdpbf16ps at half the FMAs' rate
-    ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "avx512_fp16"}, "bfloat16", "cpu-avx512"),
-    ("", _AVX512_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx512"),  # vendor unknown: the library for any
-    ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "amx_bf16", "amx_tile"}, "float16", "cpu-avx512"),
-    ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "amx_bf16", "amx_tile"}, "float32", "cpu-avx512"),
-    ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"}, "bfloat16", "cpu-amx"),
-    ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "amx_int8", "amx_tile"}, "bfloat16", "cpu-avx512"),  # tiles without bf16
-])
+@pytest.mark.parametrize(
+    "vendor, flags, dtype, expected",
+    [
+        ("AuthenticAMD", _AVX2_FLAGS, "float32", "cpu-avx2"),
+        (
+            "AuthenticAMD",
+            _AVX2_FLAGS | {"avx512_bf16"},
+            "bfloat16",
+            "cpu-avx2",
+        ),  # BF16 without AVX-512 foundation: not enough
+        ("GenuineIntel", _AVX512_FLAGS, "float32", "cpu-avx512"),
+        ("GenuineIntel", _AVX512_FLAGS, "bfloat16", "cpu-avx512"),  # Skylake-X / Ice Lake: AVX-512 without BF16
+        ("AuthenticAMD", _AVX512_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx512-bf16"),  # Zen 4 and 5
+        (
+            "AuthenticAMD",
+            _AVX512_FLAGS | {"avx512_bf16"},
+            "float32",
+            "cpu-avx512",
+        ),  # the bf16 library holds bfloat16 only
+        # Emerald Rapids (measured; Intel's other AVX512-BF16 cores assumed alike): vdpbf16ps at half the FMAs' rate
+        ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "avx512_fp16"}, "bfloat16", "cpu-avx512"),
+        ("", _AVX512_FLAGS | {"avx512_bf16"}, "bfloat16", "cpu-avx512"),  # vendor unknown: the library for any
+        ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "amx_bf16", "amx_tile"}, "float16", "cpu-avx512"),
+        ("GenuineIntel", _AVX512_FLAGS | {"avx512_bf16", "amx_bf16", "amx_tile"}, "float32", "cpu-avx512"),
+        (
+            "GenuineIntel",
+            _AVX512_FLAGS | {"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"},
+            "bfloat16",
+            "cpu-amx",
+        ),
+        (
+            "GenuineIntel",
+            _AVX512_FLAGS | {"avx512_bf16", "amx_int8", "amx_tile"},
+            "bfloat16",
+            "cpu-avx512",
+        ),  # tiles without bf16
+    ],
+)
 def test_loader_picks_the_library_for_the_cpu(monkeypatch, vendor, flags, dtype, expected):
     monkeypatch.setattr(_loader, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(_loader, "cpu_vendor", lambda: vendor)
@@ -238,7 +281,10 @@ def test_a_library_for_other_vendors_runs_where_it_is_the_only_one_or_forced(mon
     monkeypatch.setenv(_loader.CPU_TARGET_ENV, "cpu-avx512-bf16")
     assert _loader.choose_library(manifest, "cpu", "bfloat16")[0] == "cpu-avx512-bf16/longformer_bfloat16.so"
     monkeypatch.delenv(_loader.CPU_TARGET_ENV)
-    only = {**manifest, "libraries": {n: e for n, e in manifest["libraries"].items() if e["target"] == "cpu-avx512-bf16"}}
+    only = {
+        **manifest,
+        "libraries": {n: e for n, e in manifest["libraries"].items() if e["target"] == "cpu-avx512-bf16"},
+    }
     assert _loader.choose_library(only, "cpu", "bfloat16")[0] == "cpu-avx512-bf16/longformer_bfloat16.so"
 
 
@@ -259,7 +305,9 @@ def test_amx_library_only_with_the_kernels_permission(monkeypatch):
     assert _loader.choose_library(manifest, "cpu", "float32")[0] == "cpu-avx512/longformer_float32.so"
     assert not asked  # no AMX library for float32: not asked
     monkeypatch.setenv(_loader.CPU_TARGET_ENV, "cpu-amx")
-    with pytest.raises(_loader.KernelNotAvailableError, match=r"\['cpu-amx'\] need AMX, and Linux refused this process"):
+    with pytest.raises(
+        _loader.KernelNotAvailableError, match=r"\['cpu-amx'\] need AMX, and Linux refused this process"
+    ):
         _loader.choose_library(manifest, "cpu", "bfloat16")
 
 
@@ -274,13 +322,16 @@ def test_forced_cpu_target_is_used(monkeypatch):
     library = _loader.library_for(torch.device("cpu"), "float32")
     assert library.name == "cpu-avx2/longformer_float32.so"
     monkeypatch.setenv(_loader.CPU_TARGET_ENV, "cpu-sse2")
-    with pytest.raises(_loader.KernelNotAvailableError, match=r"LONGFORMER_OPS_CPU_TARGET='cpu-sse2' but no such CPU library"):
+    with pytest.raises(
+        _loader.KernelNotAvailableError, match=r"LONGFORMER_OPS_CPU_TARGET='cpu-sse2' but no such CPU library"
+    ):
         _loader.library_for(torch.device("cpu"), "float32")
 
 
 def _info(*args):
-    result = subprocess.run([sys.executable, "-m", "longformer_ops.info", *args], capture_output=True, text=True,
-                            cwd=_manifest.REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "longformer_ops.info", *args], capture_output=True, text=True, cwd=_manifest.REPO_ROOT
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -290,11 +341,17 @@ def test_info_fits_one_screen():
     out = _info()
     assert len(out.splitlines()) <= 40, out
     for dtype in ("float32", "float64", "float16", "bfloat16"):
-        assert re.search(rf"^cpu +{dtype} +cpu-[a-z0-9-]+/longformer_{dtype}\.so +best that runs here", out, re.MULTILINE)
-    assert re.search(r"^cuda +float32 +- +no CUDA device visible to torch", out, re.MULTILINE) or torch.cuda.is_available()
+        assert re.search(
+            rf"^cpu +{dtype} +cpu-[a-z0-9-]+/longformer_{dtype}\.so +best that runs here", out, re.MULTILINE
+        )
+    assert (
+        re.search(r"^cuda +float32 +- +no CUDA device visible to torch", out, re.MULTILINE) or torch.cuda.is_available()
+    )
     assert re.search(r"^qk +yes +yes +yes +yes ", out, re.MULTILINE), out
-    assert re.search(r"^layer_norm_backward +yes +yes +yes +yes +\. +\. +\.$", out, re.MULTILINE) \
-        or torch.cuda.is_available(), out
+    assert (
+        re.search(r"^layer_norm_backward +yes +yes +yes +yes +\. +\. +\.$", out, re.MULTILINE)
+        or torch.cuda.is_available()
+    ), out
     if "amx_tile" in _loader.cpu_flags():  # whether the AMX library can run here, said up front
         assert re.search(r"^CPU: .*amx_tile.*, AMX (permitted|refused by Linux)", out, re.MULTILINE)
 
@@ -314,13 +371,17 @@ def test_info_says_why_better_libraries_were_passed_over(monkeypatch):
 
     manifest = _loader._manifest_or_raise(_loader.prebuilt_dir())
     monkeypatch.setattr(_loader, "cpu_flags", lambda: frozenset(_AVX2_FLAGS))
-    assert info._why(manifest, "cpu", "float32", "cpu-avx2") == \
-        "best that runs here (cpu-avx512 needs avx512bw avx512cd avx512dq avx512f avx512vl)"
+    assert (
+        info._why(manifest, "cpu", "float32", "cpu-avx2")
+        == "best that runs here (cpu-avx512 needs avx512bw avx512cd avx512dq avx512f avx512vl)"
+    )
     monkeypatch.setattr(_loader, "cpu_flags", lambda: frozenset(_AMX_FLAGS))
     monkeypatch.setattr(_loader, "cpu_vendor", lambda: "GenuineIntel")
     monkeypatch.setattr(_loader, "amx_permitted", lambda: False)
-    assert info._why(manifest, "cpu", "bfloat16", "cpu-avx512") == \
-        "best that runs here (cpu-amx: Linux refused AMX; cpu-avx512-bf16 is for AuthenticAMD CPUs)"
+    assert (
+        info._why(manifest, "cpu", "bfloat16", "cpu-avx512")
+        == "best that runs here (cpu-amx: Linux refused AMX; cpu-avx512-bf16 is for AuthenticAMD CPUs)"
+    )
     monkeypatch.setenv(_loader.CPU_TARGET_ENV, "cpu-avx2")
     assert info._why(manifest, "cpu", "bfloat16", "cpu-avx2") == f"forced by {_loader.CPU_TARGET_ENV}"
 
@@ -338,7 +399,44 @@ def test_committed_prebuilt_matches_sources():
         assert digest == _manifest.file_sha256(_manifest.DEFAULT_PREBUILT / "runtime" / name)
     assert manifest["openmp_launch_source_sha256"] == _manifest.file_sha256(sources / "openmp_launch.c")
     assert _manifest.OPENMP_LAUNCH_LIBRARY in manifest["runtime"]
-    expected = {f"{t}/longformer_{d}.so" for t in ("cpu-avx2", "cpu-avx512") for d in ("float32", "float64", "float16", "bfloat16")}
+    expected = {
+        f"{t}/longformer_{d}.so"
+        for t in ("cpu-avx2", "cpu-avx512")
+        for d in ("float32", "float64", "float16", "bfloat16")
+    }
     expected |= {"cpu-avx512-bf16/longformer_bfloat16.so", "cpu-amx/longformer_bfloat16.so"}
     expected |= {f"cuda/longformer_{d}.so" for d in ("float32", "float16", "bfloat16")}
     assert set(manifest["libraries"]) == expected
+
+
+def test_each_library_holds_whole_kernel_families():
+    """The kernel-family table is the one list of what libraries export: every function of every
+    library belongs to a family, and a library has all of a family's functions or none; CPU libraries
+    have every family, CUDA libraries those the table builds for CUDA."""
+    families = {
+        name: {f for op in family.ops for f in _manifest.function_names(op)}
+        for name, family in _manifest.KERNEL_FAMILIES.items()
+    }
+    for name, entry in _manifest.read(_loader.prebuilt_dir())["libraries"].items():
+        functions = set(entry["functions"])
+        assert functions <= set().union(*families.values()), f"{name}: functions of no family"
+        has = {family for family, members in families.items() if members <= functions}
+        partial = {family for family, members in families.items() if members & functions} - has
+        assert not partial, f"{name}: part of families {partial}"
+        expected = {f for f, family in _manifest.KERNEL_FAMILIES.items() if entry["device"] == "cpu" or family.cuda}
+        assert has == expected, name
+
+
+def test_kernel_families_are_asked_for_by_name():
+    from longformer_ops.runtime import kernels
+
+    cpu = torch.device("cpu")
+    assert all(kernels.available(family, cpu, torch.float32) for family in _manifest.KERNEL_FAMILIES)
+    with pytest.raises(ValueError, match=r"family must be one of \['band_products', .*got 'atention'"):
+        kernels.available("atention", cpu, torch.float32)
+    # No library for (device, dtype): a family with a fallback to torch's ops says False, the others
+    # raise the loader's error naming what exists.
+    meta = torch.device("meta")
+    assert not kernels.available("layer_norm", meta, torch.float32)
+    with pytest.raises(_loader.KernelNotAvailableError, match=r"no prebuilt kernel for device='meta'"):
+        kernels.available("attention", meta, torch.float32)

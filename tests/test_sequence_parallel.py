@@ -27,14 +27,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from conftest import assert_normwise_close, normwise_bound, stable_seed
 
 TIMEOUT_S = 60  # gloo's: a rank stuck in a collective raises after this ...
 DEADLINE_S = 180  # ... and the parent stops waiting after this
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with the gloo backend is not available")
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(
+        not dist.is_available() or not dist.is_gloo_available(),
+        reason="torch.distributed with the gloo backend is not available",
+    ),
+]
+
 
 class Case(NamedTuple):
     world: int  # ranks
@@ -63,13 +68,25 @@ CASES = {
 DROPOUT_SEED = 77  # torch.manual_seed before each call: the one-process call and every rank draw the same seed
 # Refused on every rank: (world size, what to pass, the message expected)
 REFUSALS = {
-    "shard-shorter-than-halo": (3, "lengths [10, 3, 10], w 2, dilation up to 4: halo 8", r"rank 1's 3 rows are fewer "
-                                r"than the 8 rows of halo rank 2 needs from it \(w \* max\(d\) = 8\)"),
+    "shard-shorter-than-halo": (
+        3,
+        "lengths [10, 3, 10], w 2, dilation up to 4: halo 8",
+        r"rank 1's 3 rows are fewer "
+        r"than the 8 rows of halo rank 2 needs from it \(w \* max\(d\) = 8\)",
+    ),
     "head_dim-differs": (2, "rank 1 with head_dim 16", r"every rank must pass the same head_dim: got \[8, 16\]"),
     # (rank 1 raises its own error; the others say which rank's arguments were refused, and why)
-    "w-refused-on-one-rank": (2, "rank 1 with w = -1", r"^(ValueError: rank 1's arguments were refused: )?"
-                              r"ValueError: w \(one-sided window\) must be >= 0"),
-    "dropout_p-differs": (2, "rank 1 with dropout_p = 0.1", r"every rank must pass the same dropout_p: got \[0.0, 0.1\]"),
+    "w-refused-on-one-rank": (
+        2,
+        "rank 1 with w = -1",
+        r"^(ValueError: rank 1's arguments were refused: )?"
+        r"ValueError: w \(one-sided window\) must be >= 0",
+    ),
+    "dropout_p-differs": (
+        2,
+        "rank 1 with dropout_p = 0.1",
+        r"every rank must pass the same dropout_p: got \[0.0, 0.1\]",
+    ),
 }
 
 
@@ -78,7 +95,9 @@ def _inputs(name: str):
     g = torch.Generator().manual_seed(stable_seed("sequence parallel", name))
     n = sum(case.lengths)
     q = torch.randn(case.batch, n, case.heads, case.head_dim, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(case.batch, n, case.kv_heads, case.head_dim, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (
+        torch.randn(case.batch, n, case.kv_heads, case.head_dim, generator=g, dtype=torch.float64) for _ in range(2)
+    )
     mask = (torch.rand(case.batch, n, generator=g) < 0.25) if case.padded else None
     grad_out = torch.randn(case.batch, n, case.heads, case.head_dim, generator=g, dtype=torch.float64)
     grad_lse = torch.randn(case.batch, n, case.heads, generator=g, dtype=torch.float64)
@@ -97,8 +116,16 @@ def _one_process(name: str):
     q, k, v, mask, grad_out, grad_lse = _inputs(name)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     torch.manual_seed(DROPOUT_SEED)
-    out, lse = sliding_window_attention(*leaves, case.w, case.dilation, case.causal, 0.5, key_padding_mask=mask,
-                                        dropout_p=case.dropout_p, return_lse=True)
+    out, lse = sliding_window_attention(
+        *leaves,
+        case.w,
+        case.dilation,
+        case.causal,
+        0.5,
+        key_padding_mask=mask,
+        dropout_p=case.dropout_p,
+        return_lse=True,
+    )
     grads = torch.autograd.grad(_loss(out, lse, grad_out, grad_lse), leaves)
     return out.detach(), lse.detach(), grads
 
@@ -110,16 +137,23 @@ def _sharded(name: str, rank: int, halo_short_by: int = 0):
 
     case = CASES[name]
     q, k, v, mask, grad_out, grad_lse = _inputs(name)
-    rows = slice(sum(case.lengths[:rank]), sum(case.lengths[:rank + 1]))
+    rows = slice(sum(case.lengths[:rank]), sum(case.lengths[: rank + 1]))
     leaves = [x[:, rows].clone().requires_grad_() for x in (q, k, v)]
     plan_halo = distributed.plan_halo
     if halo_short_by:
         distributed.plan_halo = lambda lens, r, halo, *args: plan_halo(lens, r, halo - halo_short_by, *args)
     try:
         torch.manual_seed(DROPOUT_SEED)
-        out, lse = distributed.sliding_window_attention(*leaves, case.w, case.dilation, case.causal, 0.5,
-                                                        key_padding_mask=None if mask is None else mask[:, rows],
-                                                        dropout_p=case.dropout_p, return_lse=True)
+        out, lse = distributed.sliding_window_attention(
+            *leaves,
+            case.w,
+            case.dilation,
+            case.causal,
+            0.5,
+            key_padding_mask=None if mask is None else mask[:, rows],
+            dropout_p=case.dropout_p,
+            return_lse=True,
+        )
     finally:
         distributed.plan_halo = plan_halo
     grads = torch.autograd.grad(_loss(out, lse, grad_out[:, rows], grad_lse[:, rows]), leaves)
@@ -179,8 +213,9 @@ MODEL_CASES = {
     "model-2": ModelCase(2, [13, 11], "LongformerModel", [2, 3], [[1, 2], 1], False),
     "masked-lm-3": ModelCase(3, [9, 8, 10], "LongformerForMaskedLM", [2, 1], [1, [1, 2]], False),
     "causal-masked-lm-2": ModelCase(2, [12, 10], "LongformerForMaskedLM", [3, 2], [1, [2, 1]], True),
-    "checkpointed-token-classification-3": ModelCase(3, [9, 8, 10], "LongformerForTokenClassification", [2, 2],
-                                                     [[1, 2], 1], False, checkpointing=True),
+    "checkpointed-token-classification-3": ModelCase(
+        3, [9, 8, 10], "LongformerForTokenClassification", [2, 2], [[1, 2], 1], False, checkpointing=True
+    ),
     "sequence-classification-2": ModelCase(2, [10, 14], "LongformerForSequenceClassification", [2, 3], [1, 1], False),
     # (the question, global by default, runs across the first border)
     "question-answering-2": ModelCase(2, [6, 16], "LongformerForQuestionAnswering", [2, 3], [[1, 2], 1], False),
@@ -208,10 +243,21 @@ def _model_and_inputs(name: str, replica: int = 0):
     case = MODEL_CASES[name]
     torch.manual_seed(stable_seed("sequence parallel model", name))
     config = longformer_ops.LongformerConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=len(case.windows), num_attention_heads=2,
-        intermediate_size=24, attention_window=case.windows, attention_dilation=case.dilation,
-        autoregressive=case.causal, max_position_embeddings=64, pad_token_id=PAD, type_vocab_size=2,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2 if "Question" in case.task else 3)
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=len(case.windows),
+        num_attention_heads=2,
+        intermediate_size=24,
+        attention_window=case.windows,
+        attention_dilation=case.dilation,
+        autoregressive=case.causal,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=2 if "Question" in case.task else 3,
+    )
     model = getattr(longformer_ops, case.task)(config).double().train()
     for parameter in model.parameters():  # (initialised at std 0.02 the layers are nearly linear)
         parameter.data.normal_(0, 0.3)
@@ -221,7 +267,7 @@ def _model_and_inputs(name: str, replica: int = 0):
     n, b = sum(case.lengths), 2
     ids = torch.randint(SEP + 1, VOCAB, (b, n))
     ids[:, 0] = BOS
-    ids[1, n - 4:] = PAD  # the second example ends in padding
+    ids[1, n - 4 :] = PAD  # the second example ends in padding
     if case.task in ("LongformerForQuestionAnswering", "LongformerForMultipleChoice"):
         for example, question in enumerate((8, 3)):  # <s> question </s></s> text </s>
             real = int((ids[example] != PAD).sum())
@@ -282,14 +328,15 @@ def _compare_model(name: str, rank: int, halo_short_by: int = 0, layout_2x2: boo
         model, inputs = _model_and_inputs(name, replica)
         out = model(**inputs)
         weights = _model_weights(name, out)
-        replica_grads.append(torch.autograd.grad(_model_loss(case, out, weights, slice(None), 1),
-                                                 list(model.parameters())))
+        replica_grads.append(
+            torch.autograd.grad(_model_loss(case, out, weights, slice(None), 1), list(model.parameters()))
+        )
         wants.append((inputs, out, weights))
     want_grads = [sum(grads) / len(replicas) for grads in zip(*replica_grads)]
     inputs, out, weights = wants[rank // 2 if layout_2x2 else 0]
 
     shard = rank % 2 if layout_2x2 else rank
-    rows = slice(sum(case.lengths[:shard]), sum(case.lengths[:shard + 1]))
+    rows = slice(sum(case.lengths[:shard]), sum(case.lengths[: shard + 1]))
     runner = distributed.sequence_parallel(model, sequence_group)
     if layout_2x2:
         runner = torch.nn.parallel.DistributedDataParallel(model, process_group=data_group)
@@ -297,9 +344,15 @@ def _compare_model(name: str, rank: int, halo_short_by: int = 0, layout_2x2: boo
     if halo_short_by:
         distributed.plan_halo = lambda lens, r, halo, *args: plan_halo(lens, r, halo - halo_short_by, *args)
     try:
-        mine = runner(**{key: x[..., rows] if key in _SLICED or (key == "labels" and x.dim() == 2 and "Token" in
-                                                                 case.task or "Masked" in case.task) else x
-                         for key, x in inputs.items()})
+        mine = runner(
+            **{
+                key: x[..., rows]
+                if key in _SLICED
+                or (key == "labels" and x.dim() == 2 and "Token" in case.task or "Masked" in case.task)
+                else x
+                for key, x in inputs.items()
+            }
+        )
         loss = _model_loss(case, mine, weights, rows, len(case.lengths))
         if layout_2x2:  # (DDP's gradients arrive in .grad, averaged over the replicas)
             loss.backward()
@@ -325,22 +378,36 @@ def _compare_model(name: str, rank: int, halo_short_by: int = 0, layout_2x2: boo
         bound = normwise_bound(torch.float64, gradients=True) * scale
         for (parameter, _), got, want in zip(model.named_parameters(), grads, want_grads, strict=True):
             error = float((got - want).norm())
-            assert error <= bound, f"the gradient of {parameter}: error {error:.3e} > {bound:.3e} (its norm " \
-                                   f"{float(want.norm()):.3e}, all of them {scale:.3e})"
+            assert error <= bound, (
+                f"the gradient of {parameter}: error {error:.3e} > {bound:.3e} (its norm "
+                f"{float(want.norm()):.3e}, all of them {scale:.3e})"
+            )
     except AssertionError as error:
         return str(error)
     return None
 
 
 MODEL_REFUSALS = {  # (what to pass, the message expected on every rank of 2)
-    "poolingformer": ("a model with Poolingformer layers", r"NotImplementedError: sequence_parallel does not shard "
-                      r"Poolingformer layers .*encoder.layer.0.attention.self is one"),
-    "not-our-model": ("an nn.Linear", r"TypeError: sequence_parallel takes longformer_ops' LongformerModel, .* got "
-                      r"torch.nn.modules.linear.Linear"),
-    "output_attentions": ("output_attentions=True", r"NotImplementedError: output_attentions=True is not supported "
-                          r"under sequence parallelism"),
-    "batch-differs": ("rank 1 with a batch of 1", r"ValueError: every rank must pass the same batch size .*: got "
-                      r"\[2, 1\]"),
+    "poolingformer": (
+        "a model with Poolingformer layers",
+        r"NotImplementedError: sequence_parallel does not shard "
+        r"Poolingformer layers .*encoder.layer.0.attention.self is one",
+    ),
+    "not-our-model": (
+        "an nn.Linear",
+        r"TypeError: sequence_parallel takes longformer_ops' LongformerModel, .* got "
+        r"torch.nn.modules.linear.Linear",
+    ),
+    "output_attentions": (
+        "output_attentions=True",
+        r"NotImplementedError: output_attentions=True is not supported "
+        r"under sequence parallelism",
+    ),
+    "batch-differs": (
+        "rank 1 with a batch of 1",
+        r"ValueError: every rank must pass the same batch size .*: got "
+        r"\[2, 1\]",
+    ),
 }
 
 
@@ -348,13 +415,22 @@ def _model_refusal(name: str, rank: int) -> str:
     import longformer_ops
     from longformer_ops import distributed
 
-    config = longformer_ops.LongformerConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
-                                             num_attention_heads=2, intermediate_size=24, attention_window=2,
-                                             max_position_embeddings=64, pad_token_id=PAD)
+    config = longformer_ops.LongformerConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        attention_window=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+    )
     ids = torch.randint(SEP + 1, VOCAB, (1 if name == "batch-differs" and rank == 1 else 2, 10))
     try:
         if name == "poolingformer":
-            config = longformer_ops.LongformerConfig(**{**vars(config), "pooling": longformer_ops.PoolingConfig(window=4)})
+            config = longformer_ops.LongformerConfig(
+                **{**vars(config), "pooling": longformer_ops.PoolingConfig(window=4)}
+            )
             distributed.sequence_parallel(longformer_ops.LongformerModel(config))
         elif name == "not-our-model":
             distributed.sequence_parallel(torch.nn.Linear(2, 2))
@@ -369,8 +445,13 @@ def _model_refusal(name: str, rank: int) -> str:
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
     try:
         found = {}
         for name, case in CASES.items():
@@ -453,8 +534,9 @@ def test_sequence_parallel_refusals_raise_on_every_rank(ranks_found, name):
 
     what, message = MODEL_REFUSALS[name]
     for rank, found in enumerate(ranks_found[2]):
-        assert re.search(message, found[f"refused: model {name}"]), f"{what}, rank {rank}: " \
-                                                                    f"{found[f'refused: model {name}']!r}"
+        assert re.search(message, found[f"refused: model {name}"]), (
+            f"{what}, rank {rank}: {found[f'refused: model {name}']!r}"
+        )
 
 
 def test_data_parallel_replicas_of_a_sequence_parallel_model(ranks_found):

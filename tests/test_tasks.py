@@ -9,12 +9,20 @@ import warnings
 
 import pytest
 import torch
-
 from hf_helpers import PAD, assert_close, hf_config, random_batch, random_hf_windows, randomize_, single_thread
-from longformer_ops import (AttentionMode, LongformerConfig, LongformerForMaskedLM, LongformerForMultipleChoice,
-                            LongformerForQuestionAnswering, LongformerForSequenceClassification,
-                            LongformerForTokenClassification, LongformerModel, from_hf_pretrained)
-from longformer_ops.tasks import choice_global_mask, question_global_mask
+
+from longformer_ops import (
+    AttentionMode,
+    LongformerConfig,
+    LongformerForMaskedLM,
+    LongformerForMultipleChoice,
+    LongformerForQuestionAnswering,
+    LongformerForSequenceClassification,
+    LongformerForTokenClassification,
+    LongformerModel,
+    from_hf_pretrained,
+)
+from longformer_ops.models.tasks import choice_global_mask, question_global_mask
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,11 +30,23 @@ _ = single_thread  # autouse fixture: these tiny models only lose from intra-op 
 MODES = list(AttentionMode)
 ATOL = 1e-4  # float32, as for the base model
 BOS, SEP = 0, 2
-TASKS = ["LongformerForSequenceClassification", "LongformerForTokenClassification", "LongformerForQuestionAnswering",
-         "LongformerForMultipleChoice"]
-OURS = {cls.__name__: cls for cls in (LongformerForSequenceClassification, LongformerForTokenClassification,
-                                      LongformerForQuestionAnswering, LongformerForMultipleChoice,
-                                      LongformerForMaskedLM, LongformerModel)}
+TASKS = [
+    "LongformerForSequenceClassification",
+    "LongformerForTokenClassification",
+    "LongformerForQuestionAnswering",
+    "LongformerForMultipleChoice",
+]
+OURS = {
+    cls.__name__: cls
+    for cls in (
+        LongformerForSequenceClassification,
+        LongformerForTokenClassification,
+        LongformerForQuestionAnswering,
+        LongformerForMultipleChoice,
+        LongformerForMaskedLM,
+        LongformerModel,
+    )
+}
 
 
 def qa_ids(seed: int, lengths: list[int], question_lengths: list[int], vocab: int):
@@ -106,8 +126,12 @@ def test_task_model_matches_transformers(task, mode, global_attention):
     inputs = task_batch(task, seed, cfg.vocab_size, cfg.num_labels)
     if global_attention == "given":  # random global tokens instead of the task's default
         shape = inputs["input_ids"].shape
-        _, _, global_mask = random_batch(seed, [shape[-1]] * (inputs["input_ids"].numel() // shape[-1]),
-                                         cfg.vocab_size, [2] * (inputs["input_ids"].numel() // shape[-1]))
+        _, _, global_mask = random_batch(
+            seed,
+            [shape[-1]] * (inputs["input_ids"].numel() // shape[-1]),
+            cfg.vocab_size,
+            [2] * (inputs["input_ids"].numel() // shape[-1]),
+        )
         inputs["global_attention_mask"] = global_mask.view(shape)
     ref = hf_run(hf, **inputs)
     with torch.no_grad():
@@ -118,9 +142,18 @@ def test_task_model_matches_transformers(task, mode, global_attention):
 @pytest.mark.parametrize("task", TASKS)
 def test_state_dict_keys_and_reverse_transfer(task):
     """Same key names; transformers loads our weights (config via to_hf) strictly and agrees."""
-    cfg = LongformerConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=32, max_position_embeddings=40, attention_window=[2, 4], num_labels=2,
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = LongformerConfig(
+        vocab_size=60,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=40,
+        attention_window=[2, 4],
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     ours = randomize_(OURS[task](cfg), 4).eval()
     hf = getattr(transformers, task)(cfg.to_hf()).eval()
@@ -136,8 +169,10 @@ def test_state_dict_keys_and_reverse_transfer(task):
 def test_sequence_classification_losses_match_transformers():
     """regression (one label), multi-label (float labels) and the problem type kept in the config."""
     task = "LongformerForSequenceClassification"
-    for num_labels, labels in ((1, torch.tensor([0.5, -1.0, 2.0])),
-                               (3, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]]))):
+    for num_labels, labels in (
+        (1, torch.tensor([0.5, -1.0, 2.0])),
+        (3, torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]])),
+    ):
         hf, cfg = hf_task(task, 21, num_labels=num_labels)
         model = ours_from(hf, cfg, task)
         inputs = dict(task_batch(task, 21, cfg.vocab_size, num_labels), labels=labels)
@@ -165,26 +200,45 @@ def test_default_global_attention_needs_three_separators(separators):
     ids = torch.randint(3, 50, (2, 12), generator=torch.Generator().manual_seed(separators))
     ids[0, [2, 3, 11]] = SEP  # row 0 is fine; row 1 is not
     ids[1, list(range(1, 1 + separators))] = SEP
-    cfg = LongformerConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                           intermediate_size=32, max_position_embeddings=40, attention_window=2)
+    cfg = LongformerConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=40,
+        attention_window=2,
+    )
     message = rf"exactly 3 separator tokens \(sep_token_id=2\) in every sequence .*sequence 1 has {separators}"
     with pytest.raises(ValueError, match=message):
         LongformerForQuestionAnswering(cfg)(ids)
     with pytest.raises(ValueError, match=message):
         LongformerForMultipleChoice(cfg)(ids[None])
     # ... and with the global tokens given there is no rule to satisfy.
-    assert LongformerForQuestionAnswering(cfg)(ids, global_attention_mask=torch.zeros_like(ids)).start_logits.shape == (2, 12)
+    assert LongformerForQuestionAnswering(cfg)(ids, global_attention_mask=torch.zeros_like(ids)).start_logits.shape == (
+        2,
+        12,
+    )
 
 
 def test_question_answering_without_input_ids_warns_and_has_no_globals():
-    cfg = LongformerConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                           intermediate_size=32, max_position_embeddings=40, attention_window=2)
+    cfg = LongformerConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=40,
+        attention_window=2,
+    )
     model = LongformerForQuestionAnswering(cfg).eval()
     embeds = torch.randn(1, 9, 16)
     with pytest.warns(UserWarning, match="no input_ids to find the question in"):
         out = model(inputs_embeds=embeds)
     with torch.no_grad():
-        assert torch.equal(out.start_logits, model(inputs_embeds=embeds, global_attention_mask=torch.zeros(1, 9)).start_logits)
+        assert torch.equal(
+            out.start_logits, model(inputs_embeds=embeds, global_attention_mask=torch.zeros(1, 9)).start_logits
+        )
     with pytest.raises(ValueError, match="needs num_labels=2"):
         LongformerForQuestionAnswering(cfg.replace(num_labels=3))
 
@@ -192,18 +246,32 @@ def test_question_answering_without_input_ids_warns_and_has_no_globals():
 @pytest.mark.parametrize("task", TASKS)
 def test_dilated_autoregressive_task_models_equal_the_dense_reference(task):
     """What transformers has not: per-head dilation and causal attention, kernels against FULL mode."""
-    cfg = LongformerConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=64, max_position_embeddings=40, attention_window=[3, 2],
-                           attention_dilation=[[1, 2, 1, 3], 2], autoregressive=True,
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = LongformerConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        attention_window=[3, 2],
+        attention_dilation=[[1, 2, 1, 3], 2],
+        autoregressive=True,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(5)
     model = randomize_(OURS[task](cfg), 5).eval()
     full = OURS[task](cfg.replace(attention_mode=AttentionMode.FULL)).eval()
     full.load_state_dict(model.state_dict(), strict=True)
     inputs = task_batch(task, 5, 50, 2)
     with torch.no_grad():
-        compare(task, model(**inputs, output_hidden_states=True), full(**inputs, output_hidden_states=True),
-                inputs, f"{task} dilated causal")
+        compare(
+            task,
+            model(**inputs, output_hidden_states=True),
+            full(**inputs, output_hidden_states=True),
+            inputs,
+            f"{task} dilated causal",
+        )
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -227,9 +295,12 @@ def test_task_model_from_a_pretrained_encoder_and_from_another_task(tmp_path):
     with pytest.warns(UserWarning) as caught:
         model = from_hf_pretrained(tmp_path / "mlm", LongformerForSequenceClassification, num_labels=5)
     messages = [str(w.message) for w in caught]
-    assert any("newly initialized (the task head" in m and "classifier.out_proj.weight" in m for m in messages), messages
-    assert any("not used by LongformerForSequenceClassification" in m and "lm_head.dense.weight" in m
-               for m in messages), messages
+    assert any("newly initialized (the task head" in m and "classifier.out_proj.weight" in m for m in messages), (
+        messages
+    )
+    assert any(
+        "not used by LongformerForSequenceClassification" in m and "lm_head.dense.weight" in m for m in messages
+    ), messages
     assert model.classifier.out_proj.out_features == 5
     inputs = task_batch("LongformerForTokenClassification", 41, cfg.vocab_size, 3)
     inputs.pop("labels")
@@ -245,11 +316,16 @@ def test_task_model_from_a_pretrained_encoder_and_from_another_task(tmp_path):
         qa = from_hf_pretrained(tmp_path / "base", LongformerForQuestionAnswering)
     messages = [str(w.message) for w in caught]
     assert any("newly initialized (the task head" in m and "qa_outputs.weight" in m for m in messages), messages
-    assert any("not used by LongformerForQuestionAnswering" in m and "longformer.pooler.dense.weight" in m
-               for m in messages), messages
+    assert any(
+        "not used by LongformerForQuestionAnswering" in m and "longformer.pooler.dense.weight" in m for m in messages
+    ), messages
     with torch.no_grad():
-        assert_close(qa.longformer(**inputs).last_hidden_state[real], hf_run(base, **inputs).last_hidden_state[real],
-                     ATOL, "encoder from a base model")
+        assert_close(
+            qa.longformer(**inputs).last_hidden_state[real],
+            hf_run(base, **inputs).last_hidden_state[real],
+            ATOL,
+            "encoder from a base model",
+        )
 
 
 def test_a_head_of_another_shape_starts_fresh_and_a_base_model_names_the_heads_it_drops(tmp_path):
@@ -262,14 +338,22 @@ def test_a_head_of_another_shape_starts_fresh_and_a_base_model_names_the_heads_i
     inputs.pop("labels")
     ref, real = hf_run(tagger, **inputs).hidden_states[-1], real_rows(inputs)
     for model_class, message in (
-            (LongformerForMultipleChoice, "have another shape in the checkpoint"),
-            (LongformerForMultipleChoice, "'classifier.weight': ((3, 32), (1, 32))"),
-            (LongformerForQuestionAnswering, "newly initialized (the task head; train them before use): "
-                                             "['qa_outputs.weight'"),
-            (LongformerForQuestionAnswering, "not used by LongformerForQuestionAnswering (another task's head or "
-                                             "pooler): ['classifier.bias', 'classifier.weight']"),
-            (LongformerModel, "not used by LongformerModel (another task's head or pooler): ['classifier.bias', "
-                              "'classifier.weight']")):
+        (LongformerForMultipleChoice, "have another shape in the checkpoint"),
+        (LongformerForMultipleChoice, "'classifier.weight': ((3, 32), (1, 32))"),
+        (
+            LongformerForQuestionAnswering,
+            "newly initialized (the task head; train them before use): ['qa_outputs.weight'",
+        ),
+        (
+            LongformerForQuestionAnswering,
+            "not used by LongformerForQuestionAnswering (another task's head or "
+            "pooler): ['classifier.bias', 'classifier.weight']",
+        ),
+        (
+            LongformerModel,
+            "not used by LongformerModel (another task's head or pooler): ['classifier.bias', 'classifier.weight']",
+        ),
+    ):
         with pytest.warns(UserWarning) as caught:
             model = from_hf_pretrained(tmp_path, model_class)
         messages = [str(w.message) for w in caught]
@@ -284,24 +368,39 @@ def test_from_hf_pretrained_refuses_unknown_architectures_and_mismatched_encoder
     hf.save_pretrained(tmp_path)
     config = (tmp_path / "config.json").read_text()
     (tmp_path / "config.json").write_text(config.replace("LongformerForTokenClassification", "LongformerForPoetry"))
-    with pytest.raises(ValueError, match=r"architectures=\['LongformerForPoetry'\] names a class longformer_ops "
-                                         r"does not have .*pass model_class="):
+    with pytest.raises(
+        ValueError,
+        match=r"architectures=\['LongformerForPoetry'\] names a class longformer_ops "
+        r"does not have .*pass model_class=",
+    ):
         from_hf_pretrained(tmp_path)
     assert type(from_hf_pretrained(tmp_path, LongformerForTokenClassification)) is LongformerForTokenClassification
     with pytest.raises(TypeError, match="model_class must be one of LongformerModel, LongformerForMaskedLM"):
         from_hf_pretrained(tmp_path, torch.nn.Linear)
-    with pytest.raises(RuntimeError, match=r"does not match LongformerForTokenClassification's encoder: missing "
-                                           r"\['longformer.encoder.layer.2"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"does not match LongformerForTokenClassification's encoder: missing "
+        r"\['longformer.encoder.layer.2",
+    ):
         from_hf_pretrained(tmp_path, LongformerForTokenClassification, num_hidden_layers=3, attention_window=2)
 
 
 # --------------------------------------------------------------------------- gradient checkpointing
 def test_gradient_checkpointing_gives_the_same_gradients():
     """With dropout on (the masks are replayed in the recomputation) and global tokens."""
-    cfg = LongformerConfig(vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                           intermediate_size=64, max_position_embeddings=40, attention_window=[2, 3, 2],
-                           attention_dilation=[1, [1, 2, 1, 2], 1], hidden_dropout_prob=0.2,
-                           attention_probs_dropout_prob=0.2, num_labels=3)
+    cfg = LongformerConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        attention_window=[2, 3, 2],
+        attention_dilation=[1, [1, 2, 1, 2], 1],
+        hidden_dropout_prob=0.2,
+        attention_probs_dropout_prob=0.2,
+        num_labels=3,
+    )
     torch.manual_seed(7)
     model = LongformerForTokenClassification(cfg).train()
     inputs = task_batch("LongformerForTokenClassification", 7, 50, 3)
@@ -333,11 +432,14 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("num_labels", 0, "num_labels must be a positive int, got 0"),
-    ("problem_type", "ranking", "problem_type must be one of .*got 'ranking'"),
-    ("sep_token_id", 50, r"sep_token_id must be an int in \[0, vocab_size=50\), got 50"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_labels", 0, "num_labels must be a positive int, got 0"),
+        ("problem_type", "ranking", "problem_type must be one of .*got 'ranking'"),
+        ("sep_token_id", 50, r"sep_token_id must be an int in \[0, vocab_size=50\), got 50"),
+    ],
+)
 def test_task_config_fields_are_checked(field, value, message):
     with pytest.raises(ValueError, match=message):
         LongformerConfig(vocab_size=50, **{field: value})

@@ -15,10 +15,17 @@ import math
 
 import pytest
 import torch
+from conftest import (
+    CPU_DTYPES,
+    TOLERANCE,
+    assert_close_to_reference,
+    assert_normwise_close,
+    normwise_bound,
+    stable_seed,
+)
 
-from conftest import CPU_DTYPES, TOLERANCE, assert_close_to_reference, assert_normwise_close, normwise_bound, stable_seed
 from longformer_ops import diagonaled_mm, sliding_window_attention
-from longformer_ops.reference import diagonaled_mm_reference, sliding_window_attention_reference
+from longformer_ops.ops.reference import diagonaled_mm_reference, sliding_window_attention_reference
 
 W, DILATION = 5, [1, 2, 4]
 
@@ -46,8 +53,13 @@ def _reference(q, k, v, grad, w=W):
 def _faults(ref, shifted, bound, element_offset):
     one_off = ref.clone(memory_format=torch.contiguous_format)
     one_off.view(-1)[ref.numel() // 3] += element_offset
-    return {"zeroed": torch.zeros_like(ref), "negated": -ref, "scaled by 1 + 2B": ref * (1 + 2 * bound),
-            "one element off": one_off, "window shifted by one": shifted}
+    return {
+        "zeroed": torch.zeros_like(ref),
+        "negated": -ref,
+        "scaled by 1 + 2B": ref * (1 + 2 * bound),
+        "one element off": one_off,
+        "window shifted by one": shifted,
+    }
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
@@ -74,8 +86,12 @@ def test_band_product_check_fails_on_faults(dtype):
     ref = diagonaled_mm_reference(q64, k64, W, DILATION)
     scale = diagonaled_mm_reference(q64.abs(), k64.abs(), W, DILATION)
     assert_close_to_reference(got, ref, scale, dtype)
-    faults = _faults(ref, diagonaled_mm_reference(q64.roll(1, dims=1), k64, W, DILATION), TOLERANCE[dtype],
-                     10 * TOLERANCE[dtype] * float(scale.max()))
+    faults = _faults(
+        ref,
+        diagonaled_mm_reference(q64.roll(1, dims=1), k64, W, DILATION),
+        TOLERANCE[dtype],
+        10 * TOLERANCE[dtype] * float(scale.max()),
+    )
     for fault, wrong in faults.items():
         with pytest.raises(AssertionError):
             assert_close_to_reference(wrong, ref, scale, dtype)

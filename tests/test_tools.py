@@ -18,7 +18,8 @@ pytest_plugins = "pytester"
 
 @pytest.mark.parametrize("xdist", [False, True], ids=["one-process", "xdist"])
 def test_report_summary_names_each_failure_and_error_with_its_message(pytester, tmp_path, capsys, xdist):
-    pytester.makepyfile(test_sample="""
+    pytester.makepyfile(
+        test_sample="""
         import time
         import pytest
         @pytest.fixture
@@ -30,15 +31,20 @@ def test_report_summary_names_each_failure_and_error_with_its_message(pytester, 
         def test_errors(broken): pass
         @pytest.mark.skip(reason="not here")
         def test_skipped(): pass
-    """)
+    """
+    )
     recorded = pytester.inline_run("-p", "no:cacheprovider")
     log = tmp_path / "tests.jsonl"
     # What pytest-reportlog writes: one JSON object per report, tagged with its type; under
     # pytest-xdist each also names its worker, "node" as a string (which pytest's own rendering of
     # the traceback took for a worker object: the GPU run's summary crashed on its first failure).
     worker = {"worker_id": "gw3", "node": "<WorkerController gw3>"} if xdist else {}
-    log.write_text("".join(json.dumps(dict(report._to_json(), **worker, **{"$report_type": "TestReport"})) + "\n"
-                           for report in recorded.getreports("pytest_runtest_logreport")))
+    log.write_text(
+        "".join(
+            json.dumps(dict(report._to_json(), **worker, **{"$report_type": "TestReport"})) + "\n"
+            for report in recorded.getreports("pytest_runtest_logreport")
+        )
+    )
 
     assert pytest_report_summary.main([str(log), "--slowest", "2"]) == 0
     out = capsys.readouterr().out
@@ -56,8 +62,11 @@ def _constants_of(path: Path, names: tuple[str, ...]) -> dict:
     import ast
 
     tree = ast.parse(path.read_text())
-    return {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
-            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in names}
+    return {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id in names
+    }
 
 
 def test_the_gelu_kernels_erf_is_the_fit_tools_fit_erf_makes():

@@ -18,15 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from longformer_ops import _manifest
+from longformer_ops.runtime import manifest as _manifest
 
 REPO = _manifest.REPO_ROOT
 TORCH_SPEC = "torch==2.13.0"  # as the Makefile's: pinned, or pip pulls the CUDA build (gigabytes)
 
 
 def _run(command, cwd, env=None, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _explain(result: subprocess.CompletedProcess) -> str:
@@ -45,8 +44,16 @@ def _copy_checkout(target: Path) -> Path:
     Building from a copy leaves no build/ or egg-info in the repository, and no earlier build's
     leftovers can slip into the wheel.
     """
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         source = REPO / name
         if source.is_file():  # skips files deleted in the working tree
@@ -61,6 +68,7 @@ def _build_wheel(source: Path, out: Path) -> subprocess.CompletedProcess:
 
 # ---------------------------------------------------------------------------------------------
 # The layout rule and the build-time check, without building a wheel.
+
 
 def test_default_prebuilt_rule(tmp_path):
     package = tmp_path / "longformer_ops"
@@ -78,7 +86,7 @@ def test_default_prebuilt_rule(tmp_path):
 
 _PACKAGED_PROBE = textwrap.dedent("""
     import torch, longformer_ops
-    from longformer_ops import _loader
+    from longformer_ops.runtime import loader as _loader
     print(longformer_ops.__file__)
     print(_loader.prebuilt_dir())
     q = torch.randn(1, 33, 2, 16)
@@ -105,8 +113,11 @@ def test_installed_layout_finds_the_packaged_kernels(tmp_path):
     for path in packaged.glob("cpu-*/longformer_float32.so"):
         shutil.copy(packaged / "cpu-avx2" / "longformer_float64.so", path)
     result = _run([sys.executable, "-c", _PACKAGED_PROBE], cwd=tmp_path, env=env)
-    assert result.returncode != 0 and "KernelNotAvailableError" in result.stderr \
-        and "does not match its manifest entry" in result.stderr, _explain(result)
+    assert (
+        result.returncode != 0
+        and "KernelNotAvailableError" in result.stderr
+        and "does not match its manifest entry" in result.stderr
+    ), _explain(result)
 
 
 def _tamper_sources_hash(prebuilt: Path, sources: Path) -> str:
@@ -164,7 +175,8 @@ _INSTALLED_CHECK = textwrap.dedent("""
     import torch
     import longformer_ops
     from longformer_ops import LongformerConfig, LongformerModel, diagonaled_mm, sliding_window_attention
-    from longformer_ops import _loader, reference
+    from longformer_ops.runtime import loader as _loader
+    from longformer_ops.ops import reference
 
     site_packages, repo = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
     assert Path(longformer_ops.__file__).resolve().is_relative_to(site_packages), longformer_ops.__file__
@@ -233,13 +245,17 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path_factory):
     result = _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=work)
     assert result.returncode == 0, _explain(result)
     python = venv / "bin" / "python"
-    result = _run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", TORCH_SPEC, wheel],
-                  cwd=work, env=_clean_env())
+    result = _run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--quiet", TORCH_SPEC, wheel],
+        cwd=work,
+        env=_clean_env(),
+    )
     assert result.returncode == 0, "installing the wheel failed\n" + _explain(result)
     lap("venv + install")
 
-    site_packages = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['platlib'])"],
-                              cwd=work).stdout.strip()).resolve()
+    site_packages = Path(
+        _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['platlib'])"], cwd=work).stdout.strip()
+    ).resolve()
     outside = work / "elsewhere"
     outside.mkdir()
     (outside / "check.py").write_text(_INSTALLED_CHECK)
@@ -252,5 +268,7 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path_factory):
     assert result.returncode == 0, _explain(result)
     assert f"prebuilt:  {site_packages / 'longformer_ops' / 'prebuilt'}" in result.stdout, _explain(result)
     lap("info")
-    print(f"\n{wheel.name}: {wheel.stat().st_size / 1e6:.1f} MB; "
-          + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timings.items()))
+    print(
+        f"\n{wheel.name}: {wheel.stat().st_size / 1e6:.1f} MB; "
+        + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timings.items())
+    )

@@ -1,7 +1,7 @@
 """The tensor-core CUDA kernels' machine code, without a GPU: registers, shared memory and SASS
 instruction counts per kernel, for comparing a schedule change before a GPU can time it.
 
-Generates the half types' fused forward and backward (``tvm_kernels/schedules/cuda.py``) for one
+Generates the half types' fused forward and backward (``tvm_kernels/schedules/cuda/``) for one
 architecture, compiles each with nvcc (``-Xptxas -v``) and disassembles it with cuobjdump, which
 needs nvdisasm beside it (both in a CUDA toolkit; or unpacked from the PyPI wheels
 ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm``, their ``nvidia/cu13/bin`` put on PATH):
@@ -43,8 +43,10 @@ def main() -> int:
             parser.error(f"{tool} is not on PATH (see this script's docstring)")
     target = tvm.target.Target({"kind": "cuda", "arch": args.arch}, host={"kind": "llvm"})
     # (The backward, a PrimFunc of two kernels, without TVM's CSE, as the build does: tests/cuda_on_cpu.py.)
-    functions = {"attention": (cuda.attention_mma(args.dtype, False), {}),
-                 "attention_backward": (cuda.attention_backward(args.dtype, False), {"tirx.disable_cse_tir": True})}
+    functions = {
+        "attention": (cuda.attention_mma(args.dtype, False), {}),
+        "attention_backward": (cuda.attention_backward(args.dtype, False), {"tirx.disable_cse_tir": True}),
+    }
     directory = args.keep or Path(tempfile.mkdtemp(prefix="cuda_sass_"))
     directory.mkdir(parents=True, exist_ok=True)
     for name, (function, config) in functions.items():
@@ -53,8 +55,11 @@ def main() -> int:
         source = directory / f"{name}.cu"
         source.write_text(module.mod.imports[0].inspect_source())
         cubin = source.with_suffix(".cubin")
-        built = subprocess.run(["nvcc", "-cubin", f"-arch={args.arch}", "-O3", "-Xptxas", "-v", "-o", cubin, source],
-                               capture_output=True, text=True)
+        built = subprocess.run(
+            ["nvcc", "-cubin", f"-arch={args.arch}", "-O3", "-Xptxas", "-v", "-o", cubin, source],
+            capture_output=True,
+            text=True,
+        )
         if built.returncode:
             print(built.stderr)
             return 1

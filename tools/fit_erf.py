@@ -10,6 +10,7 @@ float64 and in float32 Horner evaluation.
     python tools/fit_erf.py                  # float32's fit
     python tools/fit_erf.py --degrees 4 3    # the half types'
 """
+
 import argparse
 import math
 
@@ -35,7 +36,7 @@ def fit(p_degree: int = P_DEGREE, q_degree: int = Q_DEGREE, iterations: int = 60
         weight = lawson / np.abs(powers_q @ q[1:] + 1) * z
         system = np.hstack([powers_p, -f[:, None] * powers_q])
         solution = np.linalg.lstsq(system * weight[:, None], f * weight, rcond=None)[0]
-        p, q = solution[:p_degree + 1], np.concatenate([[1.0], solution[p_degree + 1:]])
+        p, q = solution[: p_degree + 1], np.concatenate([[1.0], solution[p_degree + 1 :]])
         denominator = powers_q @ q[1:] + 1
         if np.any(denominator <= 0):
             break
@@ -63,8 +64,14 @@ def float32_error(p, q) -> float:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--degrees", type=int, nargs=2, default=(P_DEGREE, Q_DEGREE), metavar=("P", "Q"),
-                        help="degrees of P and Q (default: %(default)s)")
+    parser.add_argument(
+        "--degrees",
+        type=int,
+        nargs=2,
+        default=(P_DEGREE, Q_DEGREE),
+        metavar=("P", "Q"),
+        help="degrees of P and Q (default: %(default)s)",
+    )
     error, p, q = fit(*parser.parse_args().degrees)
     print(f"max |error| in float64: {error:.3g}; evaluated in float32: {float32_error(p, q):.3g}")
     print("P:", [float(c) for c in p])

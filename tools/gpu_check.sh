@@ -7,7 +7,7 @@
 #   tools/gpu_check.sh [OUTDIR]      # there, from the repository root (default: $OUT, else ./gpu-check)
 #   STEPS="tests bench" tools/gpu_check.sh   # some steps only (a lent machine's call lasts 10 minutes)
 #   LIMITS="tests=240 bench=270"             # seconds per step (killed past it; the others still run)
-#   PYTEST_ARGS="-n 8" BENCH_ARGS="--seq-lens 4096 ..." FLEX_ARGS=... TESTS_K="cuda or layer"   # replace defaults
+#   PYTEST_ARGS="-n 8" BENCH_ARGS="--seq-lens 4096 ..." FLEX_ARGS=... TESTS_M="gpu or multiprocess"   # replace defaults
 #   STEPS=ncu tools/gpu_check.sh         # Nsight Compute on one forward and backward (PROFILE_ARGS: its case)
 #   tools/gpu_check.sh baseline COMMIT...  # here: each COMMIT's tree into .baseline/NAME/ (carry .baseline):
 #                                        # its kernels benched there too, right after ours (BASELINE_ARGS),
@@ -100,9 +100,8 @@ if [ -z "${PYTEST_ARGS+set}" ]; then
     "$PYTHON" -c "import xdist" 2> /dev/null && PYTEST_ARGS="-n 8" && export OMP_NUM_THREADS=2
 fi
 "$PYTHON" -c "import pytest_reportlog" 2> /dev/null && PYTEST_ARGS="${PYTEST_ARGS:-} --report-log=$out/tests.jsonl"
-# Those that use the GPU (each has "cuda" in its name or parameters; `make gpu-check` adds the
-# layer's and model's CPU tests, which CI runs anyway): 769 of them at 02b97ef.
-step tests "$PYTHON" -m pytest -q -rfE -p no:cacheprovider tests -k "${TESTS_K:-cuda}" ${PYTEST_ARGS:-}
+# Those that use the GPU: marked `gpu` (as `make gpu-check` selects them).
+step tests "$PYTHON" -m pytest -q -rfE -p no:cacheprovider tests -m "${TESTS_M:-gpu}" ${PYTEST_ARGS:-}
 [ -f "$out/tests.jsonl" ] && "$PYTHON" tools/pytest_report_summary.py "$out/tests.jsonl" > "$out/tests-summary.txt"
 unset OMP_NUM_THREADS
 step memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$PYTHON" tools/sanitize_cuda_kernels.py
@@ -110,7 +109,7 @@ step racecheck compute-sanitizer --tool racecheck --error-exitcode 1 "$PYTHON" t
 # Ours (fused; and as the three steps: the band products and torch's softmax) against transformers'
 # sliding chunks, the band products too, both dtypes, undilated and dilated, both passes: 70 s on
 # an H200. Full attention and SDPA with a mask: name them in BENCH_ARGS (results for them are in
-# bench/results/nvidia-h200-attention.*). Then flex, whose compiles are slow, in bfloat16 (the
+# bench/results/nvidia-h200/nvidia-h200-attention.*). Then flex, whose compiles are slow, in bfloat16 (the
 # dtype of issue 24's anchors; each case compiles anew).
 step bench "$PYTHON" -m bench --device cuda --out "$out" ${BENCH_ARGS:---dtype float32,bfloat16 --seq-lens 16384 \
     --ops local_attention,qk_band,pv_band,transposed_band --methods tvm,tvm_steps_torch_softmax,sliding_chunks \

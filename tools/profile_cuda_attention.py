@@ -34,8 +34,9 @@ def main() -> None:
         dilation *= args.heads
     torch.manual_seed(0)
     shape = (1, args.seq_len, args.heads, args.head_dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype), requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype), requires_grad=True) for _ in range(3)
+    )
     grad = torch.randn(shape, device="cuda", dtype=q.dtype)
     scale = 1.0 / math.sqrt(args.head_dim)
 
@@ -52,8 +53,10 @@ def main() -> None:
     step()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"profiled one forward and backward: {args.dtype}, n = {args.seq_len}, {args.heads} x {args.head_dim}, "
-          f"w = {args.window}, dilation {args.dilation}")
+    print(
+        f"profiled one forward and backward: {args.dtype}, n = {args.seq_len}, {args.heads} x {args.head_dim}, "
+        f"w = {args.window}, dilation {args.dilation}"
+    )
 
 
 if __name__ == "__main__":

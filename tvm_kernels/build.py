@@ -38,7 +38,7 @@ import time
 import traceback
 from pathlib import Path
 
-from longformer_ops import _manifest
+from longformer_ops.runtime import manifest as _manifest
 from tvm_kernels import variants
 from tvm_kernels.variants import function_name
 
@@ -132,9 +132,11 @@ def _compile_piece(target_name: str, dtype: str, entries: list, destination: str
             assert not executable.mod.imports, "a CPU library with device code"
             executable.mod.write_to_file(destination)
     except Exception as error:
-        raise PieceError(f"{variants.library_name(variants.TARGETS[target_name], dtype)} "
-                         f"({', '.join(name for name, _, _ in entries)}): {type(error).__name__}: {error}\n"
-                         f"{traceback.format_exc()}") from None
+        raise PieceError(
+            f"{variants.library_name(variants.TARGETS[target_name], dtype)} "
+            f"({', '.join(name for name, _, _ in entries)}): {type(error).__name__}: {error}\n"
+            f"{traceback.format_exc()}"
+        ) from None
     return time.perf_counter() - started
 
 
@@ -168,8 +170,10 @@ def _compile_openmp_launch(runtime_dir: Path) -> None:
     compiler = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory() as scratch:
         built = Path(scratch) / _manifest.OPENMP_LAUNCH_LIBRARY
-        subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-fopenmp", str(HERE / "openmp_launch.c"), "-o", str(built)],
-                       check=True)
+        subprocess.run(
+            [compiler, "-O2", "-fPIC", "-shared", "-fopenmp", str(HERE / "openmp_launch.c"), "-o", str(built)],
+            check=True,
+        )
         _replace_if_changed(built, runtime_dir / _manifest.OPENMP_LAUNCH_LIBRARY)
 
 
@@ -204,8 +208,13 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
 
     def up_to_date(name, target, dtype) -> bool:
         entry, path = libraries.get(name), out / name
-        return (not force and entry is not None and entry.get("inputs") == _inputs_of(target, dtype, nvcc_version)
-                and path.exists() and entry.get("sha256") == _manifest.file_sha256(path))
+        return (
+            not force
+            and entry is not None
+            and entry.get("inputs") == _inputs_of(target, dtype, nvcc_version)
+            and path.exists()
+            and entry.get("sha256") == _manifest.file_sha256(path)
+        )
 
     stale = []  # (label, manifest key, target, dtype) of each library to build
     for index, (target, dtype) in enumerate(wanted, start=1):
@@ -219,10 +228,15 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
         jobs = jobs or default_jobs()
         cuda_stale = [target.name for _, _, target, _ in stale if target.device == "cuda"]
         started = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="longformer-kernels-") as scratch, \
-                concurrent.futures.ProcessPoolExecutor(
-                    max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_start_worker, initargs=(cuda_stale[0] if cuda_stale else None,)) as pool:
+        with (
+            tempfile.TemporaryDirectory(prefix="longformer-kernels-") as scratch,
+            concurrent.futures.ProcessPoolExecutor(
+                max_workers=jobs,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_worker,
+                initargs=(cuda_stale[0] if cuda_stale else None,),
+            ) as pool,
+        ):
             pending = {}  # library index -> futures of its pieces, in order
             # CUDA's libraries first: each is one long piece (nvcc), which would otherwise end the build alone.
             stale.sort(key=lambda library: library[2].device != "cuda")
@@ -230,12 +244,23 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
                 pieces = _pieces_of(target)
                 path = out / name
                 path.parent.mkdir(parents=True, exist_ok=True)
-                destinations = ([path.with_name(path.name + ".tmp.so")] if target.device == "cuda"
-                                else [Path(scratch) / f"{index}-{piece}.o" for piece in range(len(pieces))])
-                print(f"{label}: building {sum(map(len, pieces))} functions for {target.tvm_target} "
-                      f"({len(pieces)} piece{'s' * (len(pieces) > 1)}) ...", flush=True)
-                pending[index] = ([pool.submit(_compile_piece, target.name, dtype, entries, str(destination))
-                                   for entries, destination in zip(pieces, destinations)], destinations)
+                destinations = (
+                    [path.with_name(path.name + ".tmp.so")]
+                    if target.device == "cuda"
+                    else [Path(scratch) / f"{index}-{piece}.o" for piece in range(len(pieces))]
+                )
+                print(
+                    f"{label}: building {sum(map(len, pieces))} functions for {target.tvm_target} "
+                    f"({len(pieces)} piece{'s' * (len(pieces) > 1)}) ...",
+                    flush=True,
+                )
+                pending[index] = (
+                    [
+                        pool.submit(_compile_piece, target.name, dtype, entries, str(destination))
+                        for entries, destination in zip(pieces, destinations)
+                    ],
+                    destinations,
+                )
             remaining = {future: index for index, (futures, _) in pending.items() for future in futures}
             try:
                 while remaining:
@@ -254,8 +279,11 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
                         libraries[name] = _entry(target, dtype, out / name, _inputs_of(target, dtype, nvcc_version))
                         _write_manifest(out, manifest, libraries)  # keep progress if a later build fails
                         seconds = sum(f.result() for f in futures)
-                        print(f"{label}: built ({seconds:.1f} s of compiling; {time.perf_counter() - started:.0f} s "
-                              f"since the start)", flush=True)
+                        print(
+                            f"{label}: built ({seconds:.1f} s of compiling; {time.perf_counter() - started:.0f} s "
+                            f"since the start)",
+                            flush=True,
+                        )
             except BaseException:
                 pool.shutdown(cancel_futures=True)
                 raise
@@ -263,8 +291,10 @@ def build(targets: list[str], dtypes: list[str] | None, out: Path, force: bool =
     manifest["runtime"] = _prepare_runtime(out, need_cuda)
     manifest["openmp_launch_source_sha256"] = _manifest.file_sha256(HERE / "openmp_launch.c")
     _write_manifest(out, manifest, libraries)
-    print(f"{len(stale)} built, {len(wanted) - len(stale)} up to date; manifest: {out / _manifest.MANIFEST_NAME}",
-          flush=True)
+    print(
+        f"{len(stale)} built, {len(wanted) - len(stale)} up to date; manifest: {out / _manifest.MANIFEST_NAME}",
+        flush=True,
+    )
     return len(stale)
 
 
@@ -313,13 +343,18 @@ def _prepare_cuda_callback(target: variants.KernelTarget) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tvm_kernels.build", description=__doc__.splitlines()[0])
-    parser.add_argument("--targets", default=",".join(variants.TARGETS),
-                        help="comma-separated targets (default: %(default)s)")
+    parser.add_argument(
+        "--targets", default=",".join(variants.TARGETS), help="comma-separated targets (default: %(default)s)"
+    )
     parser.add_argument("--dtypes", default=None, help="comma-separated dtypes (default: all of each target)")
     parser.add_argument("--out", type=Path, default=_manifest.DEFAULT_PREBUILT, help="output directory")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help=f"worker processes (default: this machine's cores, at most {MAX_DEFAULT_JOBS})")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help=f"worker processes (default: this machine's cores, at most {MAX_DEFAULT_JOBS})",
+    )
     args = parser.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")

@@ -29,7 +29,7 @@ The CPU and CUDA kernels are written directly in TIR instead (``tvm_kernels/sche
 these definitions are the specification they implement (and what a target without
 hand-written kernels would schedule). The CPU's fused local-attention kernels compose them (Q.K^T, a softmax over the
 band, probs.V; their backward likewise); their reference is
-``longformer_ops.reference.sliding_window_attention_reference``.
+``longformer_ops.ops.reference.sliding_window_attention_reference``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from tvm import te, tirx
 from tvm.script import tirx as T
+
 
 def is_half(dtype: str) -> bool:
     """float16 and bfloat16: accumulated in float32, results rounded to the half type."""
@@ -171,7 +172,7 @@ def transposed(dtype: str, autoregressive: bool) -> tirx.PrimFunc:
 # Attention dropout without generator state, so that the backward regenerates the forward's mask:
 # each row's key is murmur3's 32-bit finaliser chained over (seed, batch * heads + head, query row);
 # band column j of that row is kept when the top 24 bits of mix(key + j * golden) are >= p * 2^24.
-# longformer_ops.reference.dropout_factor_reference computes the same mask in PyTorch. Here, with
+# longformer_ops.ops.reference.dropout_factor_reference computes the same mask in PyTorch. Here, with
 # the math, because every target's fused kernels must draw the same mask.
 _GOLDEN = 0x9E3779B9
 
@@ -181,15 +182,23 @@ def _mix32(x, bind: bool):
     ``bind``: each step's value is bound to a variable (a ``Let``) instead of repeated where the next
     step uses it twice: C source prints an expression as a tree, and three chained finalisers
     repeated that way grow by 8^3 (CUDA lines of 240,000 characters); LLVM sees the same DAG either way."""
+
     def step(value, rest):
         if not bind:
             return rest(value)
         var = tirx.Var("mixed", "uint32")
         return tirx.Let(var, value, rest(var))
 
-    return step(x, lambda x: step((x ^ T.shift_right(x, T.uint32(16))) * T.uint32(0x85EBCA6B),
-                                  lambda y: step((y ^ T.shift_right(y, T.uint32(13))) * T.uint32(0xC2B2AE35),
-                                                 lambda z: z ^ T.shift_right(z, T.uint32(16)))))
+    return step(
+        x,
+        lambda x: step(
+            (x ^ T.shift_right(x, T.uint32(16))) * T.uint32(0x85EBCA6B),
+            lambda y: step(
+                (y ^ T.shift_right(y, T.uint32(13))) * T.uint32(0xC2B2AE35),
+                lambda z: z ^ T.shift_right(z, T.uint32(16)),
+            ),
+        ),
+    )
 
 
 def dropout_row_key(seed, bh, row, bind: bool = False):
@@ -198,8 +207,10 @@ def dropout_row_key(seed, bh, row, bind: bool = False):
     first row is row ``o`` of the whole passes ``seed + (o << 32)`` and gets the whole sequence's
     mask for its rows (sequence parallelism, ``longformer_ops.distributed``)."""
     row_of_whole = T.Cast("uint32", row) + T.Cast("uint32", T.shift_right(seed, T.int64(32)))
-    return _mix32(T.Cast("uint32", seed) ^ _mix32(T.Cast("uint32", bh) * T.uint32(_GOLDEN)
-                                                  ^ _mix32(row_of_whole, bind), bind), bind)
+    return _mix32(
+        T.Cast("uint32", seed) ^ _mix32(T.Cast("uint32", bh) * T.uint32(_GOLDEN) ^ _mix32(row_of_whole, bind), bind),
+        bind,
+    )
 
 
 def dropout_factor(key, column, dropout, acc_dtype, bind: bool = False):
@@ -216,8 +227,11 @@ def dropout_factor_of(hashed, dropout, acc_dtype, bind: bool = False):
     """:func:`dropout_factor` from its hash input ``key + column_step(column)`` (a kernel may sum
     that its own way: e.g. a vector of 16 columns as one scalar plus a constant vector)."""
     bits = T.shift_right(_mix32(hashed, bind), T.uint32(8))
-    return T.Select(bits >= T.Cast("uint32", dropout * T.float64(1 << 24)),
-                    T.Cast(acc_dtype, T.float64(1) / (T.float64(1) - dropout)), T.Cast(acc_dtype, 0))
+    return T.Select(
+        bits >= T.Cast("uint32", dropout * T.float64(1 << 24)),
+        T.Cast(acc_dtype, T.float64(1) / (T.float64(1) - dropout)),
+        T.Cast(acc_dtype, 0),
+    )
 
 
 DEFINITIONS = {"qk": qk, "pv": pv, "transposed": transposed}

@@ -23,8 +23,15 @@ from pathlib import Path
 
 # Driver entry points libtvm_runtime_cuda.so imports (nm -D --undefined-only).
 _DRIVER_SYMBOLS = (
-    "cuInit", "cuDeviceGetName", "cuFuncSetAttribute", "cuGetErrorName", "cuGetErrorString",
-    "cuLaunchKernelEx", "cuModuleGetFunction", "cuModuleLoadData", "cuModuleUnload",
+    "cuInit",
+    "cuDeviceGetName",
+    "cuFuncSetAttribute",
+    "cuGetErrorName",
+    "cuGetErrorString",
+    "cuLaunchKernelEx",
+    "cuModuleGetFunction",
+    "cuModuleLoadData",
+    "cuModuleUnload",
     "cuTensorMapEncodeTiled",
 )
 _CUDA_ERROR_NO_DEVICE = 100

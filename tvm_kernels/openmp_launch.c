@@ -4,7 +4,7 @@
  * __TVMBackendParallelLaunch, which TVM's runtime points at its own thread pool when the
  * library loads. Two pools on the same cores contend: right after a torch op, torch's
  * OpenMP workers keep spinning for milliseconds while TVM's workers start, and a 20 ms
- * kernel took 27 ms. The loader (longformer_ops/_loader.py) points that slot here instead,
+ * kernel took 27 ms. The loader (longformer_ops/runtime/loader.py) points that slot here instead,
  * so kernels run on the very threads torch just used. This library links libgomp.so.1, which
  * resolves to the copy torch already loaded.
  *

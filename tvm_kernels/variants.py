@@ -14,36 +14,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from longformer_ops._manifest import function_name, function_names  # noqa: F401  (the naming contract with the runtime)
+from longformer_ops.runtime.manifest import (  # noqa: F401  (the naming contract with the runtime)
+    KERNEL_FAMILIES,
+    function_name,
+    function_names,
+    ops_of,
+)
 
-OPS = ("qk", "pv", "transposed")  # the three banded products, see tvm_kernels.compute
-# Fused local attention (qk, softmax, pv per tile, see tvm_kernels/schedules/cpu/attention.py) and its
-# backward (dQ, dK, dV from the forward's row log-sum-exp): no band in memory either way.
-# CPU targets both, CUDA the forward; the runtime runs the three products where a library lacks
-# them (on CUDA: training).
-FUSED_ATTENTION = ("attention", "attention_backward")
-# The band softmax of the unfused path (in place, with the invalid-location mask) and its backward.
-# CPU targets only; elsewhere the runtime masks and softmaxes with torch ops.
-BAND_SOFTMAX = ("softmax", "softmax_backward")
-# Hidden-state dropout with the fused attention's counter-based mask (schedules/cpu/dropout.py), alone
-# and with a dense layer's bias and the residual (and that sum's backward with the bias's gradient):
-# CPU targets only, where torch's own draws its mask on one thread; elsewhere torch's ops.
-DROPOUT = ("dropout", "bias_dropout_add", "dropout_column_sums")
-# The FFN's bias and exact GELU after a bias-free GEMM, and its backward (schedules/cpu/gelu.py):
-# CPU targets only; elsewhere torch's addmm and GELU.
-BIAS_GELU = ("bias_gelu", "bias_gelu_backward")
-# The layer's merge of the global keys into the band's attention, and the sums its backward needs
-# (schedules/cpu/global_merge.py): CPU targets only; elsewhere torch's ops.
-GLOBAL_MERGE = ("global_merge", "global_merge_backward")
-# Layer normalisation over the last dimension and its backward with the weight's and bias's
-# gradients (schedules/cpu/layer_norm.py): CPU targets only; elsewhere torch's layer_norm.
-LAYER_NORM = ("layer_norm", "layer_norm_backward")
-# Products of a few rows with a matrix, a @ b and a @ b^T, half types widened in registers
-# (schedules/cpu/few_rows.py): a generation step's attention over its key/value cache. CPU targets
-# only; elsewhere torch's matmul.
-FEW_ROW_PRODUCTS = ("few_rows_mm", "few_rows_mm_nt")
-# Every CPU library builds all of them.
-CPU_OPS = OPS + FUSED_ATTENTION + BAND_SOFTMAX + DROPOUT + BIAS_GELU + GLOBAL_MERGE + LAYER_NORM + FEW_ROW_PRODUCTS
+# What each library holds comes from the one table of kernel families (longformer_ops/runtime/manifest.py),
+# a schedule function per op in each target's schedule module.
+OPS = ops_of(["band_products"])  # the three banded products, see tvm_kernels.compute
+# Every CPU library builds every family; CUDA those the table marks for it (elsewhere the runtime runs
+# torch's ops, or the band products where the fused attention is missing).
+CPU_OPS = ops_of(KERNEL_FAMILIES)
+CUDA_OPS = ops_of(name for name, family in KERNEL_FAMILIES.items() if family.cuda)
 
 
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # SASS for each; PTX of the newest for later GPUs
@@ -55,19 +39,19 @@ _V4_FLAGS = _V3_FLAGS + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512v
 
 @dataclass(frozen=True)
 class KernelTarget:
-    name: str                     # library directory name and CLI name
-    device: str                   # torch device type the libraries serve
-    tvm_target: dict              # dict-form tvm.target.Target (host in "host" for CUDA)
-    schedule_module: str          # tvm_kernels.schedules.<this>
+    name: str  # library directory name and CLI name
+    device: str  # torch device type the libraries serve
+    tvm_target: dict  # dict-form tvm.target.Target (host in "host" for CUDA)
+    schedule_module: str  # tvm_kernels.schedules.<this>
     dtypes: tuple[str, ...]
-    preference: int = 0           # higher wins when several targets run on this machine
+    preference: int = 0  # higher wins when several targets run on this machine
     cpu_flags: tuple[str, ...] = ()
     # Chosen by itself only on CPUs of these vendors (/proc/cpuinfo's vendor_id; empty: any): where
     # it runs elsewhere but a library of lower preference is faster there. Forcing it still works.
     cpu_vendors: tuple[str, ...] = ()
     cuda_archs: tuple[str, ...] = ()
-    isa: str = ""                 # CPU instruction set the hand-written kernels tile for (schedules/cpu/tiles.py)
-    ops: tuple[str, ...] = OPS    # the functions built: band ops symmetric and causal (function_names)
+    isa: str = ""  # CPU instruction set the hand-written kernels tile for (schedules/cpu/tiles.py)
+    ops: tuple[str, ...] = OPS  # the functions built: band ops symmetric and causal (function_names)
     extra_sources: tuple[str, ...] = field(default=())
     # Other schedule modules whose kernels its module builds (their files are its sources too).
     uses_schedules: tuple[str, ...] = ()
@@ -122,7 +106,7 @@ TARGETS: dict[str, KernelTarget] = {
         ),
         # bfloat16 only, on CPUs with AMX (Intel since Sapphire Rapids): cpu-avx512's kernels with the
         # fused attention and the band products on AMX tiles (schedules/cpu_amx). Needs the process's
-        # permission to use tile data, which the loader requests before choosing it (longformer_ops/_loader.py).
+        # permission to use tile data, which the loader requests before choosing it (longformer_ops/runtime/loader.py).
         KernelTarget(
             name="cpu-amx",
             device="cpu",
@@ -142,7 +126,7 @@ TARGETS: dict[str, KernelTarget] = {
             schedule_module="cuda",
             dtypes=("float32", "float16", "bfloat16"),
             cuda_archs=CUDA_ARCHS,
-            ops=OPS + FUSED_ATTENTION,
+            ops=CUDA_OPS,
             extra_sources=("cuda_toolchain.py",),
         ),
     )

@@ -74,17 +74,29 @@ from tvm_kernels.schedules.cpu.layer_norm import layer_norm, layer_norm_backward
 from tvm_kernels.schedules.cpu.qk import qk
 from tvm_kernels.schedules.cpu.softmax import softmax, softmax_backward
 
-
 FEATURE_MULTIPLE = 32  # head_dim: whole vectors for qk, whole 2-vector tiles for pv / transposed (32 float32 lanes on AVX-512; the others divide it)
 # The per-tile buffers stay on the stack only with StorageRewrite off (microkernels._ON_STACK).
 PASS_CONFIG = {"tirx.disable_storage_rewrite": True}
 
-HAND_WRITTEN = {"qk": qk, "pv": pv, "transposed": transposed, "attention": attention,
-                "attention_backward": attention_backward, "softmax": softmax, "softmax_backward": softmax_backward,
-                "dropout": dropout, "bias_dropout_add": bias_dropout_add, "dropout_column_sums": dropout_column_sums,
-                "bias_gelu": bias_gelu, "bias_gelu_backward": bias_gelu_backward,
-                "global_merge": global_merge, "global_merge_backward": global_merge_backward,
-                "layer_norm": layer_norm, "layer_norm_backward": layer_norm_backward,
-                "few_rows_mm": few_rows_mm, "few_rows_mm_nt": few_rows_mm_nt}
+HAND_WRITTEN = {
+    "qk": qk,
+    "pv": pv,
+    "transposed": transposed,
+    "attention": attention,
+    "attention_backward": attention_backward,
+    "softmax": softmax,
+    "softmax_backward": softmax_backward,
+    "dropout": dropout,
+    "bias_dropout_add": bias_dropout_add,
+    "dropout_column_sums": dropout_column_sums,
+    "bias_gelu": bias_gelu,
+    "bias_gelu_backward": bias_gelu_backward,
+    "global_merge": global_merge,
+    "global_merge_backward": global_merge_backward,
+    "layer_norm": layer_norm,
+    "layer_norm_backward": layer_norm_backward,
+    "few_rows_mm": few_rows_mm,
+    "few_rows_mm_nt": few_rows_mm_nt,
+}
 # (the dropouts, the GELU, the merge, the layer norm and the few-row products have no band: (dtype, isa),
 # one function each)

@@ -8,8 +8,16 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-from tvm_kernels.compute import (accumulation_dtype, column_step, dropout_factor, dropout_factor_of, dropout_row_key,
-                                 is_half)
+from tvm_kernels.compute import (
+    accumulation_dtype,
+    column_step,
+    dropout_factor,
+    dropout_factor_of,
+    dropout_row_key,
+    is_half,
+)
+from tvm_kernels.schedules.cpu import bf16_dot
+from tvm_kernels.schedules.cpu.dropout import lane_column_steps
 from tvm_kernels.schedules.cpu.microkernels import (
     _BITS,
     _ON_STACK,
@@ -26,19 +34,18 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _rounded,
     _rows_feature_major,
     _run_origin,
-    _tanh,
     _run_tiles,
+    _tanh,
     _transpose_square,
     _zero_tile,
 )
-from tvm_kernels.schedules.cpu import bf16_dot
-from tvm_kernels.schedules.cpu.dropout import lane_column_steps
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
 @T.macro
-def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype, grads=None,
-                   twice=False):
+def _apply_dropout(
+    scores, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype, grads=None, twice=False
+):
     """kept[r, c] = scores[r, c] * Z[r, c] (the mask: 1/(1-p) or 0) at each row's valid columns [begin,
     end) (its other columns are left as they are); ``kept`` may be ``scores`` itself (in place).
     ``twice``: also grads *= Z in the same pass (the backward's two uses of the forward's mask, P * Z
@@ -52,11 +59,13 @@ def _apply_dropout(scores, kept, seed, bh, query, begin, end, base, rows, lanes,
             start: T.let = begin[r] + vector * T.int64(lanes)
             hashed_start: T.let = key + column_step(start - base - T.int64(r))
             for lane in T.vectorized(lanes):
-                kept[r, start + lane] = scores[r, start + lane] * dropout_factor_of(hashed_start + lane_steps[lane], dropout,
-                                                                                    acc_dtype)
+                kept[r, start + lane] = scores[r, start + lane] * dropout_factor_of(
+                    hashed_start + lane_steps[lane], dropout, acc_dtype
+                )
                 if twice:
-                    grads[r, start + lane] = grads[r, start + lane] * dropout_factor_of(hashed_start + lane_steps[lane],
-                                                                                        dropout, acc_dtype)
+                    grads[r, start + lane] = grads[r, start + lane] * dropout_factor_of(
+                        hashed_start + lane_steps[lane], dropout, acc_dtype
+                    )
         for c in range(begin[r] + (end[r] - begin[r]) // T.int64(lanes) * T.int64(lanes), end[r]):
             kept[r, c] = scores[r, c] * dropout_factor(key, c - base - T.int64(r), dropout, acc_dtype)
             if twice:
@@ -70,7 +79,11 @@ def _attention_tile_bounds(query, begin, end, row_of, n, p0, w, d, band, base, r
     for r in T.unroll(rows):
         query[r] = row_of[T.min(p0 + T.int64(r), n - T.int64(1))]  # rows past the end are not stored
         begin[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.max(w - query[r] // d, T.int64(0)), T.int64(0))
-        end[r] = T.Select(p0 + T.int64(r) < n, base + T.int64(r) + T.min(w + (n - T.int64(1) - query[r]) // d + T.int64(1), band), T.int64(0))
+        end[r] = T.Select(
+            p0 + T.int64(r) < n,
+            base + T.int64(r) + T.min(w + (n - T.int64(1) - query[r]) // d + T.int64(1), band),
+            T.int64(0),
+        )
 
 
 @T.macro
@@ -80,7 +93,8 @@ def _attention_tile_operand(queries, t_rows, query, b, h, head_dim, scale, rows,
         for vector in range(head_dim // T.int64(lanes)):
             for lane in T.vectorized(lanes):
                 queries[r, vector * T.int64(lanes) + lane] = T.Cast(
-                    acc_dtype, t_rows[b, query[r], h, vector * T.int64(lanes) + lane]) * T.Cast(acc_dtype, scale)
+                    acc_dtype, t_rows[b, query[r], h, vector * T.int64(lanes) + lane]
+                ) * T.Cast(acc_dtype, scale)
 
 
 @T.macro
@@ -108,8 +122,9 @@ def _fill_outside_row(scores, r, begin, end, tile_blocks, cols, lanes, value):
 
 
 @T.macro
-def _soft_cap(scores, derivatives, begin, end, tile_blocks, rows, cols, lanes, softcap, acc_dtype, minus_inf,
-              with_derivatives):
+def _soft_cap(
+    scores, derivatives, begin, end, tile_blocks, rows, cols, lanes, softcap, acc_dtype, minus_inf, with_derivatives
+):
     """Logit soft-capping (Gemma 2) in place over the tile's computed blocks: each row's valid
     scores become softcap * tanh(score / softcap), the others -inf (the softmax's fill, done first
     so that nothing outside a row's band reaches its derivatives); a score of -inf (a padding
@@ -123,18 +138,39 @@ def _soft_cap(scores, derivatives, begin, end, tile_blocks, rows, cols, lanes, s
         for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
                 scores[r, vector * T.int64(lanes) + lane] = T.Select(
-                    scores[r, vector * T.int64(lanes) + lane] == minus_inf, minus_inf,
-                    cap * _tanh(scores[r, vector * T.int64(lanes) + lane] * inverse, acc_dtype))
+                    scores[r, vector * T.int64(lanes) + lane] == minus_inf,
+                    minus_inf,
+                    cap * _tanh(scores[r, vector * T.int64(lanes) + lane] * inverse, acc_dtype),
+                )
                 if with_derivatives:
                     derivatives[r, vector * T.int64(lanes) + lane] = T.Select(
-                        scores[r, vector * T.int64(lanes) + lane] == minus_inf, T.Cast(acc_dtype, 0),
-                        T.Cast(acc_dtype, 1) - (scores[r, vector * T.int64(lanes) + lane] * inverse)
-                        * (scores[r, vector * T.int64(lanes) + lane] * inverse))
+                        scores[r, vector * T.int64(lanes) + lane] == minus_inf,
+                        T.Cast(acc_dtype, 0),
+                        T.Cast(acc_dtype, 1)
+                        - (scores[r, vector * T.int64(lanes) + lane] * inverse)
+                        * (scores[r, vector * T.int64(lanes) + lane] * inverse),
+                    )
 
 
 @T.macro
-def _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, sub_rows, cols, acc_dtype,
-                           with_bias, dot, scale, transposed=False):
+def _attention_tile_scores(
+    scores,
+    acc,
+    queries,
+    keys,
+    biases,
+    block0,
+    tile_blocks,
+    head_dim,
+    rows,
+    sub_rows,
+    cols,
+    acc_dtype,
+    with_bias,
+    dot,
+    scale,
+    transposed=False,
+):
     """scores[r, c] = queries[r] . packed key (block0 * cols + c) (+ that key's bias), for the key
     blocks [tile_blocks[0], tile_blocks[1]) (relative to block0), ``sub_rows`` rows (the register
     tile ``acc``) at a time. ``dot``: queries and keys are bfloat16 feature pairs (bf16_dot.py),
@@ -154,21 +190,49 @@ def _attention_tile_scores(scores, acc, queries, keys, biases, block0, tile_bloc
                     for r in T.unroll(sub_rows):
                         for lane in T.vectorized(cols):
                             if transposed:
-                                acc[r, lane] = acc[r, lane] + queries[f, row0 + T.int64(r)] * keys[block0 + block, f, lane]
+                                acc[r, lane] = (
+                                    acc[r, lane] + queries[f, row0 + T.int64(r)] * keys[block0 + block, f, lane]
+                                )
                             else:
-                                acc[r, lane] = acc[r, lane] + queries[row0 + T.int64(r), f] * keys[block0 + block, f, lane]
+                                acc[r, lane] = (
+                                    acc[r, lane] + queries[row0 + T.int64(r), f] * keys[block0 + block, f, lane]
+                                )
             for r in T.unroll(sub_rows):
                 for lane in T.vectorized(cols):
                     if with_bias:
                         scores[row0 + T.int64(r), block * T.int64(cols) + lane] = (
-                            acc[r, lane] + biases[(block0 + block) * T.int64(cols) + lane])
+                            acc[r, lane] + biases[(block0 + block) * T.int64(cols) + lane]
+                        )
                     else:
                         scores[row0 + T.int64(r), block * T.int64(cols) + lane] = acc[r, lane]
 
 
 @T.macro
-def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin, end, query, b, h, p0, n, block0,
-                            tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype, dot):
+def _attention_tile_context(
+    out,
+    out_acc,
+    scores,
+    values,
+    row_scale,
+    span,
+    begin,
+    end,
+    query,
+    b,
+    h,
+    p0,
+    n,
+    block0,
+    tile_blocks,
+    head_dim,
+    rows,
+    cols,
+    group,
+    features,
+    acc_dtype,
+    dtype,
+    dot,
+):
     """out row r = row_scale[r] * sum over c of scores[r, c] * packed value row (block0 * cols + c).
     ``dot``: scores as bfloat16 pairs of columns (2c, 2c + 1), values as pairs of packed rows
     (bf16_dot.py), two columns per step."""
@@ -187,16 +251,33 @@ def _attention_tile_context(out, out_acc, scores, values, row_scale, span, begin
             if dot:  # pairs of columns from an even one (the tile's blocks start even, end even)
                 for pair in range(span[0] // T.int64(2), (span[1] + T.int64(1)) // T.int64(2)):
                     for r in T.unroll(group):
-                        bf16_dot.dot_pairs(out_acc, r, values, block0 * T.int64(cols) + pair * T.int64(2), column,
-                                           features // bf16_dot.LANES, scores[g * group + r, pair])
+                        bf16_dot.dot_pairs(
+                            out_acc,
+                            r,
+                            values,
+                            block0 * T.int64(cols) + pair * T.int64(2),
+                            column,
+                            features // bf16_dot.LANES,
+                            scores[g * group + r, pair],
+                        )
             else:
                 for key in range(span[0], span[1]):
                     for r in T.unroll(group):
-                        _accumulate(out_acc, r, values, block0 * T.int64(cols) + key, column, features, scores[g * group + r, key])
+                        _accumulate(
+                            out_acc,
+                            r,
+                            values,
+                            block0 * T.int64(cols) + key,
+                            column,
+                            features,
+                            scores[g * group + r, key],
+                        )
             for r in T.unroll(group):
                 if p0 + T.int64(g * group + r) < n:
                     for lane in T.vectorized(features):
-                        out[b, query[g * group + r], h, column + lane] = _rounded(dtype, out_acc[r, lane] * row_scale[g * group + r])
+                        out[b, query[g * group + r], h, column + lane] = _rounded(
+                            dtype, out_acc[r, lane] * row_scale[g * group + r]
+                        )
 
 
 # Independent running maxima per row in the softmax's first pass: one chain waited on each vmaxps
@@ -215,8 +296,24 @@ def _lanes_reduced(kind, buffer, row, lanes):
 
 
 @T.macro
-def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin, end, tile_blocks, rows, cols, lanes,
-                            acc_dtype, dtype, minus_inf, pairs=None, round_now=None):
+def _attention_tile_softmax(
+    scores,
+    partial,
+    row_max,
+    reciprocal,
+    log_sum,
+    begin,
+    end,
+    tile_blocks,
+    rows,
+    cols,
+    lanes,
+    acc_dtype,
+    dtype,
+    minus_inf,
+    pairs=None,
+    round_now=None,
+):
     """Each row, over the tile's computed blocks: -inf at its invalid and out-of-band columns (exp
     gives exactly 0 there), then exp(score - row max) in place, 1 / their sum, and the row's
     log-sum-exp of the scores (-inf for a row with no key). ``partial``: _MAX_CHAINS x lanes. With
@@ -233,8 +330,10 @@ def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin
         for step in range(count // T.int64(_MAX_CHAINS)):
             for chain in T.unroll(_MAX_CHAINS):
                 for lane in T.vectorized(lanes):
-                    partial[chain, lane] = T.max(partial[chain, lane],
-                                                 scores[r, (first + step * T.int64(_MAX_CHAINS) + T.int64(chain)) * T.int64(lanes) + lane])
+                    partial[chain, lane] = T.max(
+                        partial[chain, lane],
+                        scores[r, (first + step * T.int64(_MAX_CHAINS) + T.int64(chain)) * T.int64(lanes) + lane],
+                    )
         for vector in range(first + count // T.int64(_MAX_CHAINS) * T.int64(_MAX_CHAINS), first + count):
             for lane in T.vectorized(lanes):
                 partial[0, lane] = T.max(partial[0, lane], scores[r, vector * T.int64(lanes) + lane])
@@ -248,20 +347,27 @@ def _attention_tile_softmax(scores, partial, row_max, reciprocal, log_sum, begin
             partial[0, lane] = T.Cast(acc_dtype, 0)
         for vector in range(first, first + count):
             for lane in T.vectorized(lanes):
-                scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype,
-                                                                 is_half(dtype))
+                scores[r, vector * T.int64(lanes) + lane] = _exp(
+                    scores[r, vector * T.int64(lanes) + lane] - row_max[0], acc_dtype, is_half(dtype)
+                )
                 partial[0, lane] = partial[0, lane] + scores[r, vector * T.int64(lanes) + lane]
             if pairs is not None:
                 if round_now:
-                    bf16_dot.round_to_pairs(pairs, r, scores, vector * T.int64(lanes), (vector + T.int64(1)) * T.int64(lanes))
+                    bf16_dot.round_to_pairs(
+                        pairs, r, scores, vector * T.int64(lanes), (vector + T.int64(1)) * T.int64(lanes)
+                    )
         reciprocal[r] = _lanes_reduced("sum", partial, 0, lanes)
         log_sum[r] = row_max[0] + T.log(reciprocal[r])  # one scalar log per row; log(0) = -inf
         # 1 / sum, 0 for a row with no key; a NaN sum (a NaN score) stays NaN.
-        reciprocal[r] = T.Select(reciprocal[r] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / reciprocal[r])
+        reciprocal[r] = T.Select(
+            reciprocal[r] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / reciprocal[r]
+        )
 
 
 @T.macro
-def _attention_tile_probs(scores, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, dtype, minus_inf):
+def _attention_tile_probs(
+    scores, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, dtype, minus_inf
+):
     """The backward's P from the forward's log-sum-exp, in place over the tile's computed blocks:
     exp(score - lse) at each row's valid columns, exactly 0 elsewhere (-inf first) and in rows with
     no key (lse -inf) or past the end (no valid column)."""
@@ -270,12 +376,15 @@ def _attention_tile_probs(scores, lse, query, begin, end, b, h, tile_blocks, row
         row_lse: T.let = T.Select(lse[b, query[r], h] == minus_inf, T.Cast(acc_dtype, 0), lse[b, query[r], h])
         for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
-                scores[r, vector * T.int64(lanes) + lane] = _exp(scores[r, vector * T.int64(lanes) + lane] - row_lse, acc_dtype,
-                                                                 is_half(dtype))
+                scores[r, vector * T.int64(lanes) + lane] = _exp(
+                    scores[r, vector * T.int64(lanes) + lane] - row_lse, acc_dtype, is_half(dtype)
+                )
 
 
 @T.macro
-def _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows, lanes, acc_dtype):
+def _attention_tile_deltas(
+    row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows, lanes, acc_dtype
+):
     """row_delta[r] = rowsum(dO * O) less the log-sum-exp's gradient, per row of the tile (0 past the end):
     the softmax backward's shift, from the tile's dO rows already converted in grad_rows."""
     for r in range(rows):
@@ -284,7 +393,8 @@ def _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, 
         for vector in range(head_dim // T.int64(lanes)):
             for lane in T.vectorized(lanes):
                 partial[lane] = partial[lane] + grad_rows[r, vector * T.int64(lanes) + lane] * T.Cast(
-                    acc_dtype, out[b, query[r], h, vector * T.int64(lanes) + lane])
+                    acc_dtype, out[b, query[r], h, vector * T.int64(lanes) + lane]
+                )
         row_delta[r] = T.Cast(acc_dtype, 0) - grad_lse[b, query[r], h]
         _add_lanes(row_delta, partial, lanes, r)
         if p0 + T.int64(r) >= n:
@@ -299,12 +409,14 @@ def _attention_tile_softmax_grad(grads, probs, row_delta, tile_blocks, rows, col
         for vector in range(tile_blocks[0] * T.int64(cols // lanes), tile_blocks[1] * T.int64(cols // lanes)):
             for lane in T.vectorized(lanes):
                 grads[r, vector * T.int64(lanes) + lane] = probs[r, vector * T.int64(lanes) + lane] * (
-                    grads[r, vector * T.int64(lanes) + lane] - row_delta[r])
+                    grads[r, vector * T.int64(lanes) + lane] - row_delta[r]
+                )
 
 
 @T.macro
-def _accumulate_keys(total, weights, tile_rows, first, start, width, head_dim, rows, keys, features, key_acc, acc_dtype,
-                     dot):
+def _accumulate_keys(
+    total, weights, tile_rows, first, start, width, head_dim, rows, keys, features, key_acc, acc_dtype, dot
+):
     """total[first + c] += sum over the tile's rows r of weights[r, c] * tile_rows[r], for c in
     [start, start + width) (width a multiple of ``keys``): dK and dV, the transposed products, per
     tile. ``keys`` packed rows x ``features`` accumulate in registers; per tile row one broadcast per
@@ -319,12 +431,27 @@ def _accumulate_keys(total, weights, tile_rows, first, start, width, head_dim, r
             if dot:
                 for pair in range(rows // 2):
                     for j in T.unroll(keys):
-                        bf16_dot.dot_pairs(key_acc, j, tile_rows, T.int64(pair), column, features // bf16_dot.LANES,
-                                           weights[pair, start + group * T.int64(keys) + T.int64(j)])
+                        bf16_dot.dot_pairs(
+                            key_acc,
+                            j,
+                            tile_rows,
+                            T.int64(pair),
+                            column,
+                            features // bf16_dot.LANES,
+                            weights[pair, start + group * T.int64(keys) + T.int64(j)],
+                        )
             else:
                 for r in range(rows):
                     for j in T.unroll(keys):
-                        _accumulate(key_acc, j, tile_rows, T.int64(r), column, features, weights[r, start + group * T.int64(keys) + T.int64(j)])
+                        _accumulate(
+                            key_acc,
+                            j,
+                            tile_rows,
+                            T.int64(r),
+                            column,
+                            features,
+                            weights[r, start + group * T.int64(keys) + T.int64(j)],
+                        )
             for j in T.unroll(keys):
                 for lane in T.vectorized(features):
                     total[first + start + group * T.int64(keys) + T.int64(j), column + lane] = key_acc[j, lane]
@@ -348,6 +475,7 @@ class TileProducts:
     (FMAs, or bf16_dot.py's dot product); a target whose products run on other units (AMX tiles:
     schedules/cpu_amx) passes its own to :func:`attention` and :func:`attention_backward` and keeps
     the rest of the kernels."""
+
     scores: object = _attention_tile_scores
     context: object = _attention_tile_context
     key_sums: object = _accumulate_keys
@@ -360,32 +488,78 @@ VECTOR_PRODUCTS = TileProducts()
 
 
 @T.macro
-def _pack_dot_operands(keys, pairs, biases, key_tile, k, key_words, v, value_bits, key_bias, row_of, block_keys, b, h, n,
-                       head_dim, margin, length, cols, per_line):
+def _pack_dot_operands(
+    keys,
+    pairs,
+    biases,
+    key_tile,
+    k,
+    key_words,
+    v,
+    value_bits,
+    key_bias,
+    row_of,
+    block_keys,
+    b,
+    h,
+    n,
+    head_dim,
+    margin,
+    length,
+    cols,
+    per_line,
+):
     """The fused kernels' operands for the bfloat16 dot product, in packed order as
     :func:`_pack_operands` (``length`` packed columns, ``margin`` of them before the first key):
     keys as feature pairs, values as pairs of consecutive rows (bf16_dot.py), the biases.
     ``key_words``, ``value_bits``: k's and v's 32-bit and 16-bit views."""
-    bf16_dot.pack_key_pairs(keys, key_words, key_tile, row_of, block_keys, k, b, h, n, head_dim, margin,
-                            length // T.int64(cols), cols, per_line)
+    bf16_dot.pack_key_pairs(
+        keys,
+        key_words,
+        key_tile,
+        row_of,
+        block_keys,
+        k,
+        b,
+        h,
+        n,
+        head_dim,
+        margin,
+        length // T.int64(cols),
+        cols,
+        per_line,
+    )
     bf16_dot.pack_row_pairs(pairs, value_bits, v, row_of, b, h, n, head_dim, margin, length, per_line)
     for t in range(length):
-        biases[t] = T.Select(t >= margin and t < margin + n, key_bias[b, row_of[T.max(T.min(t - margin, n - T.int64(1)), T.int64(0))]],
-                             T.Cast(key_bias.dtype, 0))
+        biases[t] = T.Select(
+            t >= margin and t < margin + n,
+            key_bias[b, row_of[T.max(T.min(t - margin, n - T.int64(1)), T.int64(0))]],
+            T.Cast(key_bias.dtype, 0),
+        )
 
 
 def _attention_sizes(dtype: str, autoregressive: bool, isa: str) -> tuple:
     acc_dtype = accumulation_dtype(dtype)
     tiles = tiles_for(isa)  # the Q.K^T and probs.V tiles of qk and pv (tiles.py)
     lanes = tiles.vector_bits // (64 if acc_dtype == "float64" else 32)
-    return (acc_dtype, lanes, tiles.qk_rows, tiles.qk_vectors * lanes,
-            tiles.band_rows,  # rows of one probs.V register tile
-            2 * lanes, 1 if autoregressive else 0, 64 * 8 // _BITS[dtype], tirx.const(float("-inf"), acc_dtype))
+    return (
+        acc_dtype,
+        lanes,
+        tiles.qk_rows,
+        tiles.qk_vectors * lanes,
+        tiles.band_rows,  # rows of one probs.V register tile
+        2 * lanes,
+        1 if autoregressive else 0,
+        64 * 8 // _BITS[dtype],
+        tirx.const(float("-inf"), acc_dtype),
+    )
 
 
 # Packed rows of one head's operands: the sequence with margins of a band and a few tiles.
 def _packed_length(n, window, causal, rows, cols):
-    return ((n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols)
+    return (
+        (n + T.int64(2 - causal) * window + T.int64(1) + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)
+    ) * T.int64(cols)
 
 
 def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts = VECTOR_PRODUCTS):
@@ -413,16 +587,30 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
     products on it (bf16_dot.py), the probabilities rounded to bfloat16 pairs before P.V.
     ``products``: the tile products' implementation (:class:`TileProducts`).
     """
-    acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, isa)
+    acc_dtype, lanes, rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(
+        dtype, autoregressive, isa
+    )
     dot = tiles_for(isa).dot_product_for(dtype)
     features_per_step = 2 if dot else 1  # packed keys: features (FMA) or pairs of features (dot)
     packed_dtype = "int32" if dot else acc_dtype
     transposed = _feature_major(dot, rows, lanes)  # the tile's queries (microkernels.py)
 
     @T.prim_func
-    def main(q_handle: T.handle, k_handle: T.handle, v_handle: T.handle, key_bias_handle: T.handle,
-             dilation_handle: T.handle, window: T.int64, scale: T.float64, softcap: T.float64, dropout: T.float64,
-             seed: T.int64, out_handle: T.handle, lse_handle: T.handle, runs: T.int64):
+    def main(
+        q_handle: T.handle,
+        k_handle: T.handle,
+        v_handle: T.handle,
+        key_bias_handle: T.handle,
+        dilation_handle: T.handle,
+        window: T.int64,
+        scale: T.float64,
+        softcap: T.float64,
+        dropout: T.float64,
+        seed: T.int64,
+        out_handle: T.handle,
+        lse_handle: T.handle,
+        runs: T.int64,
+    ):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -457,16 +645,24 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
             run_margin: T.let = margin - _run_origin(tile_begin * T.int64(rows) - w + margin, cols)
             length: T.let = _packed_length(run_tiles * T.int64(rows), window, causal, rows, cols)
             row_of = T.decl_buffer((n,), "int64")
-            keys = T.decl_buffer((length // T.int64(cols), head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
+            keys = T.decl_buffer(
+                (length // T.int64(cols), head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype
+            )
             # Value rows (the dot product: pairs of consecutive rows).
             values = T.decl_buffer((length, head_dim), packed_dtype)
             biases = T.decl_buffer((length,), acc_dtype)
             scores = T.decl_buffer((T.int64(rows), band + T.int64(rows + 2 * cols)), acc_dtype)
             # The dot product's probabilities: bfloat16 pairs of scores columns (the float kernels
             # read the scores themselves).
-            probs = T.decl_buffer((T.int64(rows), (band + T.int64(rows + 2 * cols + 1)) // T.int64(2)), "int32") if dot else ()
-            queries = T.decl_buffer((head_dim, T.int64(rows)) if transposed else (T.int64(rows), head_dim // T.int64(features_per_step)),
-                                    packed_dtype)
+            probs = (
+                T.decl_buffer((T.int64(rows), (band + T.int64(rows + 2 * cols + 1)) // T.int64(2)), "int32")
+                if dot
+                else ()
+            )
+            queries = T.decl_buffer(
+                (head_dim, T.int64(rows)) if transposed else (T.int64(rows), head_dim // T.int64(features_per_step)),
+                packed_dtype,
+            )
             query_tile = T.alloc_local((rows, rows), acc_dtype, annotations=_ON_STACK) if transposed else ()
             query_scratch = T.alloc_local((rows, rows), acc_dtype, annotations=_ON_STACK) if transposed else ()
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
@@ -484,11 +680,51 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
             out_acc = T.alloc_local((group, features), acc_dtype, annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
             if dot:
-                _pack_dot_operands(keys, values, biases, key_tile, k, key_words, v, value_bits, key_bias, row_of, block_keys,
-                                   b, kv_h, n, head_dim, run_margin, length, cols, per_line)
+                _pack_dot_operands(
+                    keys,
+                    values,
+                    biases,
+                    key_tile,
+                    k,
+                    key_words,
+                    v,
+                    value_bits,
+                    key_bias,
+                    row_of,
+                    block_keys,
+                    b,
+                    kv_h,
+                    n,
+                    head_dim,
+                    run_margin,
+                    length,
+                    cols,
+                    per_line,
+                )
             else:
-                _pack_operands(keys, values, biases, key_tile, k, v, key_bias, row_of, block_keys, b, kv_h, n, head_dim,
-                               run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, True, True)
+                _pack_operands(
+                    keys,
+                    values,
+                    biases,
+                    key_tile,
+                    k,
+                    v,
+                    key_bias,
+                    row_of,
+                    block_keys,
+                    b,
+                    kv_h,
+                    n,
+                    head_dim,
+                    run_margin,
+                    length // T.int64(cols),
+                    cols,
+                    lanes,
+                    per_line,
+                    acc_dtype,
+                    True,
+                    True,
+                )
             products.task_begin()
             for tile in range(tile_begin, tile_end):
                 p0: T.let = tile * T.int64(rows)
@@ -500,17 +736,52 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
                 if dot:
                     bf16_dot.copy_word_rows(queries, query_words, query, b, h, head_dim, rows)
                 elif transposed:
-                    _rows_feature_major(queries, query_tile, query_scratch, q, query, b, h, head_dim, scale, lanes,
-                                        acc_dtype)
+                    _rows_feature_major(
+                        queries, query_tile, query_scratch, q, query, b, h, head_dim, scale, lanes, acc_dtype
+                    )
                 else:
                     _attention_tile_operand(queries, q, query, b, h, head_dim, scale, rows, lanes, acc_dtype)
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
-                products.scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, rows, cols,
-                                acc_dtype, True, dot, scale, transposed)
+                products.scores(
+                    scores,
+                    acc,
+                    queries,
+                    keys,
+                    biases,
+                    block0,
+                    tile_blocks,
+                    head_dim,
+                    rows,
+                    rows,
+                    cols,
+                    acc_dtype,
+                    True,
+                    dot,
+                    scale,
+                    transposed,
+                )
                 if softcap > T.float64(0):
-                    _soft_cap(scores, (), begin, end, tile_blocks, rows, cols, lanes, softcap, acc_dtype, minus_inf, False)
-                _attention_tile_softmax(scores, partial, row_max, row_scale, log_sum, begin, end, tile_blocks, rows, cols,
-                                        lanes, acc_dtype, dtype, minus_inf, probs if dot else None, dropout <= T.float64(0))
+                    _soft_cap(
+                        scores, (), begin, end, tile_blocks, rows, cols, lanes, softcap, acc_dtype, minus_inf, False
+                    )
+                _attention_tile_softmax(
+                    scores,
+                    partial,
+                    row_max,
+                    row_scale,
+                    log_sum,
+                    begin,
+                    end,
+                    tile_blocks,
+                    rows,
+                    cols,
+                    lanes,
+                    acc_dtype,
+                    dtype,
+                    minus_inf,
+                    probs if dot else None,
+                    dropout <= T.float64(0),
+                )
                 for r in range(rows):
                     if p0 + T.int64(r) < n:
                         lse[b, query[r], h] = log_sum[r]
@@ -518,9 +789,34 @@ def attention(dtype: str, autoregressive: bool, isa: str, products: TileProducts
                     _apply_dropout(scores, scores, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype)
                 if dot and dropout > T.float64(0):  # (without dropout the softmax rounded them)
                     for r in range(rows):
-                        bf16_dot.round_to_pairs(probs, r, scores, tile_blocks[0] * T.int64(cols), tile_blocks[1] * T.int64(cols))
-                products.context(out, out_acc, probs if dot else scores, values, row_scale, span, begin, end, query, b, h, p0,
-                                 n, block0, tile_blocks, head_dim, rows, cols, group, features, acc_dtype, dtype, dot)
+                        bf16_dot.round_to_pairs(
+                            probs, r, scores, tile_blocks[0] * T.int64(cols), tile_blocks[1] * T.int64(cols)
+                        )
+                products.context(
+                    out,
+                    out_acc,
+                    probs if dot else scores,
+                    values,
+                    row_scale,
+                    span,
+                    begin,
+                    end,
+                    query,
+                    b,
+                    h,
+                    p0,
+                    n,
+                    block0,
+                    tile_blocks,
+                    head_dim,
+                    rows,
+                    cols,
+                    group,
+                    features,
+                    acc_dtype,
+                    dtype,
+                    dot,
+                )
             products.task_end()
 
     return bf16_dot.with_dot_product(main) if dot else main
@@ -547,19 +843,24 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
     has the bfloat16 dot product: the five products on it (bf16_dot.py), P and dS rounded to
     bfloat16 pairs for them. ``products``: the tile products' implementation (:class:`TileProducts`).
     """
-    acc_dtype, lanes, qk_rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(dtype, autoregressive, isa)
+    acc_dtype, lanes, qk_rows, cols, group, features, causal, per_line, minus_inf = _attention_sizes(
+        dtype, autoregressive, isa
+    )
     keys_per_update = tiles_for(isa).key_update_rows  # rows of the dK/dV register tile (x 2 vectors)
     # Queries per tile: the dK/dV update sums over them in registers, so a taller tile loads and
     # stores its accumulators fewer times per FMA; Q.K^T and dQ run over it in register tiles.
     rows = tiles_for(isa).backward_tile_rows
     if rows % qk_rows or rows % group:
-        raise ValueError(f"tiles.py: backward_tile_rows {rows} must be a multiple of qk_rows {qk_rows} and "
-                         f"band_rows {group}")
+        raise ValueError(
+            f"tiles.py: backward_tile_rows {rows} must be a multiple of qk_rows {qk_rows} and band_rows {group}"
+        )
     # The update walks a tile's key span (whole packed blocks of ``cols`` keys) in groups of
     # ``keys_per_update``: a group size that does not divide the block would drop keys silently.
     if cols % keys_per_update:
-        raise ValueError(f"tiles.py: key_update_rows {keys_per_update} must divide the Q.K^T block of "
-                         f"{cols} keys ({acc_dtype}, {isa})")
+        raise ValueError(
+            f"tiles.py: key_update_rows {keys_per_update} must divide the Q.K^T block of "
+            f"{cols} keys ({acc_dtype}, {isa})"
+        )
     dot = tiles_for(isa).dot_product_for(dtype)  # the five products on the dot product (see attention)
     if dot and rows % 2:  # dK and dV take the tile's rows in pairs: an odd row would be dropped
         raise ValueError(f"tiles.py: backward_tile_rows {rows} must be even for the bfloat16 dot product ({isa})")
@@ -573,11 +874,26 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
         raise ValueError(f"feature-major key sums need blocks of one vector of keys (cols {cols}, lanes {lanes})")
 
     @T.prim_func
-    def main(grad_handle: T.handle, q_handle: T.handle, k_handle: T.handle, v_handle: T.handle,
-             key_bias_handle: T.handle, out_handle: T.handle, lse_handle: T.handle, grad_lse_handle: T.handle,
-             dilation_handle: T.handle, window: T.int64, scale: T.float64, softcap: T.float64, dropout: T.float64,
-             seed: T.int64, grad_q_handle: T.handle, grad_k_handle: T.handle,
-             grad_v_handle: T.handle, runs: T.int64):
+    def main(
+        grad_handle: T.handle,
+        q_handle: T.handle,
+        k_handle: T.handle,
+        v_handle: T.handle,
+        key_bias_handle: T.handle,
+        out_handle: T.handle,
+        lse_handle: T.handle,
+        grad_lse_handle: T.handle,
+        dilation_handle: T.handle,
+        window: T.int64,
+        scale: T.float64,
+        softcap: T.float64,
+        dropout: T.float64,
+        seed: T.int64,
+        grad_q_handle: T.handle,
+        grad_k_handle: T.handle,
+        grad_v_handle: T.handle,
+        runs: T.int64,
+    ):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -631,8 +947,12 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
             run_margin: T.let = margin - _run_origin(tile_begin * T.int64(rows) - w + margin, cols)
             length: T.let = _packed_length(run_tiles * T.int64(rows), window, causal, rows, cols)
             row_of = T.decl_buffer((n,), "int64")
-            keys_k = T.decl_buffer((length // T.int64(cols), head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
-            keys_v = T.decl_buffer((length // T.int64(cols), head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
+            keys_k = T.decl_buffer(
+                (length // T.int64(cols), head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype
+            )
+            keys_v = T.decl_buffer(
+                (length // T.int64(cols), head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype
+            )
             rows_k = T.decl_buffer((length, head_dim), packed_dtype)  # dot: row pairs
             biases = T.decl_buffer((length,), acc_dtype)
             sums_shape = (length // T.int64(cols), head_dim, T.int64(cols)) if blocked else (length, head_dim)
@@ -653,7 +973,11 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
             grad_row_words = T.decl_buffer((T.int64(rows), head_dim // T.int64(2)), "int32") if dot else ()
             query_pairs = T.decl_buffer((T.int64(rows // 2), head_dim), "int32") if dot else ()
             grad_pairs = T.decl_buffer((T.int64(rows // 2), head_dim), "int32") if dot else ()
-            grad_column_pairs = T.decl_buffer((T.int64(rows), (band + T.int64(rows + 2 * cols + 1)) // T.int64(2)), "int32") if dot else ()
+            grad_column_pairs = (
+                T.decl_buffer((T.int64(rows), (band + T.int64(rows + 2 * cols + 1)) // T.int64(2)), "int32")
+                if dot
+                else ()
+            )
             weight_pairs = T.decl_buffer((T.int64(rows // 2), band + T.int64(rows + 2 * cols)), "int32") if dot else ()
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
             block_keys = T.alloc_local((cols,), "int64", annotations=_ON_STACK)
@@ -672,15 +996,90 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
             scratch = T.alloc_local((cols, lanes), acc_dtype, annotations=_ON_STACK) if blocked else ()
             _fill_residue_major(row_of, n, d)
             if dot:
-                _pack_dot_operands(keys_k, rows_k, biases, key_tile, k, key_words, k, key_bits, key_bias, row_of, block_keys,
-                                   b, kv_h, n, head_dim, run_margin, length, cols, per_line)
-                bf16_dot.pack_key_pairs(keys_v, value_words, key_tile, row_of, block_keys, v, b, kv_h, n, head_dim,
-                                        run_margin, length // T.int64(cols), cols, per_line)
+                _pack_dot_operands(
+                    keys_k,
+                    rows_k,
+                    biases,
+                    key_tile,
+                    k,
+                    key_words,
+                    k,
+                    key_bits,
+                    key_bias,
+                    row_of,
+                    block_keys,
+                    b,
+                    kv_h,
+                    n,
+                    head_dim,
+                    run_margin,
+                    length,
+                    cols,
+                    per_line,
+                )
+                bf16_dot.pack_key_pairs(
+                    keys_v,
+                    value_words,
+                    key_tile,
+                    row_of,
+                    block_keys,
+                    v,
+                    b,
+                    kv_h,
+                    n,
+                    head_dim,
+                    run_margin,
+                    length // T.int64(cols),
+                    cols,
+                    per_line,
+                )
             else:
-                _pack_operands(keys_k, rows_k, biases, key_tile, k, k, key_bias, row_of, block_keys, b, kv_h, n, head_dim,
-                               run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, True, True)
-                _pack_operands(keys_v, rows_k, biases, key_tile, v, v, key_bias, row_of, block_keys, b, kv_h, n, head_dim,
-                               run_margin, length // T.int64(cols), cols, lanes, per_line, acc_dtype, False, False)
+                _pack_operands(
+                    keys_k,
+                    rows_k,
+                    biases,
+                    key_tile,
+                    k,
+                    k,
+                    key_bias,
+                    row_of,
+                    block_keys,
+                    b,
+                    kv_h,
+                    n,
+                    head_dim,
+                    run_margin,
+                    length // T.int64(cols),
+                    cols,
+                    lanes,
+                    per_line,
+                    acc_dtype,
+                    True,
+                    True,
+                )
+                _pack_operands(
+                    keys_v,
+                    rows_k,
+                    biases,
+                    key_tile,
+                    v,
+                    v,
+                    key_bias,
+                    row_of,
+                    block_keys,
+                    b,
+                    kv_h,
+                    n,
+                    head_dim,
+                    run_margin,
+                    length // T.int64(cols),
+                    cols,
+                    lanes,
+                    per_line,
+                    acc_dtype,
+                    False,
+                    False,
+                )
             all_k = T.decl_buffer((length * head_dim,), acc_dtype, data=total_k.data)  # (either layout)
             all_v = T.decl_buffer((length * head_dim,), acc_dtype, data=total_v.data)
             for vector in range(length * head_dim // T.int64(lanes)):
@@ -705,69 +1104,216 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
                 else:
                     _attention_tile_operand(queries, q, query, b, h, head_dim, scale, rows, lanes, acc_dtype)
                     if transposed:
-                        _rows_feature_major(queries_t, operand_tile, operand_scratch, q, query, b, h, head_dim, scale,
-                                            lanes, acc_dtype)
+                        _rows_feature_major(
+                            queries_t, operand_tile, operand_scratch, q, query, b, h, head_dim, scale, lanes, acc_dtype
+                        )
                 _attention_tile_blocks(tile_blocks, begin, end, rows, cols)
                 start: T.let = tile_blocks[0] * T.int64(cols)  # the computed columns: [start, start + width)
                 width: T.let = (tile_blocks[1] - tile_blocks[0]) * T.int64(cols)
-                products.scores(probs, acc, queries_t if transposed else queries, keys_k, biases, block0, tile_blocks,
-                                head_dim, rows, qk_rows, cols, acc_dtype, True, dot, scale, transposed)
+                products.scores(
+                    probs,
+                    acc,
+                    queries_t if transposed else queries,
+                    keys_k,
+                    biases,
+                    block0,
+                    tile_blocks,
+                    head_dim,
+                    rows,
+                    qk_rows,
+                    cols,
+                    acc_dtype,
+                    True,
+                    dot,
+                    scale,
+                    transposed,
+                )
                 if softcap > T.float64(0):
-                    _soft_cap(probs, derivatives, begin, end, tile_blocks, rows, cols, lanes, softcap, acc_dtype, minus_inf,
-                              True)
-                _attention_tile_probs(probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, dtype,
-                                      minus_inf)
+                    _soft_cap(
+                        probs,
+                        derivatives,
+                        begin,
+                        end,
+                        tile_blocks,
+                        rows,
+                        cols,
+                        lanes,
+                        softcap,
+                        acc_dtype,
+                        minus_inf,
+                        True,
+                    )
+                _attention_tile_probs(
+                    probs, lse, query, begin, end, b, h, tile_blocks, rows, cols, lanes, acc_dtype, dtype, minus_inf
+                )
                 _attention_tile_operand(grad_rows, grad, query, b, h, head_dim, T.float64(1), rows, lanes, acc_dtype)
                 if transposed:
-                    _rows_feature_major(grad_rows_t, operand_tile, operand_scratch, grad, query, b, h, head_dim,
-                                        T.float64(1), lanes, acc_dtype)
-                _attention_tile_deltas(row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows,
-                                       lanes, acc_dtype)
+                    _rows_feature_major(
+                        grad_rows_t,
+                        operand_tile,
+                        operand_scratch,
+                        grad,
+                        query,
+                        b,
+                        h,
+                        head_dim,
+                        T.float64(1),
+                        lanes,
+                        acc_dtype,
+                    )
+                _attention_tile_deltas(
+                    row_delta, partial, grad_rows, out, grad_lse, query, p0, n, b, h, head_dim, rows, lanes, acc_dtype
+                )
                 if dot:
                     bf16_dot.copy_word_rows(grad_row_words, grad_words, query, b, h, head_dim, rows)
                     bf16_dot.copy_row_pairs(grad_pairs, grad_bits, query, b, h, head_dim, rows)
-                products.scores(grads, acc, grad_row_words if dot else (grad_rows_t if transposed else grad_rows), keys_v,
-                                biases, block0, tile_blocks, head_dim, rows, qk_rows, cols, acc_dtype, False, dot,
-                                T.float64(1), transposed)
+                products.scores(
+                    grads,
+                    acc,
+                    grad_row_words if dot else (grad_rows_t if transposed else grad_rows),
+                    keys_v,
+                    biases,
+                    block0,
+                    tile_blocks,
+                    head_dim,
+                    rows,
+                    qk_rows,
+                    cols,
+                    acc_dtype,
+                    False,
+                    dot,
+                    T.float64(1),
+                    transposed,
+                )
                 if dropout > T.float64(0):  # the forward's mask Z: dP = (dO . V^T) * Z, dV from P * Z
                     for r in range(rows):
                         _fill_run(kept, r, start, start + width, T.Cast(acc_dtype, 0), lanes)
-                    _apply_dropout(probs, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype,
-                                   grads, True)
+                    _apply_dropout(
+                        probs, kept, seed, bh, query, begin, end, base, rows, lanes, dropout, acc_dtype, grads, True
+                    )
                 _attention_tile_softmax_grad(grads, probs, row_delta, tile_blocks, rows, cols, lanes)
                 if softcap > T.float64(0):  # dS of the scores before the cap
                     for r in range(rows):
                         for vector in range(start // T.int64(lanes), (start + width) // T.int64(lanes)):
                             for lane in T.vectorized(lanes):
-                                grads[r, vector * T.int64(lanes) + lane] = (grads[r, vector * T.int64(lanes) + lane]
-                                                                            * derivatives[r, vector * T.int64(lanes) + lane])
+                                grads[r, vector * T.int64(lanes) + lane] = (
+                                    grads[r, vector * T.int64(lanes) + lane]
+                                    * derivatives[r, vector * T.int64(lanes) + lane]
+                                )
                 if dot:
                     for r in range(rows):
                         bf16_dot.round_to_pairs(grad_column_pairs, r, grads, start, start + width)
-                products.context(grad_q, out_acc, grad_column_pairs if dot else grads, rows_k, row_scale, span, begin,
-                                 end, query, b, h, p0, n, block0, tile_blocks, head_dim, rows, cols, group, features,
-                                 acc_dtype, dtype, dot)
+                products.context(
+                    grad_q,
+                    out_acc,
+                    grad_column_pairs if dot else grads,
+                    rows_k,
+                    row_scale,
+                    span,
+                    begin,
+                    end,
+                    query,
+                    b,
+                    h,
+                    p0,
+                    n,
+                    block0,
+                    tile_blocks,
+                    head_dim,
+                    rows,
+                    cols,
+                    group,
+                    features,
+                    acc_dtype,
+                    dtype,
+                    dot,
+                )
                 if dot:
                     for pair in range(rows // 2):
                         if dropout > T.float64(0):
                             bf16_dot.round_to_row_pairs(weight_pairs, T.int64(pair), kept, start, start + width)
                         else:
                             bf16_dot.round_to_row_pairs(weight_pairs, T.int64(pair), probs, start, start + width)
-                    products.key_sums(total_v, weight_pairs, grad_pairs, block0 * T.int64(cols), start, width, head_dim, rows,
-                                      keys_per_update, features, key_acc, acc_dtype, True)
+                    products.key_sums(
+                        total_v,
+                        weight_pairs,
+                        grad_pairs,
+                        block0 * T.int64(cols),
+                        start,
+                        width,
+                        head_dim,
+                        rows,
+                        keys_per_update,
+                        features,
+                        key_acc,
+                        acc_dtype,
+                        True,
+                    )
                     for pair in range(rows // 2):
                         bf16_dot.round_to_row_pairs(weight_pairs, T.int64(pair), grads, start, start + width)
-                    products.key_sums(total_k, weight_pairs, query_pairs, block0 * T.int64(cols), start, width, head_dim, rows,
-                                      keys_per_update, features, key_acc, acc_dtype, True)
+                    products.key_sums(
+                        total_k,
+                        weight_pairs,
+                        query_pairs,
+                        block0 * T.int64(cols),
+                        start,
+                        width,
+                        head_dim,
+                        rows,
+                        keys_per_update,
+                        features,
+                        key_acc,
+                        acc_dtype,
+                        True,
+                    )
                 else:
                     if dropout > T.float64(0):
-                        products.key_sums(total_v, kept, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
-                                          keys_per_update, features, key_acc, acc_dtype, False)
+                        products.key_sums(
+                            total_v,
+                            kept,
+                            grad_rows,
+                            block0 * T.int64(cols),
+                            start,
+                            width,
+                            head_dim,
+                            rows,
+                            keys_per_update,
+                            features,
+                            key_acc,
+                            acc_dtype,
+                            False,
+                        )
                     else:
-                        products.key_sums(total_v, probs, grad_rows, block0 * T.int64(cols), start, width, head_dim, rows,
-                                          keys_per_update, features, key_acc, acc_dtype, False)
-                    products.key_sums(total_k, grads, queries, block0 * T.int64(cols), start, width, head_dim, rows,
-                                      keys_per_update, features, key_acc, acc_dtype, False)
+                        products.key_sums(
+                            total_v,
+                            probs,
+                            grad_rows,
+                            block0 * T.int64(cols),
+                            start,
+                            width,
+                            head_dim,
+                            rows,
+                            keys_per_update,
+                            features,
+                            key_acc,
+                            acc_dtype,
+                            False,
+                        )
+                    products.key_sums(
+                        total_k,
+                        grads,
+                        queries,
+                        block0 * T.int64(cols),
+                        start,
+                        width,
+                        head_dim,
+                        rows,
+                        keys_per_update,
+                        features,
+                        key_acc,
+                        acc_dtype,
+                        False,
+                    )
             products.task_end()
             # The keys only this run's queries reach, stored; those within reach of an edge, to edge_parts.
             left_edge: T.let = tile_begin * T.int64(rows)
@@ -775,19 +1321,91 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
             own_begin: T.let = T.Select(tile_begin > T.int64(0), T.min(left_edge + reach, n), T.int64(0))
             own_end: T.let = T.Select(tile_end < tiles, right_edge - w, n)
             if blocked:
-                _store_blocked_sums(grad_k, grad_v, total_k, total_v, square, scratch, row_of, b, h, n, own_begin, own_end,
-                                    run_margin, head_dim, scale, lanes, cols, per_line, dtype, acc_dtype, dot)
+                _store_blocked_sums(
+                    grad_k,
+                    grad_v,
+                    total_k,
+                    total_v,
+                    square,
+                    scratch,
+                    row_of,
+                    b,
+                    h,
+                    n,
+                    own_begin,
+                    own_end,
+                    run_margin,
+                    head_dim,
+                    scale,
+                    lanes,
+                    cols,
+                    per_line,
+                    dtype,
+                    acc_dtype,
+                    dot,
+                )
             else:
                 for p in range(own_begin, own_end):
-                    _store_key_row(grad_k, grad_v, total_k, total_v, row_of, b, h, n, p, run_margin, head_dim, scale, lanes,
-                                   cols, per_line, dtype, acc_dtype, dot, blocked)
+                    _store_key_row(
+                        grad_k,
+                        grad_v,
+                        total_k,
+                        total_v,
+                        row_of,
+                        b,
+                        h,
+                        n,
+                        p,
+                        run_margin,
+                        head_dim,
+                        scale,
+                        lanes,
+                        cols,
+                        per_line,
+                        dtype,
+                        acc_dtype,
+                        dot,
+                        blocked,
+                    )
             if tile_begin < tile_end:
                 if tile_begin > T.int64(0):  # side 1 of the edge before this run
-                    _store_edge_part(edge_parts_k, edge_parts_v, total_k, total_v, bh, run - T.int64(1), T.int64(1),
-                                     left_edge, run_margin, w, reach, n, head_dim, lanes, cols, blocked)
+                    _store_edge_part(
+                        edge_parts_k,
+                        edge_parts_v,
+                        total_k,
+                        total_v,
+                        bh,
+                        run - T.int64(1),
+                        T.int64(1),
+                        left_edge,
+                        run_margin,
+                        w,
+                        reach,
+                        n,
+                        head_dim,
+                        lanes,
+                        cols,
+                        blocked,
+                    )
                 if tile_end < tiles:  # side 0 of the edge after it
-                    _store_edge_part(edge_parts_k, edge_parts_v, total_k, total_v, bh, run, T.int64(0), right_edge,
-                                     run_margin, w, reach, n, head_dim, lanes, cols, blocked)
+                    _store_edge_part(
+                        edge_parts_k,
+                        edge_parts_v,
+                        total_k,
+                        total_v,
+                        bh,
+                        run,
+                        T.int64(0),
+                        right_edge,
+                        run_margin,
+                        w,
+                        reach,
+                        n,
+                        head_dim,
+                        lanes,
+                        cols,
+                        blocked,
+                    )
         if runs > T.int64(1):
             for item in T.parallel(batch * heads * edges):
                 bh: T.let = item // edges
@@ -803,11 +1421,18 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str, products: Til
                             for lane in T.vectorized(lanes):
                                 f: T.let = vector * T.int64(lanes) + lane
                                 grad_k[b, row_of[p], h, f] = _key_gradient(
-                                    dtype, acc_dtype, edge_parts_k[bh, edge_index, 0, p - edge + w, f]
-                                    + edge_parts_k[bh, edge_index, 1, p - edge + w, f], scale, dot)
+                                    dtype,
+                                    acc_dtype,
+                                    edge_parts_k[bh, edge_index, 0, p - edge + w, f]
+                                    + edge_parts_k[bh, edge_index, 1, p - edge + w, f],
+                                    scale,
+                                    dot,
+                                )
                                 grad_v[b, row_of[p], h, f] = _rounded(
-                                    dtype, edge_parts_v[bh, edge_index, 0, p - edge + w, f]
-                                    + edge_parts_v[bh, edge_index, 1, p - edge + w, f])
+                                    dtype,
+                                    edge_parts_v[bh, edge_index, 0, p - edge + w, f]
+                                    + edge_parts_v[bh, edge_index, 1, p - edge + w, f],
+                                )
 
     return bf16_dot.with_dot_product(main) if dot else main
 
@@ -823,8 +1448,27 @@ def _key_gradient(dtype, acc_dtype, total, scale, dot):
 
 
 @T.macro
-def _store_key_row(grad_k, grad_v, total_k, total_v, row_of, b, h, n, p, run_margin, head_dim, scale, lanes, cols, per_line,
-                   dtype, acc_dtype, dot, blocked):
+def _store_key_row(
+    grad_k,
+    grad_v,
+    total_k,
+    total_v,
+    row_of,
+    b,
+    h,
+    n,
+    p,
+    run_margin,
+    head_dim,
+    scale,
+    lanes,
+    cols,
+    per_line,
+    dtype,
+    acc_dtype,
+    dot,
+    blocked,
+):
     """The dK and dV rows of packed row p (sequence row row_of[p]) from their sums, rounded."""
     # The rows written _ROWS_AHEAD steps later (a new page every row or two).
     _prefetch_row(grad_k, b, row_of[T.min(p + T.int64(_ROWS_AHEAD), n - T.int64(1))], h, head_dim, per_line, 1)
@@ -832,14 +1476,37 @@ def _store_key_row(grad_k, grad_v, total_k, total_v, row_of, b, h, n, p, run_mar
     for vector in range(head_dim // T.int64(lanes)):
         for lane in T.vectorized(lanes):
             grad_k[b, row_of[p], h, vector * T.int64(lanes) + lane] = _key_gradient(
-                dtype, acc_dtype, _summed(total_k, run_margin + p, vector * T.int64(lanes) + lane, cols, blocked), scale, dot)
+                dtype,
+                acc_dtype,
+                _summed(total_k, run_margin + p, vector * T.int64(lanes) + lane, cols, blocked),
+                scale,
+                dot,
+            )
             grad_v[b, row_of[p], h, vector * T.int64(lanes) + lane] = _rounded(
-                dtype, _summed(total_v, run_margin + p, vector * T.int64(lanes) + lane, cols, blocked))
+                dtype, _summed(total_v, run_margin + p, vector * T.int64(lanes) + lane, cols, blocked)
+            )
 
 
 @T.macro
-def _store_square(grad, total, square, scratch, row_of, b, h, block, vector, run_margin, scale, lanes, cols, dtype,
-                  acc_dtype, dot, is_key):
+def _store_square(
+    grad,
+    total,
+    square,
+    scratch,
+    row_of,
+    b,
+    h,
+    block,
+    vector,
+    run_margin,
+    scale,
+    lanes,
+    cols,
+    dtype,
+    acc_dtype,
+    dot,
+    is_key,
+):
     """One square of :func:`_store_blocked_sums`: features [vector * lanes, + lanes) of the block's
     keys, transposed into their rows of ``grad`` (dK where ``is_key``: :func:`_key_gradient`)."""
     for i in T.unroll(cols):
@@ -849,13 +1516,36 @@ def _store_square(grad, total, square, scratch, row_of, b, h, block, vector, run
     for i in T.unroll(cols):
         for lane in T.vectorized(lanes):
             grad[b, row_of[block * T.int64(cols) + i - run_margin], h, vector * T.int64(lanes) + lane] = (
-                _key_gradient(dtype, acc_dtype, square[i, lane], scale, dot) if is_key
-                else _rounded(dtype, square[i, lane]))
+                _key_gradient(dtype, acc_dtype, square[i, lane], scale, dot)
+                if is_key
+                else _rounded(dtype, square[i, lane])
+            )
 
 
 @T.macro
-def _store_blocked_sums(grad_k, grad_v, total_k, total_v, square, scratch, row_of, b, h, n, own_begin, own_end, run_margin,
-                        head_dim, scale, lanes, cols, per_line, dtype, acc_dtype, dot):
+def _store_blocked_sums(
+    grad_k,
+    grad_v,
+    total_k,
+    total_v,
+    square,
+    scratch,
+    row_of,
+    b,
+    h,
+    n,
+    own_begin,
+    own_end,
+    run_margin,
+    head_dim,
+    scale,
+    lanes,
+    cols,
+    per_line,
+    dtype,
+    acc_dtype,
+    dot,
+):
     """:func:`_store_key_row` for packed rows [own_begin, own_end) from sums in blocks of ``cols`` keys
     feature-major (``cols == lanes``): each whole block's 16 x 16 squares transposed in registers
     (``square``, ``scratch``) into key rows, where reading a row's features took a cache line each
@@ -864,27 +1554,129 @@ def _store_blocked_sums(grad_k, grad_v, total_k, total_v, square, scratch, row_o
     block_end: T.let = T.max((run_margin + own_end) // T.int64(cols), block_begin)
     head_end: T.let = T.min(block_begin * T.int64(cols) - run_margin, own_end)
     for p in range(own_begin, head_end):
-        _store_key_row(grad_k, grad_v, total_k, total_v, row_of, b, h, n, p, run_margin, head_dim, scale, lanes, cols,
-                       per_line, dtype, acc_dtype, dot, True)
+        _store_key_row(
+            grad_k,
+            grad_v,
+            total_k,
+            total_v,
+            row_of,
+            b,
+            h,
+            n,
+            p,
+            run_margin,
+            head_dim,
+            scale,
+            lanes,
+            cols,
+            per_line,
+            dtype,
+            acc_dtype,
+            dot,
+            True,
+        )
     for block in range(block_begin, block_end):
         for key in range(cols):  # the next block's rows (a new page every row or two)
-            _prefetch_row(grad_k, b, row_of[T.min((block + T.int64(1)) * T.int64(cols) + key - run_margin, n - T.int64(1))],
-                          h, head_dim, per_line, 1)
-            _prefetch_row(grad_v, b, row_of[T.min((block + T.int64(1)) * T.int64(cols) + key - run_margin, n - T.int64(1))],
-                          h, head_dim, per_line, 1)
+            _prefetch_row(
+                grad_k,
+                b,
+                row_of[T.min((block + T.int64(1)) * T.int64(cols) + key - run_margin, n - T.int64(1))],
+                h,
+                head_dim,
+                per_line,
+                1,
+            )
+            _prefetch_row(
+                grad_v,
+                b,
+                row_of[T.min((block + T.int64(1)) * T.int64(cols) + key - run_margin, n - T.int64(1))],
+                h,
+                head_dim,
+                per_line,
+                1,
+            )
         for vector in range(head_dim // T.int64(lanes)):
-            _store_square(grad_k, total_k, square, scratch, row_of, b, h, block, vector, run_margin, scale, lanes, cols,
-                          dtype, acc_dtype, dot, True)
-            _store_square(grad_v, total_v, square, scratch, row_of, b, h, block, vector, run_margin, scale, lanes, cols,
-                          dtype, acc_dtype, dot, False)
+            _store_square(
+                grad_k,
+                total_k,
+                square,
+                scratch,
+                row_of,
+                b,
+                h,
+                block,
+                vector,
+                run_margin,
+                scale,
+                lanes,
+                cols,
+                dtype,
+                acc_dtype,
+                dot,
+                True,
+            )
+            _store_square(
+                grad_v,
+                total_v,
+                square,
+                scratch,
+                row_of,
+                b,
+                h,
+                block,
+                vector,
+                run_margin,
+                scale,
+                lanes,
+                cols,
+                dtype,
+                acc_dtype,
+                dot,
+                False,
+            )
     for p in range(T.max(block_end * T.int64(cols) - run_margin, head_end), own_end):
-        _store_key_row(grad_k, grad_v, total_k, total_v, row_of, b, h, n, p, run_margin, head_dim, scale, lanes, cols,
-                       per_line, dtype, acc_dtype, dot, True)
+        _store_key_row(
+            grad_k,
+            grad_v,
+            total_k,
+            total_v,
+            row_of,
+            b,
+            h,
+            n,
+            p,
+            run_margin,
+            head_dim,
+            scale,
+            lanes,
+            cols,
+            per_line,
+            dtype,
+            acc_dtype,
+            dot,
+            True,
+        )
 
 
 @T.macro
-def _store_edge_part(edge_parts_k, edge_parts_v, total_k, total_v, bh, edge_index, side, edge, run_margin, w, reach, n,
-                     head_dim, lanes, cols, blocked):
+def _store_edge_part(
+    edge_parts_k,
+    edge_parts_v,
+    total_k,
+    total_v,
+    bh,
+    edge_index,
+    side,
+    edge,
+    run_margin,
+    w,
+    reach,
+    n,
+    head_dim,
+    lanes,
+    cols,
+    blocked,
+):
     """A run's dK and dV sums of the keys within reach of ``edge``, [edge - w, edge + reach), into
     ``edge_parts[bh, edge_index, side]``."""
     for p in range(T.max(edge - w, T.int64(0)), T.min(edge + reach, n)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype, is_half
+from tvm_kernels.schedules.cpu import bf16_dot
 from tvm_kernels.schedules.cpu.microkernels import (
     _BITS,
     _ON_STACK,
@@ -16,14 +17,12 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _prefetch_element,
     _prefetch_line,
     _prefetch_row,
-    _run_origin,
     _run_tiles,
     _save_tile,
     _store_tile,
     _tile_bounds,
     _zero_tile,
 )
-from tvm_kernels.schedules.cpu import bf16_dot
 from tvm_kernels.schedules.cpu.tiles import Tiles, tiles_for
 
 
@@ -121,21 +120,44 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
     offset_is_w = 0 if transposed and autoregressive else 1
 
     @T.macro
-    def tiles(t1, band_flat, out, row_of, packed, b, h, d, n, heads, band, head_dim, offset, margin, tile_begin, tile_end,
-              rows, cols):
+    def tiles(
+        t1,
+        band_flat,
+        out,
+        row_of,
+        packed,
+        b,
+        h,
+        d,
+        n,
+        heads,
+        band,
+        head_dim,
+        offset,
+        margin,
+        tile_begin,
+        tile_end,
+        rows,
+        cols,
+    ):
         """The tiles [tile_begin, tile_end) of ``rows`` packed rows x ``cols`` output features (the
         packed rows start at the first tile's first step: ``margin`` rows before the first row).
         ``band_flat``: t1 as one flat buffer, for the direct loops' addresses (below)."""
-        weights = T.decl_buffer((band + T.int64(rows), T.int64(rows)) if transposed
-                                else (T.int64(rows), band + T.int64(rows)), acc_dtype)
+        weights = T.decl_buffer(
+            (band + T.int64(rows), T.int64(rows)) if transposed else (T.int64(rows), band + T.int64(rows)), acc_dtype
+        )
         query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
         next_row = T.alloc_local((rows,), "int64", annotations=_ON_STACK)  # flat index of each next row's band
         low = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
         high = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
         acc = T.alloc_local((rows, cols), acc_dtype, annotations=_ON_STACK)
         sums = T.decl_buffer((T.int64(rows), head_dim), acc_dtype)  # the direct path's tile between phases
-        staged = T.decl_buffer((T.int64(max(chunk_steps, 1)), T.int64(rows)) if transposed  # a chunk's weights
-                               else (T.int64(rows), T.int64(max(chunk_steps, 1))), acc_dtype)
+        staged = T.decl_buffer(
+            (T.int64(max(chunk_steps, 1)), T.int64(rows))
+            if transposed  # a chunk's weights
+            else (T.int64(rows), T.int64(max(chunk_steps, 1))),
+            acc_dtype,
+        )
         for tile in range(tile_begin, tile_end):
             p0: T.let = tile * T.int64(rows)
             _tile_bounds(query, low, high, row_of, p0, n, d, offset, band, rows)
@@ -145,8 +167,11 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
             # per class), the keys inside the sequence are the same packed rows for every row:
             # k in [low[0], k_end), and row r has a column there iff r <= k < r + band.
             k_end: T.let = T.min(offset + (n - T.int64(1) - query[0]) // d + T.int64(1), band + T.int64(rows - 1))
-            if (p0 + T.int64(rows) <= n and query[rows - 1] == query[0] + T.int64(rows - 1) * d
-                    and band >= T.int64(rows - 1)):
+            if (
+                p0 + T.int64(rows) <= n
+                and query[rows - 1] == query[0] + T.int64(rows - 1) * d
+                and band >= T.int64(rows - 1)
+            ):
                 # The FMA loop reads its weights straight from the band rows; only the two
                 # triangles k < rows - 1 and k >= band, where some row has no column, select.
                 k_low: T.let = T.max(low[0], T.int64(rows - 1))
@@ -158,9 +183,21 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                     _zero_tile(acc, rows, cols, acc_dtype)
                     for k in range(low[0], T.max(T.min(k_end, T.int64(rows - 1)), low[0])):
                         for r in T.unroll(rows):
-                            _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols, T.Select(
-                                k >= T.int64(r), _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
-                                T.Cast(acc_dtype, 0)))
+                            _accumulate(
+                                acc,
+                                r,
+                                packed,
+                                first + k,
+                                feature_tile * T.int64(cols),
+                                cols,
+                                T.Select(
+                                    k >= T.int64(r),
+                                    _band_weight(
+                                        t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True
+                                    ),
+                                    T.Cast(acc_dtype, 0),
+                                ),
+                            )
                     _save_tile(sums, acc, feature_tile * T.int64(cols), rows, cols)
                 for r in range(rows):
                     next_row[r] = ((b * n + row_of[T.min(p0 + T.int64(rows + r), n - T.int64(1))]) * heads + h) * band
@@ -176,9 +213,27 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                         # once they fill the miss queue and the FMA loop stalls (perf).
                         for line in range((chunk_steps + per_line - 1) // per_line):
                             for r in range(rows):
-                                _prefetch_element(band_flat, next_row[r] + T.min(chunk + T.int64(line * per_line), band - T.int64(1)))
+                                _prefetch_element(
+                                    band_flat, next_row[r] + T.min(chunk + T.int64(line * per_line), band - T.int64(1))
+                                )
                     if stage_weights:
-                        _stage_chunk(staged, t1, query, b, h, d, offset, band, chunk, k_from, k_to, chunk_steps, rows, acc_dtype, transposed)
+                        _stage_chunk(
+                            staged,
+                            t1,
+                            query,
+                            b,
+                            h,
+                            d,
+                            offset,
+                            band,
+                            chunk,
+                            k_from,
+                            k_to,
+                            chunk_steps,
+                            rows,
+                            acc_dtype,
+                            transposed,
+                        )
                     for feature_tile in range(head_dim // T.int64(cols)):
                         _load_tile(acc, sums, feature_tile * T.int64(cols), rows, cols)
                         for k in range(k_from, k_to):
@@ -198,28 +253,74 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                                     if feature_tile == T.int64(0):
                                         _prefetch_element(band_flat, at + T.int64(2 * rows - 1))
                                 for r in T.unroll(rows):
-                                    _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols,
-                                                staged[k - chunk, r] if stage_weights else
-                                                T.Cast(acc_dtype, band_flat[at + T.int64(r)]))
+                                    _accumulate(
+                                        acc,
+                                        r,
+                                        packed,
+                                        first + k,
+                                        feature_tile * T.int64(cols),
+                                        cols,
+                                        staged[k - chunk, r]
+                                        if stage_weights
+                                        else T.Cast(acc_dtype, band_flat[at + T.int64(r)]),
+                                    )
                             else:
                                 if chunk_steps == 0:
                                     # Fetch the next tile's band rows, a line per step, in the first
                                     # feature pass (the others would ask for the same lines again).
                                     if feature_tile == T.int64(0):
-                                        _prefetch_element(band_flat, next_row[k % T.int64(rows)]
-                                                          + T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
+                                        _prefetch_element(
+                                            band_flat,
+                                            next_row[k % T.int64(rows)]
+                                            + T.min(k // T.int64(rows) * T.int64(per_line), band - T.int64(1)),
+                                        )
                                 for r in T.unroll(rows):
-                                    _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols,
-                                                staged[r, k - chunk] if stage_weights else
-                                                _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, False))
+                                    _accumulate(
+                                        acc,
+                                        r,
+                                        packed,
+                                        first + k,
+                                        feature_tile * T.int64(cols),
+                                        cols,
+                                        staged[r, k - chunk]
+                                        if stage_weights
+                                        else _band_weight(
+                                            t1,
+                                            row_of,
+                                            query,
+                                            b,
+                                            h,
+                                            p0,
+                                            offset,
+                                            k,
+                                            r,
+                                            n,
+                                            band,
+                                            acc_dtype,
+                                            transposed,
+                                            False,
+                                        ),
+                                    )
                         _save_tile(sums, acc, feature_tile * T.int64(cols), rows, cols)
                 for feature_tile in range(head_dim // T.int64(cols)):
                     _load_tile(acc, sums, feature_tile * T.int64(cols), rows, cols)
                     for k in range(T.max(low[0], band), T.max(k_end, T.max(low[0], band))):
                         for r in T.unroll(rows):
-                            _accumulate(acc, r, packed, first + k, feature_tile * T.int64(cols), cols, T.Select(
-                                k - T.int64(r) < band, _band_weight(t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True),
-                                T.Cast(acc_dtype, 0)))
+                            _accumulate(
+                                acc,
+                                r,
+                                packed,
+                                first + k,
+                                feature_tile * T.int64(cols),
+                                cols,
+                                T.Select(
+                                    k - T.int64(r) < band,
+                                    _band_weight(
+                                        t1, row_of, query, b, h, p0, offset, k, r, n, band, acc_dtype, transposed, True
+                                    ),
+                                    T.Cast(acc_dtype, 0),
+                                ),
+                            )
                     _store_tile(out, acc, b, h, query, p0, n, feature_tile * T.int64(cols), rows, cols, dtype)
             else:
                 # A tile across residue classes or past the end: gather the weights, zeroed at
@@ -232,13 +333,26 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                             for r in T.vectorized(rows):
                                 weights[k, r] = T.Select(
                                     k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
-                                    T.Cast(acc_dtype, t1[b, row, h, band - T.int64(1) - k + T.int64(r)]), T.Cast(acc_dtype, 0))
+                                    T.Cast(acc_dtype, t1[b, row, h, band - T.int64(1) - k + T.int64(r)]),
+                                    T.Cast(acc_dtype, 0),
+                                )
                         else:  # the band's first and last columns: clamp the read, the weight is 0 anyway
                             for r in range(rows):
                                 weights[k, r] = T.Select(
                                     k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
-                                    T.Cast(acc_dtype, t1[b, row, h, T.max(T.min(band - T.int64(1) - k + T.int64(r), band - T.int64(1)), T.int64(0))]),
-                                    T.Cast(acc_dtype, 0))
+                                    T.Cast(
+                                        acc_dtype,
+                                        t1[
+                                            b,
+                                            row,
+                                            h,
+                                            T.max(
+                                                T.min(band - T.int64(1) - k + T.int64(r), band - T.int64(1)), T.int64(0)
+                                            ),
+                                        ],
+                                    ),
+                                    T.Cast(acc_dtype, 0),
+                                )
                 else:
                     # Fetch the next tile's band rows while this tile computes (the direct path
                     # spreads them over its FMA loop instead). Transposed reads a few entries per
@@ -251,11 +365,17 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                         for vector in range(band // T.int64(lanes)):
                             for lane in T.vectorized(lanes):
                                 weights[r, T.int64(r) + vector * T.int64(lanes) + lane] = T.Select(
-                                    vector * T.int64(lanes) + lane >= low[r] and vector * T.int64(lanes) + lane < high[r],
-                                    T.Cast(acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane]), T.Cast(acc_dtype, 0))
+                                    vector * T.int64(lanes) + lane >= low[r]
+                                    and vector * T.int64(lanes) + lane < high[r],
+                                    T.Cast(acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane]),
+                                    T.Cast(acc_dtype, 0),
+                                )
                         for j in range(band // T.int64(lanes) * T.int64(lanes), band):
-                            weights[r, T.int64(r) + j] = T.Select(j >= low[r] and j < high[r],
-                                                                  T.Cast(acc_dtype, t1[b, query[r], h, j]), T.Cast(acc_dtype, 0))
+                            weights[r, T.int64(r) + j] = T.Select(
+                                j >= low[r] and j < high[r],
+                                T.Cast(acc_dtype, t1[b, query[r], h, j]),
+                                T.Cast(acc_dtype, 0),
+                            )
                         for k in range(T.int64(r) + band, band + T.int64(rows - 1)):
                             weights[r, k] = T.Cast(acc_dtype, 0)
                 for feature_tile in range(head_dim // T.int64(cols)):
@@ -263,8 +383,9 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                     _zero_tile(acc, rows, cols, acc_dtype)
                     for k in range(band + T.int64(rows - 1)):
                         for r in T.unroll(rows):
-                            _accumulate(acc, r, packed, first + k, column, cols,
-                                        weights[k, r] if transposed else weights[r, k])
+                            _accumulate(
+                                acc, r, packed, first + k, column, cols, weights[k, r] if transposed else weights[r, k]
+                            )
                     _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, dtype)
 
     @T.prim_func
@@ -305,17 +426,53 @@ def _band_times_rows(dtype: str, autoregressive: bool, tiles: Tiles, transposed:
                     for vector in range(head_dim // T.int64(lanes)):
                         for lane in T.vectorized(lanes):
                             packed[t, vector * T.int64(lanes) + lane] = T.Cast(
-                                acc_dtype, t2[b, source, h, vector * T.int64(lanes) + lane])
+                                acc_dtype, t2[b, source, h, vector * T.int64(lanes) + lane]
+                            )
                 else:
                     for vector in range(head_dim // T.int64(lanes)):
                         for lane in T.vectorized(lanes):
                             packed[t, vector * T.int64(lanes) + lane] = T.Cast(acc_dtype, 0)
             if wide_cols > 0 and head_dim % T.int64(wide_cols) == 0:
-                tiles(t1, band_flat, out, row_of, packed, b, h, d, n, heads, band, head_dim, offset, margin,
-                      tile_begin * T.int64(rows // 4), T.min(tile_end * T.int64(rows // 4), (n + T.int64(3)) // T.int64(4)), 4,
-                      wide_cols)
+                tiles(
+                    t1,
+                    band_flat,
+                    out,
+                    row_of,
+                    packed,
+                    b,
+                    h,
+                    d,
+                    n,
+                    heads,
+                    band,
+                    head_dim,
+                    offset,
+                    margin,
+                    tile_begin * T.int64(rows // 4),
+                    T.min(tile_end * T.int64(rows // 4), (n + T.int64(3)) // T.int64(4)),
+                    4,
+                    wide_cols,
+                )
             else:
-                tiles(t1, band_flat, out, row_of, packed, b, h, d, n, heads, band, head_dim, offset, margin, tile_begin, tile_end,
-                      rows, cols)
+                tiles(
+                    t1,
+                    band_flat,
+                    out,
+                    row_of,
+                    packed,
+                    b,
+                    h,
+                    d,
+                    n,
+                    heads,
+                    band,
+                    head_dim,
+                    offset,
+                    margin,
+                    tile_begin,
+                    tile_end,
+                    rows,
+                    cols,
+                )
 
     return main

@@ -87,22 +87,37 @@ def _pair(low, high):
 @T.macro
 def dot_into(acc, r, v, weight_pair, value_pairs):
     """acc[r, 16v : 16v + 16] += the pair ``weight_pair`` (broadcast) . ``value_pairs`` (16 pairs)."""
-    T.buffer_store(acc, T.call_extern(
-        "float32x16", _DOT, T.BufferLoad(acc, [r, T.Ramp(v * LANES, 1, LANES)]),
-        # The broadcast last: the instruction's memory operand, where the load folds ({1to16}).
-        value_pairs, T.Broadcast(weight_pair, LANES)), [r, T.Ramp(v * LANES, 1, LANES)])
+    T.buffer_store(
+        acc,
+        T.call_extern(
+            "float32x16",
+            _DOT,
+            T.BufferLoad(acc, [r, T.Ramp(v * LANES, 1, LANES)]),
+            # The broadcast last: the instruction's memory operand, where the load folds ({1to16}).
+            value_pairs,
+            T.Broadcast(weight_pair, LANES),
+        ),
+        [r, T.Ramp(v * LANES, 1, LANES)],
+    )
 
 
 @T.macro
 def dot_pairs(acc, r, pairs, row, column, vectors, weight_pair):
     """Tile row r += the pair ``weight_pair`` (broadcast) . pairs[row, column : column + 16 * vectors]."""
     for v in T.unroll(vectors):
-        dot_into(acc, r, v, weight_pair,
-                  T.BufferLoad(pairs, [row, T.Ramp(column + T.Cast("int64", v * LANES), T.int64(1), LANES)]))
+        dot_into(
+            acc,
+            r,
+            v,
+            weight_pair,
+            T.BufferLoad(pairs, [row, T.Ramp(column + T.Cast("int64", v * LANES), T.int64(1), LANES)]),
+        )
 
 
 @T.macro
-def pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n, head_dim, margin, blocks, cols, per_line):
+def pack_key_pairs(
+    packed, key_words, key_tile, row_of, block_keys, t2, b, h, n, head_dim, margin, blocks, cols, per_line
+):
     """Q.K^T's keys in packed (residue-major) order for the dot product, zero outside the sequence:
     blocks of ``cols`` keys, ``packed[block, i, key]`` = the key's features 2i and 2i + 1 (one
     32-bit word of its row, ``key_words``). ``key_tile``: scratch of ``cols x 16`` words."""
@@ -111,7 +126,9 @@ def pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n,
         for lane in range(T.int64(cols)):
             p: T.let = block * T.int64(cols) + lane - margin  # packed position
             block_keys[lane] = row_of[T.max(T.min(p, n - T.int64(1)), T.int64(0))]
-            _prefetch_row(t2, b, row_of[T.max(T.min(p + T.int64(8), n - T.int64(1)), T.int64(0))], h, head_dim, per_line)
+            _prefetch_row(
+                t2, b, row_of[T.max(T.min(p + T.int64(8), n - T.int64(1)), T.int64(0))], h, head_dim, per_line
+            )
         # Transposed 16 words at a time through a tile of constant strides (as _pack_operands): a
         # square tile in registers, where the words were gathered column by column (~1% of the
         # fused kernels' time; bench/NOTES.md).
@@ -120,7 +137,9 @@ def pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n,
                 for i in T.vectorized(LANES):
                     key_tile[lane, i] = T.Select(
                         block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
-                        key_words[b, block_keys[lane], h, chunk * T.int64(LANES) + i], T.int32(0))
+                        key_words[b, block_keys[lane], h, chunk * T.int64(LANES) + i],
+                        T.int32(0),
+                    )
             if cols == LANES:
                 _transpose_square(key_tile, key_scratch, LANES)
                 for i in T.unroll(LANES):
@@ -147,8 +166,10 @@ def pack_row_pairs(pairs, row_bits, t2, row_of, b, h, n, head_dim, margin, lengt
                 f: T.let = vector * T.int64(LANES) + lane
                 pairs[t, f] = _pair(
                     T.Select(p >= T.int64(0) and p < n, row_bits[b, first_row, h, f], T.uint16(0)),
-                    T.Select(p + T.int64(1) >= T.int64(0) and p + T.int64(1) < n,
-                             row_bits[b, second_row, h, f], T.uint16(0)))
+                    T.Select(
+                        p + T.int64(1) >= T.int64(0) and p + T.int64(1) < n, row_bits[b, second_row, h, f], T.uint16(0)
+                    ),
+                )
 
 
 @T.macro
@@ -167,8 +188,13 @@ def dot_key_block(acc, words, row0, packed, block, head_dim, rows, vectors):
     for i in range(head_dim // T.int64(2)):
         for r in T.unroll(rows):
             for v in T.unroll(vectors):
-                dot_into(acc, r, v, words[row0 + T.int64(r), i],
-                         T.BufferLoad(packed, [block, i, T.Ramp(T.Cast("int64", v * LANES), T.int64(1), LANES)]))
+                dot_into(
+                    acc,
+                    r,
+                    v,
+                    words[row0 + T.int64(r), i],
+                    T.BufferLoad(packed, [block, i, T.Ramp(T.Cast("int64", v * LANES), T.int64(1), LANES)]),
+                )
 
 
 @T.macro
@@ -177,8 +203,11 @@ def round_to_pairs(words, r, values, start, end):
     even c in [start, end), whole vectors of 16 (start even)."""
     for vector in range((end - start) // T.int64(LANES)):
         c: T.let = start + vector * T.int64(LANES)
-        T.buffer_store(words, T.call_extern("int32x8", _ROUND, T.BufferLoad(values, [r, T.Ramp(c, T.int64(1), LANES)])),
-                       [r, T.Ramp(c // T.int64(2), T.int64(1), LANES // 2)])
+        T.buffer_store(
+            words,
+            T.call_extern("int32x8", _ROUND, T.BufferLoad(values, [r, T.Ramp(c, T.int64(1), LANES)])),
+            [r, T.Ramp(c // T.int64(2), T.int64(1), LANES // 2)],
+        )
 
 
 @T.macro
@@ -188,10 +217,16 @@ def round_to_row_pairs(words, pair, values, start, end):
     two tile rows per step."""
     for vector in range((end - start) // T.int64(LANES)):
         c: T.let = start + vector * T.int64(LANES)
-        T.buffer_store(words, T.call_extern(
-            "int32x16", _INTERLEAVE, T.BufferLoad(values, [pair * T.int64(2), T.Ramp(c, T.int64(1), LANES)]),
-            T.BufferLoad(values, [pair * T.int64(2) + T.int64(1), T.Ramp(c, T.int64(1), LANES)])),
-            [pair, T.Ramp(c, T.int64(1), LANES)])
+        T.buffer_store(
+            words,
+            T.call_extern(
+                "int32x16",
+                _INTERLEAVE,
+                T.BufferLoad(values, [pair * T.int64(2), T.Ramp(c, T.int64(1), LANES)]),
+                T.BufferLoad(values, [pair * T.int64(2) + T.int64(1), T.Ramp(c, T.int64(1), LANES)]),
+            ),
+            [pair, T.Ramp(c, T.int64(1), LANES)],
+        )
 
 
 @T.macro
@@ -213,7 +248,11 @@ def _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, tran
     clamped into the buffers, for the caller to select the weight away."""
     if transposed:
         column = band - T.int64(1) - k + T.int64(r)
-        source = query[0] + (k - offset) * d if in_class else row_of[T.max(T.min(p0 - offset + k, n - T.int64(1)), T.int64(0))]
+        source = (
+            query[0] + (k - offset) * d
+            if in_class
+            else row_of[T.max(T.min(p0 - offset + k, n - T.int64(1)), T.int64(0))]
+        )
     else:
         column = k - T.int64(r)
         source = query[r]
@@ -288,8 +327,11 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
                 _tile_bounds(query, low, high, row_of, p0, n, d, offset, band, rows)
                 first: T.let = p0 - offset + margin  # packed row of step k = 0
                 # Row r's weight at step k (packed row first + k) belongs to its band column k - r.
-                direct: T.let = (p0 + T.int64(rows) <= n and query[rows - 1] == query[0] + T.int64(rows - 1) * d
-                                 and band >= T.int64(rows - 1))
+                direct: T.let = (
+                    p0 + T.int64(rows) <= n
+                    and query[rows - 1] == query[0] + T.int64(rows - 1) * d
+                    and band >= T.int64(rows - 1)
+                )
                 # Rows consecutive in one residue class: every row's valid steps end together
                 # (the next packed rows belong to another class), and between the triangles
                 # k < rows - 1 and k >= band every row has a column: no select there.
@@ -302,10 +344,56 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
                     if direct:
                         for k in range(low[0], T.min(k_low, k_end), 2):
                             for r in T.unroll(rows):
-                                dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
-                                    T.Select(k >= T.int64(r), _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, False), T.uint16(0)),
-                                    T.Select(k + T.int64(1) >= T.int64(r) and k + T.int64(1) < T.min(k_low, k_end),
-                                             _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, transposed, False), T.uint16(0))))
+                                dot_pairs(
+                                    acc,
+                                    r,
+                                    pairs,
+                                    first + k,
+                                    column,
+                                    2,
+                                    _pair(
+                                        T.Select(
+                                            k >= T.int64(r),
+                                            _weight(
+                                                weight_bits,
+                                                row_of,
+                                                query,
+                                                b,
+                                                h,
+                                                p0,
+                                                offset,
+                                                d,
+                                                k,
+                                                r,
+                                                n,
+                                                band,
+                                                transposed,
+                                                False,
+                                            ),
+                                            T.uint16(0),
+                                        ),
+                                        T.Select(
+                                            k + T.int64(1) >= T.int64(r) and k + T.int64(1) < T.min(k_low, k_end),
+                                            _weight(
+                                                weight_bits,
+                                                row_of,
+                                                query,
+                                                b,
+                                                h,
+                                                p0,
+                                                offset,
+                                                d,
+                                                k + T.int64(1),
+                                                r,
+                                                n,
+                                                band,
+                                                transposed,
+                                                False,
+                                            ),
+                                            T.uint16(0),
+                                        ),
+                                    ),
+                                )
                         for step in range(pair_steps):
                             k: T.let = k_low + step * T.int64(2)
                             if transposed:
@@ -317,38 +405,209 @@ def band_times_pairs(autoregressive: bool, rows: int, transposed: bool):
                                     # two 16-bit loads, a shift and an or each.
                                     for r in T.vectorized(rows):
                                         staged[step, r] = _pair(
-                                            _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, True, True),
-                                            _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, True, True))
+                                            _weight(
+                                                weight_bits,
+                                                row_of,
+                                                query,
+                                                b,
+                                                h,
+                                                p0,
+                                                offset,
+                                                d,
+                                                k,
+                                                r,
+                                                n,
+                                                band,
+                                                True,
+                                                True,
+                                            ),
+                                            _weight(
+                                                weight_bits,
+                                                row_of,
+                                                query,
+                                                b,
+                                                h,
+                                                p0,
+                                                offset,
+                                                d,
+                                                k + T.int64(1),
+                                                r,
+                                                n,
+                                                band,
+                                                True,
+                                                True,
+                                            ),
+                                        )
                                     # The next tile reads the next `rows` entries of these two band
                                     # rows: fetch those lines now (as the FMA kernel does).
                                     for j in range(2):
-                                        _prefetch_line(t1, b, query[0] + (k + T.int64(j) - offset) * d, h,
-                                                       T.min(band + T.int64(2 * rows - 2 - j) - k, band - T.int64(1)))
+                                        _prefetch_line(
+                                            t1,
+                                            b,
+                                            query[0] + (k + T.int64(j) - offset) * d,
+                                            h,
+                                            T.min(band + T.int64(2 * rows - 2 - j) - k, band - T.int64(1)),
+                                        )
                                 for r in T.unroll(rows):
                                     dot_pairs(acc, r, pairs, first + k, column, 2, staged[step, r])
                             else:
                                 # Fetch the next tile's band rows, a line per step.
-                                _prefetch_line(t1, b, row_of[T.min(p0 + T.int64(rows) + step % T.int64(rows), n - T.int64(1))], h,
-                                               T.min(step // T.int64(rows) * T.int64(per_line), band - T.int64(1)))
+                                _prefetch_line(
+                                    t1,
+                                    b,
+                                    row_of[T.min(p0 + T.int64(rows) + step % T.int64(rows), n - T.int64(1))],
+                                    h,
+                                    T.min(step // T.int64(rows) * T.int64(per_line), band - T.int64(1)),
+                                )
                                 for r in T.unroll(rows):
-                                    dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
-                                        _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, False, True),
-                                        _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, False, True)))
+                                    dot_pairs(
+                                        acc,
+                                        r,
+                                        pairs,
+                                        first + k,
+                                        column,
+                                        2,
+                                        _pair(
+                                            _weight(
+                                                weight_bits,
+                                                row_of,
+                                                query,
+                                                b,
+                                                h,
+                                                p0,
+                                                offset,
+                                                d,
+                                                k,
+                                                r,
+                                                n,
+                                                band,
+                                                False,
+                                                True,
+                                            ),
+                                            _weight(
+                                                weight_bits,
+                                                row_of,
+                                                query,
+                                                b,
+                                                h,
+                                                p0,
+                                                offset,
+                                                d,
+                                                k + T.int64(1),
+                                                r,
+                                                n,
+                                                band,
+                                                False,
+                                                True,
+                                            ),
+                                        ),
+                                    )
                         for k in range(k_low + pair_steps * T.int64(2), k_end, 2):
                             for r in T.unroll(rows):
-                                dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
-                                    T.Select(k - T.int64(r) < band, _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, False), T.uint16(0)),
-                                    T.Select(k + T.int64(1) - T.int64(r) < band and k + T.int64(1) < k_end,
-                                             _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, transposed, False), T.uint16(0))))
+                                dot_pairs(
+                                    acc,
+                                    r,
+                                    pairs,
+                                    first + k,
+                                    column,
+                                    2,
+                                    _pair(
+                                        T.Select(
+                                            k - T.int64(r) < band,
+                                            _weight(
+                                                weight_bits,
+                                                row_of,
+                                                query,
+                                                b,
+                                                h,
+                                                p0,
+                                                offset,
+                                                d,
+                                                k,
+                                                r,
+                                                n,
+                                                band,
+                                                transposed,
+                                                False,
+                                            ),
+                                            T.uint16(0),
+                                        ),
+                                        T.Select(
+                                            k + T.int64(1) - T.int64(r) < band and k + T.int64(1) < k_end,
+                                            _weight(
+                                                weight_bits,
+                                                row_of,
+                                                query,
+                                                b,
+                                                h,
+                                                p0,
+                                                offset,
+                                                d,
+                                                k + T.int64(1),
+                                                r,
+                                                n,
+                                                band,
+                                                transposed,
+                                                False,
+                                            ),
+                                            T.uint16(0),
+                                        ),
+                                    ),
+                                )
                     else:
                         # Across residue classes or past the end: every weight selected.
                         for k in range(0, band + T.int64(rows - 1), 2):
                             for r in T.unroll(rows):
-                                dot_pairs(acc, r, pairs, first + k, column, 2, _pair(
-                                    T.Select(k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
-                                             _weight(weight_bits, row_of, query, b, h, p0, offset, d, k, r, n, band, transposed, False), T.uint16(0)),
-                                    T.Select(k + T.int64(1 - r) >= low[r] and k + T.int64(1 - r) < high[r],
-                                             _weight(weight_bits, row_of, query, b, h, p0, offset, d, k + T.int64(1), r, n, band, transposed, False), T.uint16(0))))
+                                dot_pairs(
+                                    acc,
+                                    r,
+                                    pairs,
+                                    first + k,
+                                    column,
+                                    2,
+                                    _pair(
+                                        T.Select(
+                                            k - T.int64(r) >= low[r] and k - T.int64(r) < high[r],
+                                            _weight(
+                                                weight_bits,
+                                                row_of,
+                                                query,
+                                                b,
+                                                h,
+                                                p0,
+                                                offset,
+                                                d,
+                                                k,
+                                                r,
+                                                n,
+                                                band,
+                                                transposed,
+                                                False,
+                                            ),
+                                            T.uint16(0),
+                                        ),
+                                        T.Select(
+                                            k + T.int64(1 - r) >= low[r] and k + T.int64(1 - r) < high[r],
+                                            _weight(
+                                                weight_bits,
+                                                row_of,
+                                                query,
+                                                b,
+                                                h,
+                                                p0,
+                                                offset,
+                                                d,
+                                                k + T.int64(1),
+                                                r,
+                                                n,
+                                                band,
+                                                transposed,
+                                                False,
+                                            ),
+                                            T.uint16(0),
+                                        ),
+                                    ),
+                                )
                     _store_tile(out, acc, b, h, query, p0, n, column, rows, cols, "bfloat16")
 
     return with_dot_product(main)

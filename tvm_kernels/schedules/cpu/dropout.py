@@ -24,9 +24,18 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype, column_step, dropout_factor, dropout_factor_of, dropout_row_key
-from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
-                                                    _pair_view, _paired_vectors, _staging, _store_rounded,
-                                                    _sums_from_pairs)
+from tvm_kernels.schedules.cpu.microkernels import (
+    _BITS,
+    _ON_STACK,
+    _bfloat16_even,
+    _bfloat16_odd,
+    _bfloat16_pair,
+    _pair_view,
+    _paired_vectors,
+    _staging,
+    _store_rounded,
+    _sums_from_pairs,
+)
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 
@@ -54,7 +63,9 @@ def _dropped_pair(terms, lane, words, hashed_start, pair_steps, p, lanes, acc_dt
     ``words`` times their dropout factors (``hashed_start`` the vector's hash input,
     :func:`pair_column_steps` its columns' terms), unrounded."""
     terms[lane] = _bfloat16_even(words) * dropout_factor_of(hashed_start + pair_steps[lane], p, acc_dtype)
-    terms[lanes + lane] = _bfloat16_odd(words) * dropout_factor_of(hashed_start + pair_steps[lanes + lane], p, acc_dtype)
+    terms[lanes + lane] = _bfloat16_odd(words) * dropout_factor_of(
+        hashed_start + pair_steps[lanes + lane], p, acc_dtype
+    )
 
 
 def _hash_buffers(dtype: str, lanes: int, acc_dtype: str, pairs: bool):
@@ -72,7 +83,7 @@ def _hash_buffers(dtype: str, lanes: int, acc_dtype: str, pairs: bool):
 def dropout(dtype: str, isa: str):
     """``out[r, c] = x[r, c] * factor(seed, r, c)``: the factor ``1 / (1 - p)`` or 0 of
     :func:`tvm_kernels.compute.dropout_factor`, row ``r``'s key that of the attention mask's row
-    ``r`` in batch-head 0 (``longformer_ops.reference.dropout_factor_reference(seed, 1, rows, 1,
+    ``r`` in batch-head 0 (``longformer_ops.ops.reference.dropout_factor_reference(seed, 1, rows, 1,
     cols, p)``). Arguments: x ``[rows, cols]``, p (float64), seed (int64), out ``[rows, cols]``
     (not x). The product is taken in the accumulation dtype and rounded once."""
     acc_dtype = accumulation_dtype(dtype)
@@ -105,13 +116,22 @@ def dropout(dtype: str, isa: str):
             for vector in range(paired * T.int64(2) if pairs else T.int64(0), cols // T.int64(lanes)):
                 hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                 for lane in T.vectorized(lanes):
-                    _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
-                                   * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype), staged, lane)
+                    _store_rounded(
+                        dtype,
+                        out,
+                        r,
+                        vector * T.int64(lanes) + lane,
+                        T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
+                        * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype),
+                        staged,
+                        lane,
+                    )
             for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                _store_rounded(dtype, out, r, c, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype), staged, 0)
+                _store_rounded(
+                    dtype, out, r, c, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype), staged, 0
+                )
 
     return main
-
 
 
 def bias_dropout_add(dtype: str, isa: str):
@@ -128,8 +148,14 @@ def bias_dropout_add(dtype: str, isa: str):
     element_bytes = _BITS[dtype] // 8
 
     @T.prim_func
-    def main(h_handle: T.handle, bias_handle: T.handle, residual_handle: T.handle, p: T.float64, seed: T.int64,
-             out_handle: T.handle):
+    def main(
+        h_handle: T.handle,
+        bias_handle: T.handle,
+        residual_handle: T.handle,
+        p: T.float64,
+        seed: T.int64,
+        out_handle: T.handle,
+    ):
         T.func_attr({"tir.noalias": True})
         rows = T.int64()
         cols = T.int64()
@@ -153,24 +179,45 @@ def bias_dropout_add(dtype: str, isa: str):
                     hashed_start: T.let = key + column_step(vector * T.int64(2 * lanes))
                     for lane in T.vectorized(lanes):
                         word: T.let = vector * T.int64(lanes) + lane
-                        terms[lane] = ((_bfloat16_even(h_words[r, word]) + _bfloat16_even(bias_words[word]))
-                                       * dropout_factor_of(hashed_start + pair_steps[lane], p, acc_dtype)
-                                       + _bfloat16_even(residual_words[r, word]))
+                        terms[lane] = (
+                            _bfloat16_even(h_words[r, word]) + _bfloat16_even(bias_words[word])
+                        ) * dropout_factor_of(hashed_start + pair_steps[lane], p, acc_dtype) + _bfloat16_even(
+                            residual_words[r, word]
+                        )
                         terms[lanes + lane] = (
-                            (_bfloat16_odd(h_words[r, word]) + _bfloat16_odd(bias_words[word]))
-                            * dropout_factor_of(hashed_start + pair_steps[lanes + lane], p, acc_dtype)
-                            + _bfloat16_odd(residual_words[r, word]))
+                            _bfloat16_odd(h_words[r, word]) + _bfloat16_odd(bias_words[word])
+                        ) * dropout_factor_of(hashed_start + pair_steps[lanes + lane], p, acc_dtype) + _bfloat16_odd(
+                            residual_words[r, word]
+                        )
                         out_words[r, word] = _bfloat16_pair(terms[lane], terms[lanes + lane])
             for vector in range(paired * T.int64(2) if pairs else T.int64(0), cols // T.int64(lanes)):
                 hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                 for lane in T.vectorized(lanes):
-                    _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, (
-                        T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]))
+                    _store_rounded(
+                        dtype,
+                        out,
+                        r,
+                        vector * T.int64(lanes) + lane,
+                        (
+                            T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane])
+                            + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane])
+                        )
                         * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype)
-                        + T.Cast(acc_dtype, residual[r, vector * T.int64(lanes) + lane]), staged, lane)
+                        + T.Cast(acc_dtype, residual[r, vector * T.int64(lanes) + lane]),
+                        staged,
+                        lane,
+                    )
             for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                _store_rounded(dtype, out, r, c, (T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c])) * dropout_factor(key, c, p, acc_dtype)
-                               + T.Cast(acc_dtype, residual[r, c]), staged, 0)
+                _store_rounded(
+                    dtype,
+                    out,
+                    r,
+                    c,
+                    (T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c])) * dropout_factor(key, c, p, acc_dtype)
+                    + T.Cast(acc_dtype, residual[r, c]),
+                    staged,
+                    0,
+                )
 
     return main
 
@@ -227,12 +274,23 @@ def dropout_column_sums(dtype: str, isa: str):
                 for vector in range(paired * T.int64(2) if pairs else T.int64(0), cols // T.int64(lanes)):
                     hashed_start: T.let = key + column_step(vector * T.int64(lanes))
                     for lane in T.vectorized(lanes):
-                        _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
-                                       * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype), staged, lane)
-                        sums[chunk, vector * T.int64(lanes) + lane] = (sums[chunk, vector * T.int64(lanes) + lane]
-                                                                       + T.Cast(acc_dtype, out[r, vector * T.int64(lanes) + lane]))
+                        _store_rounded(
+                            dtype,
+                            out,
+                            r,
+                            vector * T.int64(lanes) + lane,
+                            T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
+                            * dropout_factor_of(hashed_start + lane_steps[lane], p, acc_dtype),
+                            staged,
+                            lane,
+                        )
+                        sums[chunk, vector * T.int64(lanes) + lane] = sums[
+                            chunk, vector * T.int64(lanes) + lane
+                        ] + T.Cast(acc_dtype, out[r, vector * T.int64(lanes) + lane])
                 for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                    _store_rounded(dtype, out, r, c, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype), staged, 0)
+                    _store_rounded(
+                        dtype, out, r, c, T.Cast(acc_dtype, x[r, c]) * dropout_factor(key, c, p, acc_dtype), staged, 0
+                    )
                     sums[chunk, c] = sums[chunk, c] + T.Cast(acc_dtype, out[r, c])
             if pairs:
                 _sums_from_pairs(sums, chunk, terms, paired, lanes)

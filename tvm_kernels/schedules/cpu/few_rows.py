@@ -52,8 +52,9 @@ def few_rows_mm_nt(dtype: str, isa: str):
         for vector in range(vectors):
             for u in T.unroll(count):
                 for lane in T.vectorized(lanes):
-                    partial[u, lane] = partial[u, lane] + T.Cast(acc_dtype, a[b, r, vector * T.int64(lanes) + lane]) * T.Cast(
-                        acc_dtype, bt[b, first + T.int64(u), vector * T.int64(lanes) + lane])
+                    partial[u, lane] = partial[u, lane] + T.Cast(
+                        acc_dtype, a[b, r, vector * T.int64(lanes) + lane]
+                    ) * T.Cast(acc_dtype, bt[b, first + T.int64(u), vector * T.int64(lanes) + lane])
         for u in T.unroll(count):
             total[u] = T.Cast(acc_dtype, 0)
             _add_lanes(total, partial, lanes, at=u, row=u)
@@ -83,8 +84,21 @@ def few_rows_mm_nt(dtype: str, isa: str):
             size: T.let = T.min(cols - first, T.int64(_KEY_BLOCK))
             for group in range(size // T.int64(_DOTS_AT_ONCE)):
                 for r in range(rows):  # (the group's keys stay in L1 for every row)
-                    dots(a, bt, out, b, r, first + group * T.int64(_DOTS_AT_ONCE), _DOTS_AT_ONCE, vectors, depth, rows,
-                         partial, total, staged)
+                    dots(
+                        a,
+                        bt,
+                        out,
+                        b,
+                        r,
+                        first + group * T.int64(_DOTS_AT_ONCE),
+                        _DOTS_AT_ONCE,
+                        vectors,
+                        depth,
+                        rows,
+                        partial,
+                        total,
+                        staged,
+                    )
             for j in range(size // T.int64(_DOTS_AT_ONCE) * T.int64(_DOTS_AT_ONCE), size):
                 for r in range(rows):
                     dots(a, bt, out, b, r, first + j, 1, vectors, depth, rows, partial, total, staged)
@@ -130,10 +144,13 @@ def few_rows_mm(dtype: str, isa: str):
                         for v in T.unroll(column_vectors):
                             for lane in T.vectorized(lanes):
                                 acc[v, lane] = acc[v, lane] + T.Cast(acc_dtype, a[b, r, j]) * T.Cast(
-                                    acc_dtype, m[b, j, first + T.int64(v * lanes) + lane])
+                                    acc_dtype, m[b, j, first + T.int64(v * lanes) + lane]
+                                )
                     for v in T.unroll(column_vectors):
                         for lane in T.vectorized(lanes):
-                            _store_rounded(dtype, out, b * rows + r, first + T.int64(v * lanes) + lane, acc[v, lane], staged, lane)
+                            _store_rounded(
+                                dtype, out, b * rows + r, first + T.int64(v * lanes) + lane, acc[v, lane], staged, lane
+                            )
                 else:  # the last columns, fewer than a block: a vector at a time, then one at a time
                     for v in range((cols - first) // T.int64(lanes)):
                         for lane in T.vectorized(lanes):
@@ -141,9 +158,12 @@ def few_rows_mm(dtype: str, isa: str):
                         for j in range(inner):
                             for lane in T.vectorized(lanes):
                                 acc[0, lane] = acc[0, lane] + T.Cast(acc_dtype, a[b, r, j]) * T.Cast(
-                                    acc_dtype, m[b, j, first + v * T.int64(lanes) + lane])
+                                    acc_dtype, m[b, j, first + v * T.int64(lanes) + lane]
+                                )
                         for lane in T.vectorized(lanes):
-                            _store_rounded(dtype, out, b * rows + r, first + v * T.int64(lanes) + lane, acc[0, lane], staged, lane)
+                            _store_rounded(
+                                dtype, out, b * rows + r, first + v * T.int64(lanes) + lane, acc[0, lane], staged, lane
+                            )
                     for c in range(first + (cols - first) // T.int64(lanes) * T.int64(lanes), cols):
                         total[0] = T.Cast(acc_dtype, 0)
                         for j in range(inner):

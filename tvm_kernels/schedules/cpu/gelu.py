@@ -39,9 +39,20 @@ import math
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
-                                                    _exp, _one_plus_erf, _pair_view, _paired_vectors, _staging,
-                                                    _store_rounded, _sums_from_pairs)
+from tvm_kernels.schedules.cpu.microkernels import (
+    _BITS,
+    _ON_STACK,
+    _bfloat16_even,
+    _bfloat16_odd,
+    _bfloat16_pair,
+    _exp,
+    _one_plus_erf,
+    _pair_view,
+    _paired_vectors,
+    _staging,
+    _store_rounded,
+    _sums_from_pairs,
+)
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -101,13 +112,16 @@ def bias_gelu(dtype: str, isa: str):
             for lane in T.vectorized(lanes):
                 word: T.let = first + vector * T.int64(lanes) + lane
                 staged[2 * vector * lanes + lane] = _gelu(
-                    _bfloat16_even(h_words[r, word]) + _bfloat16_even(bias_words[word]), acc_dtype, half)
+                    _bfloat16_even(h_words[r, word]) + _bfloat16_even(bias_words[word]), acc_dtype, half
+                )
                 staged[(2 * vector + 1) * lanes + lane] = _gelu(
-                    _bfloat16_odd(h_words[r, word]) + _bfloat16_odd(bias_words[word]), acc_dtype, half)
+                    _bfloat16_odd(h_words[r, word]) + _bfloat16_odd(bias_words[word]), acc_dtype, half
+                )
         for vector in range(vectors):
             for lane in T.vectorized(lanes):
                 out_words[r, first + vector * T.int64(lanes) + lane] = _bfloat16_pair(
-                    staged[2 * vector * lanes + lane], staged[(2 * vector + 1) * lanes + lane])
+                    staged[2 * vector * lanes + lane], staged[(2 * vector + 1) * lanes + lane]
+                )
 
     @T.prim_func
     def main(h_handle: T.handle, bias_handle: T.handle, out_handle: T.handle):
@@ -123,21 +137,50 @@ def bias_gelu(dtype: str, isa: str):
         if pairs:  # (a binding only then: the other libraries' code stays as it was)
             paired: T.let = _paired_vectors(cols, lanes)
         for r in T.parallel(rows):
-            staged = T.alloc_local((2 * _RUN * lanes,), acc_dtype, annotations=_ON_STACK) if pairs else _staging(
-                dtype, lanes, acc_dtype)
+            staged = (
+                T.alloc_local((2 * _RUN * lanes,), acc_dtype, annotations=_ON_STACK)
+                if pairs
+                else _staging(dtype, lanes, acc_dtype)
+            )
             if pairs:
                 for run in range(paired // T.int64(_RUN)):
                     gelu_pairs(h_words, bias_words, out_words, staged, r, run * T.int64(_RUN * lanes), _RUN)
-                gelu_pairs(h_words, bias_words, out_words, staged, r, paired // T.int64(_RUN) * T.int64(_RUN * lanes),
-                           paired % T.int64(_RUN))
+                gelu_pairs(
+                    h_words,
+                    bias_words,
+                    out_words,
+                    staged,
+                    r,
+                    paired // T.int64(_RUN) * T.int64(_RUN * lanes),
+                    paired % T.int64(_RUN),
+                )
             # The vectors after the pairs', then the columns after the last vector.
             for vector in range(paired * T.int64(2) if pairs else T.int64(0), cols // T.int64(lanes)):
                 for lane in T.vectorized(lanes):
-                    _store_rounded(dtype, out, r, vector * T.int64(lanes) + lane, _gelu(
-                        T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
-                        acc_dtype, half), staged, lane)
+                    _store_rounded(
+                        dtype,
+                        out,
+                        r,
+                        vector * T.int64(lanes) + lane,
+                        _gelu(
+                            T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane])
+                            + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
+                            acc_dtype,
+                            half,
+                        ),
+                        staged,
+                        lane,
+                    )
             for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                _store_rounded(dtype, out, r, c, _gelu(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype, half), staged, 0)
+                _store_rounded(
+                    dtype,
+                    out,
+                    r,
+                    c,
+                    _gelu(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype, half),
+                    staged,
+                    0,
+                )
 
     return main
 
@@ -155,8 +198,9 @@ def bias_gelu_backward(dtype: str, isa: str):
     element_bytes = _BITS[dtype] // 8  # see bias_gelu
 
     @T.prim_func
-    def main(grad_handle: T.handle, h_handle: T.handle, bias_handle: T.handle, grad_h_handle: T.handle,
-             sums_handle: T.handle):
+    def main(
+        grad_handle: T.handle, h_handle: T.handle, bias_handle: T.handle, grad_h_handle: T.handle, sums_handle: T.handle
+    ):
         T.func_attr({"tir.noalias": True})
         rows = T.int64()
         cols = T.int64()
@@ -188,9 +232,11 @@ def bias_gelu_backward(dtype: str, isa: str):
                         for lane in T.vectorized(lanes):
                             word: T.let = vector * T.int64(lanes) + lane
                             terms[lane] = _bfloat16_even(grad_words[r, word]) * _gelu_derivative(
-                                _bfloat16_even(h_words[r, word]) + _bfloat16_even(bias_words[word]), acc_dtype, half)
+                                _bfloat16_even(h_words[r, word]) + _bfloat16_even(bias_words[word]), acc_dtype, half
+                            )
                             terms[lanes + lane] = _bfloat16_odd(grad_words[r, word]) * _gelu_derivative(
-                                _bfloat16_odd(h_words[r, word]) + _bfloat16_odd(bias_words[word]), acc_dtype, half)
+                                _bfloat16_odd(h_words[r, word]) + _bfloat16_odd(bias_words[word]), acc_dtype, half
+                            )
                             rounded[lane] = _bfloat16_pair(terms[lane], terms[lanes + lane])
                             grad_h_words[r, word] = rounded[lane]
                             even_sum: T.let = T.int64(2) * vector * T.int64(lanes) + lane
@@ -198,14 +244,35 @@ def bias_gelu_backward(dtype: str, isa: str):
                             sums[chunk, even_sum + T.int64(lanes)] += _bfloat16_odd(rounded[lane])
                 for vector in range(paired * T.int64(2) if pairs else T.int64(0), cols // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
-                        _store_rounded(dtype, grad_h, r, vector * T.int64(lanes) + lane, T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * _gelu_derivative(
-                            T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
-                            acc_dtype, half), staged, lane)
-                        sums[chunk, vector * T.int64(lanes) + lane] = (sums[chunk, vector * T.int64(lanes) + lane]
-                                                                       + T.Cast(acc_dtype, grad_h[r, vector * T.int64(lanes) + lane]))
+                        _store_rounded(
+                            dtype,
+                            grad_h,
+                            r,
+                            vector * T.int64(lanes) + lane,
+                            T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane])
+                            * _gelu_derivative(
+                                T.Cast(acc_dtype, h[r, vector * T.int64(lanes) + lane])
+                                + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
+                                acc_dtype,
+                                half,
+                            ),
+                            staged,
+                            lane,
+                        )
+                        sums[chunk, vector * T.int64(lanes) + lane] = sums[
+                            chunk, vector * T.int64(lanes) + lane
+                        ] + T.Cast(acc_dtype, grad_h[r, vector * T.int64(lanes) + lane])
                 for c in range(cols // T.int64(lanes) * T.int64(lanes), cols):
-                    _store_rounded(dtype, grad_h, r, c, T.Cast(acc_dtype, grad[r, c])
-                                   * _gelu_derivative(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype, half), staged, 0)
+                    _store_rounded(
+                        dtype,
+                        grad_h,
+                        r,
+                        c,
+                        T.Cast(acc_dtype, grad[r, c])
+                        * _gelu_derivative(T.Cast(acc_dtype, h[r, c]) + T.Cast(acc_dtype, bias[c]), acc_dtype, half),
+                        staged,
+                        0,
+                    )
                     sums[chunk, c] = sums[chunk, c] + T.Cast(acc_dtype, grad_h[r, c])
             if pairs:
                 _sums_from_pairs(sums, chunk, terms, paired, lanes)

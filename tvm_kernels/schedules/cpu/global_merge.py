@@ -1,7 +1,7 @@
 """The layer's merge of global keys into the band's attention, on the CPU (one pass each way).
 
 The fused attention returns each row's band context ``C`` (normalised) and log-sum-exp; the layer
-(``longformer_ops.layer._GlobalKeyMerge``) turns those and the global keys' scores into weights,
+(``longformer_ops.models.layer._GlobalKeyMerge``) turns those and the global keys' scores into weights,
 ``a`` for the band part and ``omega_g`` for each global slot, and the output is
 ``a C + sum_g omega_g V_g`` (``V_g`` slot g's value row). Its backward needs, per row and head,
 ``G a`` (the context's gradient), ``u = <G, C>`` and ``t_g = <G, V_g>``. In torch these were a
@@ -23,10 +23,18 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _bfloat16_even, _bfloat16_odd, _bfloat16_pair,
-                                                    _pair_view, _paired_vectors, _quieted, _rounded)
+from tvm_kernels.schedules.cpu.microkernels import (
+    _BITS,
+    _ON_STACK,
+    _bfloat16_even,
+    _bfloat16_odd,
+    _bfloat16_pair,
+    _pair_view,
+    _paired_vectors,
+    _quieted,
+    _rounded,
+)
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
-
 
 
 def global_merge(dtype: str, isa: str):
@@ -41,8 +49,13 @@ def global_merge(dtype: str, isa: str):
     element, acc_element = _BITS[dtype] // 8, _BITS[acc_dtype] // 8
 
     @T.prim_func
-    def main(context_handle: T.handle, a_handle: T.handle, omega_handle: T.handle, values_handle: T.handle,
-             out_handle: T.handle):
+    def main(
+        context_handle: T.handle,
+        a_handle: T.handle,
+        omega_handle: T.handle,
+        values_handle: T.handle,
+        out_handle: T.handle,
+    ):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -74,19 +87,24 @@ def global_merge(dtype: str, isa: str):
                         for g in range(slots):
                             for lane in T.vectorized(lanes):
                                 word: T.let = vector * T.int64(lanes) + lane
-                                merged[lane] = merged[lane] + omega[b, r, h, g] * _bfloat16_even(values_words[b, g, h, word])
+                                merged[lane] = merged[lane] + omega[b, r, h, g] * _bfloat16_even(
+                                    values_words[b, g, h, word]
+                                )
                                 merged[lanes + lane] = merged[lanes + lane] + omega[b, r, h, g] * _bfloat16_odd(
-                                    values_words[b, g, h, word])
+                                    values_words[b, g, h, word]
+                                )
                         for lane in T.vectorized(lanes):
                             out_words[b, r, h, vector * T.int64(lanes) + lane] = _bfloat16_pair(
-                                merged[lane], merged[lanes + lane], nan_guard=True)
+                                merged[lane], merged[lanes + lane], nan_guard=True
+                            )
                 for vector in range(paired * T.int64(2) if pairs else T.int64(0), d // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
                         merged[lane] = a[b, r, h] * T.Cast(acc_dtype, context[b, r, h, vector * T.int64(lanes) + lane])
                     for g in range(slots):
                         for lane in T.vectorized(lanes):
                             merged[lane] = merged[lane] + omega[b, r, h, g] * T.Cast(
-                                acc_dtype, values[b, g, h, vector * T.int64(lanes) + lane])
+                                acc_dtype, values[b, g, h, vector * T.int64(lanes) + lane]
+                            )
                     for lane in T.vectorized(lanes):
                         out[b, r, h, vector * T.int64(lanes) + lane] = _rounded(dtype, merged[lane])
                 for c in range(d // T.int64(lanes) * T.int64(lanes), d):
@@ -114,8 +132,26 @@ def _lanes_summed(result, at, partial, offset, total, lanes):
 
 
 @T.macro
-def _slots_pass(t, grad, values, grad_words, values_words, paired, b, r, h, first, count, d, widened, partial, total,
-                lanes, acc_dtype, pairs):
+def _slots_pass(
+    t,
+    grad,
+    values,
+    grad_words,
+    values_words,
+    paired,
+    b,
+    r,
+    h,
+    first,
+    count,
+    d,
+    widened,
+    partial,
+    total,
+    lanes,
+    acc_dtype,
+    pairs,
+):
     """t[b, r, h, first + j] = <grad[b, r, h, :], values[b, first + j, h, :]> for j < count (a Python
     int: the count's chains unrolled, in registers) in one pass over the features; with ``pairs``
     the first ``paired`` vectors of pairs (``grad_words``, ``values_words``) each add their even and
@@ -134,18 +170,22 @@ def _slots_pass(t, grad, values, grad_words, values_words, paired, b, r, h, firs
                     partial[j * lanes + lane] = (
                         partial[j * lanes + lane]
                         + widened[lane] * _bfloat16_even(values_words[b, first + T.int64(j), h, word])
-                        + widened[lanes + lane] * _bfloat16_odd(values_words[b, first + T.int64(j), h, word]))
+                        + widened[lanes + lane] * _bfloat16_odd(values_words[b, first + T.int64(j), h, word])
+                    )
     for vector in range(paired * T.int64(2) if pairs else T.int64(0), d // T.int64(lanes)):
         for lane in T.vectorized(lanes):
             widened[lane] = T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane])
         for j in T.unroll(count):
             for lane in T.vectorized(lanes):
                 partial[j * lanes + lane] = partial[j * lanes + lane] + widened[lane] * T.Cast(
-                    acc_dtype, values[b, first + T.int64(j), h, vector * T.int64(lanes) + lane])
+                    acc_dtype, values[b, first + T.int64(j), h, vector * T.int64(lanes) + lane]
+                )
     for c in range(d // T.int64(lanes) * T.int64(lanes), d):
         widened[0] = T.Cast(acc_dtype, grad[b, r, h, c])
         for j in T.unroll(count):
-            partial[j * lanes] = partial[j * lanes] + widened[0] * T.Cast(acc_dtype, values[b, first + T.int64(j), h, c])
+            partial[j * lanes] = partial[j * lanes] + widened[0] * T.Cast(
+                acc_dtype, values[b, first + T.int64(j), h, c]
+            )
     for j in T.unroll(count):
         _lanes_summed(t, (b, r, h, first + T.int64(j)), partial, j * lanes, total, lanes)
 
@@ -168,8 +208,15 @@ def global_merge_backward(dtype: str, isa: str):
     group = SLOT_GROUP
 
     @T.prim_func
-    def main(grad_handle: T.handle, context_handle: T.handle, values_handle: T.handle, a_handle: T.handle,
-             grad_context_handle: T.handle, u_handle: T.handle, t_handle: T.handle):
+    def main(
+        grad_handle: T.handle,
+        context_handle: T.handle,
+        values_handle: T.handle,
+        a_handle: T.handle,
+        grad_context_handle: T.handle,
+        u_handle: T.handle,
+        t_handle: T.handle,
+    ):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -208,19 +255,25 @@ def global_merge_backward(dtype: str, isa: str):
                             word: T.let = vector * T.int64(lanes) + lane
                             widened[lane] = _bfloat16_even(grad_words[b, r, h, word])
                             widened[lanes + lane] = _bfloat16_odd(grad_words[b, r, h, word])
-                            grad_context_words[b, r, h, word] = _bfloat16_pair(weight * widened[lane],
-                                                                               weight * widened[lanes + lane])
-                            partial[lane] = (partial[lane]
-                                             + widened[lane] * _bfloat16_even(context_words[b, r, h, word])
-                                             + widened[lanes + lane] * _bfloat16_odd(context_words[b, r, h, word]))
+                            grad_context_words[b, r, h, word] = _bfloat16_pair(
+                                weight * widened[lane], weight * widened[lanes + lane]
+                            )
+                            partial[lane] = (
+                                partial[lane]
+                                + widened[lane] * _bfloat16_even(context_words[b, r, h, word])
+                                + widened[lanes + lane] * _bfloat16_odd(context_words[b, r, h, word])
+                            )
                 for vector in range(paired * T.int64(2) if pairs else T.int64(0), d // T.int64(lanes)):
                     for lane in T.vectorized(lanes):
                         widened[lane] = T.Cast(acc_dtype, grad[b, r, h, vector * T.int64(lanes) + lane])
                     for lane in T.vectorized(lanes):
-                        grad_context[b, r, h, vector * T.int64(lanes) + lane] = _rounded(dtype, a[b, r, h] * widened[lane])
+                        grad_context[b, r, h, vector * T.int64(lanes) + lane] = _rounded(
+                            dtype, a[b, r, h] * widened[lane]
+                        )
                     for lane in T.vectorized(lanes):
                         partial[lane] = partial[lane] + widened[lane] * T.Cast(
-                            acc_dtype, context[b, r, h, vector * T.int64(lanes) + lane])
+                            acc_dtype, context[b, r, h, vector * T.int64(lanes) + lane]
+                        )
                 for c in range(d // T.int64(lanes) * T.int64(lanes), d):
                     widened[0] = T.Cast(acc_dtype, grad[b, r, h, c])
                     grad_context[b, r, h, c] = _rounded(dtype, a[b, r, h] * widened[0])
@@ -228,16 +281,88 @@ def global_merge_backward(dtype: str, isa: str):
                 _lanes_summed(u, (b, r, h), partial, 0, total, lanes)
                 # The slots: groups of SLOT_GROUP, then those left in one pass (SLOT_GROUP - 1 cases).
                 for first in range(slots // T.int64(group)):
-                    _slots_pass(t, grad, values, grad_words, values_words, paired, b, r, h, first * T.int64(group),
-                                group, d, widened, partial, total, lanes, acc_dtype, pairs)
+                    _slots_pass(
+                        t,
+                        grad,
+                        values,
+                        grad_words,
+                        values_words,
+                        paired,
+                        b,
+                        r,
+                        h,
+                        first * T.int64(group),
+                        group,
+                        d,
+                        widened,
+                        partial,
+                        total,
+                        lanes,
+                        acc_dtype,
+                        pairs,
+                    )
                 if slots % T.int64(group) == T.int64(1):
-                    _slots_pass(t, grad, values, grad_words, values_words, paired, b, r, h, slots - T.int64(1), 1, d,
-                                widened, partial, total, lanes, acc_dtype, pairs)
+                    _slots_pass(
+                        t,
+                        grad,
+                        values,
+                        grad_words,
+                        values_words,
+                        paired,
+                        b,
+                        r,
+                        h,
+                        slots - T.int64(1),
+                        1,
+                        d,
+                        widened,
+                        partial,
+                        total,
+                        lanes,
+                        acc_dtype,
+                        pairs,
+                    )
                 if slots % T.int64(group) == T.int64(2):
-                    _slots_pass(t, grad, values, grad_words, values_words, paired, b, r, h, slots - T.int64(2), 2, d,
-                                widened, partial, total, lanes, acc_dtype, pairs)
+                    _slots_pass(
+                        t,
+                        grad,
+                        values,
+                        grad_words,
+                        values_words,
+                        paired,
+                        b,
+                        r,
+                        h,
+                        slots - T.int64(2),
+                        2,
+                        d,
+                        widened,
+                        partial,
+                        total,
+                        lanes,
+                        acc_dtype,
+                        pairs,
+                    )
                 if slots % T.int64(group) == T.int64(3):
-                    _slots_pass(t, grad, values, grad_words, values_words, paired, b, r, h, slots - T.int64(3), 3, d,
-                                widened, partial, total, lanes, acc_dtype, pairs)
+                    _slots_pass(
+                        t,
+                        grad,
+                        values,
+                        grad_words,
+                        values_words,
+                        paired,
+                        b,
+                        r,
+                        h,
+                        slots - T.int64(3),
+                        3,
+                        d,
+                        widened,
+                        partial,
+                        total,
+                        lanes,
+                        acc_dtype,
+                        pairs,
+                    )
 
     return main

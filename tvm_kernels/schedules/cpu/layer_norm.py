@@ -22,11 +22,19 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import (_BITS, _ON_STACK, _add_lanes, _bfloat16_even, _bfloat16_odd,
-                                                    _bfloat16_pair, _pair_view, _paired_vectors, _rounded,
-                                                    _sums_from_pairs)
+from tvm_kernels.schedules.cpu.microkernels import (
+    _BITS,
+    _ON_STACK,
+    _add_lanes,
+    _bfloat16_even,
+    _bfloat16_odd,
+    _bfloat16_pair,
+    _pair_view,
+    _paired_vectors,
+    _rounded,
+    _sums_from_pairs,
+)
 from tvm_kernels.schedules.cpu.tiles import accumulation_lanes, tiles_for
-
 
 
 @T.macro
@@ -49,8 +57,15 @@ def layer_norm(dtype: str, isa: str):
     element_bytes = _BITS[dtype] // 8
 
     @T.prim_func
-    def main(x_handle: T.handle, weight_handle: T.handle, bias_handle: T.handle, eps: T.float64, out_handle: T.handle,
-             mean_handle: T.handle, rstd_handle: T.handle):
+    def main(
+        x_handle: T.handle,
+        weight_handle: T.handle,
+        bias_handle: T.handle,
+        eps: T.float64,
+        out_handle: T.handle,
+        mean_handle: T.handle,
+        rstd_handle: T.handle,
+    ):
         T.func_attr({"tir.noalias": True})
         rows = T.int64()
         cols = T.int64()
@@ -75,8 +90,11 @@ def layer_norm(dtype: str, isa: str):
             if pairs:
                 for vector in range(paired):
                     for lane in T.vectorized(lanes):
-                        partial[lane] = (partial[lane] + _bfloat16_even(x_words[r, vector * T.int64(lanes) + lane])
-                                         + _bfloat16_odd(x_words[r, vector * T.int64(lanes) + lane]))
+                        partial[lane] = (
+                            partial[lane]
+                            + _bfloat16_even(x_words[r, vector * T.int64(lanes) + lane])
+                            + _bfloat16_odd(x_words[r, vector * T.int64(lanes) + lane])
+                        )
             for vector in range(paired * T.int64(2) if pairs else T.int64(0), vectors):
                 for lane in T.vectorized(lanes):
                     partial[lane] = partial[lane] + T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane])
@@ -94,11 +112,13 @@ def layer_norm(dtype: str, isa: str):
                             + (_bfloat16_even(x_words[r, vector * T.int64(lanes) + lane]) - row_mean)
                             * (_bfloat16_even(x_words[r, vector * T.int64(lanes) + lane]) - row_mean)
                             + (_bfloat16_odd(x_words[r, vector * T.int64(lanes) + lane]) - row_mean)
-                            * (_bfloat16_odd(x_words[r, vector * T.int64(lanes) + lane]) - row_mean))
+                            * (_bfloat16_odd(x_words[r, vector * T.int64(lanes) + lane]) - row_mean)
+                        )
             for vector in range(paired * T.int64(2) if pairs else T.int64(0), vectors):
                 for lane in T.vectorized(lanes):
-                    partial[lane] = partial[lane] + (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * (
-                        T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean)
+                    partial[lane] = partial[lane] + (
+                        T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean
+                    ) * (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean)
             total[0] = T.Cast(acc_dtype, 0)
             _add_lanes(total, partial, lanes)
             for c in range(vectors * T.int64(lanes), cols):
@@ -110,19 +130,28 @@ def layer_norm(dtype: str, isa: str):
                 for vector in range(paired):
                     for lane in T.vectorized(lanes):
                         word: T.let = vector * T.int64(lanes) + lane
-                        terms[lane] = ((_bfloat16_even(x_words[r, word]) - row_mean) * row_rstd
-                                       * _bfloat16_even(weight_words[word]) + _bfloat16_even(bias_words[word]))
-                        terms[lanes + lane] = ((_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd
-                                               * _bfloat16_odd(weight_words[word]) + _bfloat16_odd(bias_words[word]))
+                        terms[lane] = (_bfloat16_even(x_words[r, word]) - row_mean) * row_rstd * _bfloat16_even(
+                            weight_words[word]
+                        ) + _bfloat16_even(bias_words[word])
+                        terms[lanes + lane] = (_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd * _bfloat16_odd(
+                            weight_words[word]
+                        ) + _bfloat16_odd(bias_words[word])
                         out_words[r, word] = _bfloat16_pair(terms[lane], terms[lanes + lane])
             for vector in range(paired * T.int64(2) if pairs else T.int64(0), vectors):
                 for lane in T.vectorized(lanes):
-                    out[r, vector * T.int64(lanes) + lane] = _rounded(dtype, (
-                        T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd
-                        * T.Cast(acc_dtype, weight[vector * T.int64(lanes) + lane]) + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]))
+                    out[r, vector * T.int64(lanes) + lane] = _rounded(
+                        dtype,
+                        (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean)
+                        * row_rstd
+                        * T.Cast(acc_dtype, weight[vector * T.int64(lanes) + lane])
+                        + T.Cast(acc_dtype, bias[vector * T.int64(lanes) + lane]),
+                    )
             for c in range(vectors * T.int64(lanes), cols):
-                out[r, c] = _rounded(dtype, (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd * T.Cast(acc_dtype, weight[c])
-                                   + T.Cast(acc_dtype, bias[c]))
+                out[r, c] = _rounded(
+                    dtype,
+                    (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd * T.Cast(acc_dtype, weight[c])
+                    + T.Cast(acc_dtype, bias[c]),
+                )
 
     return main
 
@@ -145,8 +174,16 @@ def layer_norm_backward(dtype: str, isa: str):
     element_bytes = _BITS[dtype] // 8
 
     @T.prim_func
-    def main(grad_handle: T.handle, x_handle: T.handle, weight_handle: T.handle, mean_handle: T.handle,
-             rstd_handle: T.handle, grad_x_handle: T.handle, sums_weight_handle: T.handle, sums_bias_handle: T.handle):
+    def main(
+        grad_handle: T.handle,
+        x_handle: T.handle,
+        weight_handle: T.handle,
+        mean_handle: T.handle,
+        rstd_handle: T.handle,
+        grad_x_handle: T.handle,
+        sums_weight_handle: T.handle,
+        sums_bias_handle: T.handle,
+    ):
         T.func_attr({"tir.noalias": True})
         rows = T.int64()
         cols = T.int64()
@@ -185,22 +222,30 @@ def layer_norm_backward(dtype: str, isa: str):
                     for vector in range(paired):
                         for lane in T.vectorized(lanes):
                             word: T.let = vector * T.int64(lanes) + lane
-                            partial_gw[lane] = (partial_gw[lane]
-                                                + _bfloat16_even(grad_words[r, word]) * _bfloat16_even(weight_words[word])
-                                                + _bfloat16_odd(grad_words[r, word]) * _bfloat16_odd(weight_words[word]))
+                            partial_gw[lane] = (
+                                partial_gw[lane]
+                                + _bfloat16_even(grad_words[r, word]) * _bfloat16_even(weight_words[word])
+                                + _bfloat16_odd(grad_words[r, word]) * _bfloat16_odd(weight_words[word])
+                            )
                             partial_gwx[lane] = (
                                 partial_gwx[lane]
-                                + _bfloat16_even(grad_words[r, word]) * _bfloat16_even(weight_words[word])
+                                + _bfloat16_even(grad_words[r, word])
+                                * _bfloat16_even(weight_words[word])
                                 * ((_bfloat16_even(x_words[r, word]) - row_mean) * row_rstd)
-                                + _bfloat16_odd(grad_words[r, word]) * _bfloat16_odd(weight_words[word])
-                                * ((_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd))
+                                + _bfloat16_odd(grad_words[r, word])
+                                * _bfloat16_odd(weight_words[word])
+                                * ((_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd)
+                            )
                 for vector in range(paired * T.int64(2) if pairs else T.int64(0), vectors):
                     for lane in T.vectorized(lanes):
-                        partial_gw[lane] = partial_gw[lane] + T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * T.Cast(
-                            acc_dtype, weight[vector * T.int64(lanes) + lane])
-                        partial_gwx[lane] = partial_gwx[lane] + T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * T.Cast(
-                            acc_dtype, weight[vector * T.int64(lanes) + lane]) * (
-                            (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd)
+                        partial_gw[lane] = partial_gw[lane] + T.Cast(
+                            acc_dtype, grad[r, vector * T.int64(lanes) + lane]
+                        ) * T.Cast(acc_dtype, weight[vector * T.int64(lanes) + lane])
+                        partial_gwx[lane] = partial_gwx[lane] + T.Cast(
+                            acc_dtype, grad[r, vector * T.int64(lanes) + lane]
+                        ) * T.Cast(acc_dtype, weight[vector * T.int64(lanes) + lane]) * (
+                            (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd
+                        )
                 total_gw[0] = T.Cast(acc_dtype, 0)
                 total_gwx[0] = T.Cast(acc_dtype, 0)
                 _add_lanes(total_gw, partial_gw, lanes)
@@ -208,7 +253,8 @@ def layer_norm_backward(dtype: str, isa: str):
                 for c in range(vectors * T.int64(lanes), cols):
                     total_gw[0] = total_gw[0] + T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c])
                     total_gwx[0] = total_gwx[0] + T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c]) * (
-                        (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd)
+                        (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd
+                    )
                 mean_gw: T.let = total_gw[0] / T.Cast(acc_dtype, cols)
                 mean_gwx: T.let = total_gwx[0] / T.Cast(acc_dtype, cols)
                 if pairs:
@@ -218,35 +264,60 @@ def layer_norm_backward(dtype: str, isa: str):
                             word: T.let = vector * T.int64(lanes) + lane
                             even_sum: T.let = T.int64(2) * vector * T.int64(lanes) + lane
                             sums_weight[chunk, even_sum] += _bfloat16_even(grad_words[r, word]) * (
-                                (_bfloat16_even(x_words[r, word]) - row_mean) * row_rstd)
+                                (_bfloat16_even(x_words[r, word]) - row_mean) * row_rstd
+                            )
                             sums_weight[chunk, even_sum + T.int64(lanes)] += _bfloat16_odd(grad_words[r, word]) * (
-                                (_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd)
+                                (_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd
+                            )
                             sums_bias[chunk, even_sum] += _bfloat16_even(grad_words[r, word])
                             sums_bias[chunk, even_sum + T.int64(lanes)] += _bfloat16_odd(grad_words[r, word])
                             terms[lane] = row_rstd * (
-                                _bfloat16_even(grad_words[r, word]) * _bfloat16_even(weight_words[word]) - mean_gw
-                                - (_bfloat16_even(x_words[r, word]) - row_mean) * row_rstd * mean_gwx)
+                                _bfloat16_even(grad_words[r, word]) * _bfloat16_even(weight_words[word])
+                                - mean_gw
+                                - (_bfloat16_even(x_words[r, word]) - row_mean) * row_rstd * mean_gwx
+                            )
                             terms[lanes + lane] = row_rstd * (
-                                _bfloat16_odd(grad_words[r, word]) * _bfloat16_odd(weight_words[word]) - mean_gw
-                                - (_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd * mean_gwx)
+                                _bfloat16_odd(grad_words[r, word]) * _bfloat16_odd(weight_words[word])
+                                - mean_gw
+                                - (_bfloat16_odd(x_words[r, word]) - row_mean) * row_rstd * mean_gwx
+                            )
                             grad_x_words[r, word] = _bfloat16_pair(terms[lane], terms[lanes + lane], nan_guard=True)
                 for vector in range(paired * T.int64(2) if pairs else T.int64(0), vectors):
                     for lane in T.vectorized(lanes):
-                        sums_weight[chunk, vector * T.int64(lanes) + lane] = sums_weight[chunk, vector * T.int64(lanes) + lane] + T.Cast(
-                            acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * (
-                            (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd)
-                        sums_bias[chunk, vector * T.int64(lanes) + lane] = sums_bias[chunk, vector * T.int64(lanes) + lane] + T.Cast(
-                            acc_dtype, grad[r, vector * T.int64(lanes) + lane])
-                        grad_x[r, vector * T.int64(lanes) + lane] = _rounded(dtype, row_rstd * (
-                            T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * T.Cast(acc_dtype, weight[vector * T.int64(lanes) + lane])
-                            - mean_gw
-                            - (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd * mean_gwx))
+                        sums_weight[chunk, vector * T.int64(lanes) + lane] = sums_weight[
+                            chunk, vector * T.int64(lanes) + lane
+                        ] + T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane]) * (
+                            (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean) * row_rstd
+                        )
+                        sums_bias[chunk, vector * T.int64(lanes) + lane] = sums_bias[
+                            chunk, vector * T.int64(lanes) + lane
+                        ] + T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane])
+                        grad_x[r, vector * T.int64(lanes) + lane] = _rounded(
+                            dtype,
+                            row_rstd
+                            * (
+                                T.Cast(acc_dtype, grad[r, vector * T.int64(lanes) + lane])
+                                * T.Cast(acc_dtype, weight[vector * T.int64(lanes) + lane])
+                                - mean_gw
+                                - (T.Cast(acc_dtype, x[r, vector * T.int64(lanes) + lane]) - row_mean)
+                                * row_rstd
+                                * mean_gwx
+                            ),
+                        )
                 for c in range(vectors * T.int64(lanes), cols):
                     sums_weight[chunk, c] = sums_weight[chunk, c] + T.Cast(acc_dtype, grad[r, c]) * (
-                        (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd)
+                        (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd
+                    )
                     sums_bias[chunk, c] = sums_bias[chunk, c] + T.Cast(acc_dtype, grad[r, c])
-                    grad_x[r, c] = _rounded(dtype, row_rstd * (T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c]) - mean_gw
-                                                             - (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd * mean_gwx))
+                    grad_x[r, c] = _rounded(
+                        dtype,
+                        row_rstd
+                        * (
+                            T.Cast(acc_dtype, grad[r, c]) * T.Cast(acc_dtype, weight[c])
+                            - mean_gw
+                            - (T.Cast(acc_dtype, x[r, c]) - row_mean) * row_rstd * mean_gwx
+                        ),
+                    )
             if pairs:
                 _sums_from_pairs(sums_weight, chunk, terms, paired, lanes)
                 _sums_from_pairs(sums_bias, chunk, terms, paired, lanes)

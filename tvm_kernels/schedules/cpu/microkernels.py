@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-
 # Keep small per-tile buffers on the stack (LLVM promotes them to registers).
 # TVM otherwise lowers every allocation inside a parallel loop to a heap workspace
 # call (3x slower kernels); the annotation survives only if StorageRewrite is off.
@@ -107,7 +106,8 @@ def _bfloat16_pair(even, odd, nan_guard: bool = False):
     guard = _quieted if nan_guard else (lambda bits: bits)
     return T.bitwise_or(
         T.bitwise_and(_rounded_nearest_even(guard(T.reinterpret("uint32", odd))), T.uint32(0xFFFF0000)),
-        T.shift_right(_rounded_nearest_even(guard(T.reinterpret("uint32", even))), T.uint32(16)))
+        T.shift_right(_rounded_nearest_even(guard(T.reinterpret("uint32", even))), T.uint32(16)),
+    )
 
 
 def _pair_view(tensor, pairs: bool):
@@ -115,8 +115,9 @@ def _pair_view(tensor, pairs: bool):
     without ``pairs``. Meaningful where that axis is even: :func:`_paired_vectors`."""
     if not pairs:
         return ()
-    return T.decl_buffer(tuple(tensor.shape[:-1]) + (tensor.shape[-1] // T.int64(2),), "uint32", data=tensor.data,
-                         align=2)
+    return T.decl_buffer(
+        tuple(tensor.shape[:-1]) + (tensor.shape[-1] // T.int64(2),), "uint32", data=tensor.data, align=2
+    )
 
 
 def _flat_pair_view(tensor, pairs: bool):
@@ -175,15 +176,20 @@ _ROWS_AHEAD = 8
 def _prefetch_line(x, b, row, h, column, write=0):
     """Ask for the cache line of x[b, row, h, column] (a hint: no fault, no effect on results);
     ``write``: 1 where it is to be written."""
-    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[b, row, h, column]),
-                                  T.int32(write), T.int32(3), T.int32(1)))
+    T.evaluate(
+        T.call_llvm_intrin(
+            "void", "llvm.prefetch.p0", T.address_of(x[b, row, h, column]), T.int32(write), T.int32(3), T.int32(1)
+        )
+    )
 
 
 @T.macro
 def _prefetch_element(x, index):
     """Ask for the cache line of the flat buffer x's element ``index`` (a hint: an index past the
     buffer's end faults nothing)."""
-    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[index]), T.int32(0), T.int32(3), T.int32(1)))
+    T.evaluate(
+        T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(x[index]), T.int32(0), T.int32(3), T.int32(1))
+    )
 
 
 @T.macro
@@ -254,7 +260,8 @@ def _copy_run(out, b, i, h, buffer, r, offset, begin, end, lanes, dtype):
     for vector in range((end - begin) // T.int64(lanes)):
         for lane in T.vectorized(lanes):
             out[b, i, h, begin + vector * T.int64(lanes) + lane] = _rounded(
-                dtype, buffer[r, offset + begin + vector * T.int64(lanes) + lane])
+                dtype, buffer[r, offset + begin + vector * T.int64(lanes) + lane]
+            )
     for j in range(begin + (end - begin) // T.int64(lanes) * T.int64(lanes), end):
         out[b, i, h, j] = _rounded(dtype, buffer[r, offset + j])
 
@@ -306,11 +313,19 @@ def _butterfly(source, target, size, step):
     for k in T.unroll(size // 2):
         # rows i and i + step, i = the k-th row with bit ``step`` clear
         target[k // step * (2 * step) + k % step, T.Ramp(0, 1, size)] = T.Shuffle(
-            [source[k // step * (2 * step) + k % step, T.Ramp(0, 1, size)],
-             source[k // step * (2 * step) + k % step + step, T.Ramp(0, 1, size)]], _butterfly_indices(size, step, False))
+            [
+                source[k // step * (2 * step) + k % step, T.Ramp(0, 1, size)],
+                source[k // step * (2 * step) + k % step + step, T.Ramp(0, 1, size)],
+            ],
+            _butterfly_indices(size, step, False),
+        )
         target[k // step * (2 * step) + k % step + step, T.Ramp(0, 1, size)] = T.Shuffle(
-            [source[k // step * (2 * step) + k % step, T.Ramp(0, 1, size)],
-             source[k // step * (2 * step) + k % step + step, T.Ramp(0, 1, size)]], _butterfly_indices(size, step, True))
+            [
+                source[k // step * (2 * step) + k % step, T.Ramp(0, 1, size)],
+                source[k // step * (2 * step) + k % step + step, T.Ramp(0, 1, size)],
+            ],
+            _butterfly_indices(size, step, True),
+        )
 
 
 @T.macro
@@ -349,7 +364,9 @@ def _rows_feature_major(rows_t, tile, scratch, t_rows, query, b, h, head_dim, sc
     for chunk in range(head_dim // T.int64(lanes)):
         for r in T.unroll(lanes):
             for f in T.vectorized(lanes):
-                tile[r, f] = T.Cast(acc_dtype, t_rows[b, query[r], h, chunk * T.int64(lanes) + f]) * T.Cast(acc_dtype, scale)
+                tile[r, f] = T.Cast(acc_dtype, t_rows[b, query[r], h, chunk * T.int64(lanes) + f]) * T.Cast(
+                    acc_dtype, scale
+                )
         _transpose_square(tile, scratch, lanes)
         for f in T.unroll(lanes):
             for r in T.vectorized(lanes):
@@ -357,8 +374,29 @@ def _rows_feature_major(rows_t, tile, scratch, t_rows, query, b, h, head_dim, sc
 
 
 @T.macro
-def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, row_of, block_keys, b, h, n,
-                             head_dim, margin, blocks, cols, lanes, per_line, acc_dtype, with_bias, with_values):
+def _pack_operands(
+    keys,
+    values,
+    biases,
+    key_tile,
+    t_keys,
+    t_values,
+    key_bias,
+    row_of,
+    block_keys,
+    b,
+    h,
+    n,
+    head_dim,
+    margin,
+    blocks,
+    cols,
+    lanes,
+    per_line,
+    acc_dtype,
+    with_bias,
+    with_values,
+):
     """One (batch, head)'s operands in packed (residue-major) order, zero outside the sequence:
     keys in blocks of ``cols``, feature-major (the Q.K^T micro-kernel's layout: Q.K^T and the fused
     kernels), with_values the values as rows (probs.V's layout), and with_bias the keys' score
@@ -380,7 +418,9 @@ def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, r
                 for f in T.vectorized(lanes):
                     key_tile[lane, f] = T.Select(
                         block * T.int64(cols) + lane >= margin and block * T.int64(cols) + lane < margin + n,
-                        T.Cast(acc_dtype, t_keys[b, block_keys[lane], h, chunk * T.int64(lanes) + f]), T.Cast(acc_dtype, 0))
+                        T.Cast(acc_dtype, t_keys[b, block_keys[lane], h, chunk * T.int64(lanes) + f]),
+                        T.Cast(acc_dtype, 0),
+                    )
             if cols == lanes and lanes in (8, 16):  # square: in registers, log2(lanes) rounds of shuffles
                 _transpose_square(key_tile, key_scratch, lanes)
                 for f in T.unroll(lanes):
@@ -396,10 +436,14 @@ def _pack_operands(keys, values, biases, key_tile, t_keys, t_values, key_bias, r
                 for vector in range(head_dim // T.int64(lanes)):
                     for lane2 in T.vectorized(lanes):
                         values[block * T.int64(cols) + lane, vector * T.int64(lanes) + lane2] = T.Select(
-                            inside, T.Cast(acc_dtype, t_values[b, block_keys[lane], h, vector * T.int64(lanes) + lane2]),
-                            T.Cast(acc_dtype, 0))
+                            inside,
+                            T.Cast(acc_dtype, t_values[b, block_keys[lane], h, vector * T.int64(lanes) + lane2]),
+                            T.Cast(acc_dtype, 0),
+                        )
             if with_bias:
-                biases[block * T.int64(cols) + lane] = T.Select(inside, key_bias[b, block_keys[lane]], T.Cast(acc_dtype, 0))
+                biases[block * T.int64(cols) + lane] = T.Select(
+                    inside, key_bias[b, block_keys[lane]], T.Cast(acc_dtype, 0)
+                )
 
 
 # exp on [-inf, 0] for the fused softmax, vectorisable: TVM lowers ``T.exp`` to one scalar ``expf``
@@ -496,8 +540,16 @@ def _tanh(x, acc_dtype):
 # 3.7e-6 evaluated in float32 (1/1000 of bfloat16's unit roundoff, 1/130 of float16's), three of the
 # erf's FMAs fewer (gelu.py's docstring has what it gained).
 _ERF_Z_MAX = 4.0
-_ERF_P = (1.128379075110033, 2.3689332468719773, 11.529766079130393, 7.550756739158106, 9.005213846679423,
-          -3.678338374302783, 1.251627841146014, -0.20006841108392498)
+_ERF_P = (
+    1.128379075110033,
+    2.3689332468719773,
+    11.529766079130393,
+    7.550756739158106,
+    9.005213846679423,
+    -3.678338374302783,
+    1.251627841146014,
+    -0.20006841108392498,
+)
 _ERF_Q = (1.0, 7.432727638433365, 24.26036545712762, 43.2919858710228, 39.84000414470118)
 _ERF_P_HALF = (1.1284049785270638, 2.589223206823955, 12.239847139118256, 4.591763869953932, -0.32482795756876776)
 _ERF_Q_HALF = (1.0, 7.6312851626173615, 25.81129398160848, 46.454788048258564)

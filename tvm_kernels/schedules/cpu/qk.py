@@ -6,6 +6,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
+from tvm_kernels.schedules.cpu import bf16_dot
 from tvm_kernels.schedules.cpu.microkernels import (
     _BITS,
     _ON_STACK,
@@ -20,7 +21,6 @@ from tvm_kernels.schedules.cpu.microkernels import (
     _valid_span,
     _zero_tile,
 )
-from tvm_kernels.schedules.cpu import bf16_dot
 from tvm_kernels.schedules.cpu.tiles import tiles_for
 
 
@@ -36,9 +36,9 @@ def qk(dtype: str, autoregressive: bool, isa: str):
     tiles = tiles_for(isa)  # this ISA's choices, and why: tiles.py
     lanes = tiles.vector_bits // (64 if acc_dtype == "float64" else 32)
     rows, vectors = tiles.qk_rows, tiles.qk_vectors
-    cols = vectors * lanes                  # keys per packed block = one register tile's width
-    slack = rows + cols                     # row buffer margin on each side of the band
-    per_line = 64 * 8 // _BITS[dtype]       # elements of one 64-byte cache line
+    cols = vectors * lanes  # keys per packed block = one register tile's width
+    slack = rows + cols  # row buffer margin on each side of the band
+    per_line = 64 * 8 // _BITS[dtype]  # elements of one 64-byte cache line
     causal = 1 if autoregressive else 0
     dot = tiles.dot_product_for(dtype)
     features_per_step = 2 if dot else 1  # packed keys: features (FMA) or pairs of features (dot)
@@ -47,8 +47,14 @@ def qk(dtype: str, autoregressive: bool, isa: str):
     transposed = _feature_major(dot, rows, lanes)
 
     @T.prim_func
-    def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, padding: T.float64,
-             out_handle: T.handle, runs: T.int64):
+    def main(
+        t1_handle: T.handle,
+        t2_handle: T.handle,
+        dilation_handle: T.handle,
+        padding: T.float64,
+        out_handle: T.handle,
+        runs: T.int64,
+    ):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -77,8 +83,10 @@ def qk(dtype: str, autoregressive: bool, isa: str):
             packed = T.decl_buffer((blocks, head_dim // T.int64(features_per_step), T.int64(cols)), packed_dtype)
             row_buffer = T.decl_buffer((T.int64(rows), band + T.int64(2 * slack)), acc_dtype)
             # The tile's query rows, converted once (the dot product: as words, copied)
-            queries = T.decl_buffer((head_dim, T.int64(rows)) if transposed
-                                    else (T.int64(rows), head_dim // T.int64(features_per_step)), packed_dtype)
+            queries = T.decl_buffer(
+                (head_dim, T.int64(rows)) if transposed else (T.int64(rows), head_dim // T.int64(features_per_step)),
+                packed_dtype,
+            )
             query_tile = T.alloc_local((rows, rows), acc_dtype, annotations=_ON_STACK) if transposed else ()
             query_scratch = T.alloc_local((rows, rows), acc_dtype, annotations=_ON_STACK) if transposed else ()
             query = T.alloc_local((rows,), "int64", annotations=_ON_STACK)
@@ -94,12 +102,47 @@ def qk(dtype: str, autoregressive: bool, isa: str):
             if dot:
                 # bfloat16 rows as 32-bit words, each a pair of features (the dot product's operands).
                 key_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=t2.data)
-                bf16_dot.pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n, head_dim, run_margin,
-                                        blocks, cols, per_line)
+                bf16_dot.pack_key_pairs(
+                    packed,
+                    key_words,
+                    key_tile,
+                    row_of,
+                    block_keys,
+                    t2,
+                    b,
+                    h,
+                    n,
+                    head_dim,
+                    run_margin,
+                    blocks,
+                    cols,
+                    per_line,
+                )
             else:
                 # Keys only (the values and biases arguments are not used).
-                _pack_operands(packed, packed, packed, key_tile, t2, t2, t2, row_of, block_keys, b, h, n, head_dim,
-                               run_margin, blocks, cols, lanes, per_line, acc_dtype, False, False)
+                _pack_operands(
+                    packed,
+                    packed,
+                    packed,
+                    key_tile,
+                    t2,
+                    t2,
+                    t2,
+                    row_of,
+                    block_keys,
+                    b,
+                    h,
+                    n,
+                    head_dim,
+                    run_margin,
+                    blocks,
+                    cols,
+                    lanes,
+                    per_line,
+                    acc_dtype,
+                    False,
+                    False,
+                )
             for tile in range(tile_begin, tile_end):
                 p0: T.let = tile * T.int64(rows)
                 first: T.let = p0 - w + run_margin  # packed column of row 0's band column 0
@@ -112,23 +155,29 @@ def qk(dtype: str, autoregressive: bool, isa: str):
                     # valid go straight from the registers to the output row: those stores then
                     # overlap the next blocks' FMAs (stored at the end, they stalled on memory).
                     direct_begin[r] = (low[r] + first + T.int64(r) + T.int64(cols - 1)) // T.int64(cols)
-                    direct_end[r] = T.Select(p0 + T.int64(r) < n, (high[r] + first + T.int64(r)) // T.int64(cols), T.int64(0))
+                    direct_end[r] = T.Select(
+                        p0 + T.int64(r) < n, (high[r] + first + T.int64(r)) // T.int64(cols), T.int64(0)
+                    )
                 if dot:
                     query_words = T.decl_buffer((batch, n, heads, head_dim // T.int64(2)), "int32", data=t1.data)
                     bf16_dot.copy_word_rows(queries, query_words, query, b, h, head_dim, rows)
                 elif transposed:
-                    _rows_feature_major(queries, query_tile, query_scratch, t1, query, b, h, head_dim, T.float64(1), lanes,
-                                        acc_dtype)
+                    _rows_feature_major(
+                        queries, query_tile, query_scratch, t1, query, b, h, head_dim, T.float64(1), lanes, acc_dtype
+                    )
                 else:
                     for r in range(rows):
                         for vector in range(head_dim // T.int64(lanes)):
                             for lane in T.vectorized(lanes):
                                 queries[r, vector * T.int64(lanes) + lane] = T.Cast(
-                                    acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane])
+                                    acc_dtype, t1[b, query[r], h, vector * T.int64(lanes) + lane]
+                                )
                 # Only the key blocks holding a valid column of some row: near the sequence's ends (and,
                 # dilated, near each residue class's ends) the rest of the band is padding, filled below.
                 _valid_span(valid_span, low, high, first, p0, n, rows)
-                for block in range(valid_span[0] // T.int64(cols), (valid_span[1] + T.int64(cols - 1)) // T.int64(cols)):
+                for block in range(
+                    valid_span[0] // T.int64(cols), (valid_span[1] + T.int64(cols - 1)) // T.int64(cols)
+                ):
                     _zero_tile(acc, rows, cols, acc_dtype)
                     if dot:
                         bf16_dot.dot_key_block(acc, queries, T.int64(0), packed, block, head_dim, rows, vectors)
@@ -149,19 +198,38 @@ def qk(dtype: str, autoregressive: bool, isa: str):
                             # TVM's rounding keeps NaN. The guard took ~12% of bfloat16 Q.K^T's time on
                             # AVX2 (bench/NOTES.md). The row buffer's runs keep it: they hold the padding.
                             for lane in T.vectorized(cols):
-                                out[b, query[r], h, block * T.int64(cols) - first - T.int64(r) + lane] = T.Cast(dtype, acc[r, lane])
+                                out[b, query[r], h, block * T.int64(cols) - first - T.int64(r) + lane] = T.Cast(
+                                    dtype, acc[r, lane]
+                                )
                         else:
                             for lane in T.vectorized(cols):
-                                row_buffer[r, block * T.int64(cols) - first - T.int64(r) + T.int64(slack) + lane] = acc[r, lane]
+                                row_buffer[r, block * T.int64(cols) - first - T.int64(r) + T.int64(slack) + lane] = acc[
+                                    r, lane
+                                ]
                 for r in range(rows):
                     if p0 + T.int64(r) < n:
                         # The rest of the row from the row buffer: padding outside [low, high), and
                         # the partial blocks at both ends of the directly stored run [done_begin, done_end).
-                        done_begin: T.let = T.Select(direct_begin[r] < direct_end[r], direct_begin[r] * T.int64(cols) - first - T.int64(r), band)
-                        done_end: T.let = T.Select(direct_begin[r] < direct_end[r], direct_end[r] * T.int64(cols) - first - T.int64(r), band)
-                        _fill_run(row_buffer, r, T.int64(slack), T.int64(slack) + low[r], T.Cast(acc_dtype, padding), lanes)
-                        _fill_run(row_buffer, r, T.int64(slack) + high[r], T.int64(slack) + band, T.Cast(acc_dtype, padding), lanes)
-                        _copy_run(out, b, query[r], h, row_buffer, r, T.int64(slack), T.int64(0), done_begin, lanes, dtype)
+                        done_begin: T.let = T.Select(
+                            direct_begin[r] < direct_end[r], direct_begin[r] * T.int64(cols) - first - T.int64(r), band
+                        )
+                        done_end: T.let = T.Select(
+                            direct_begin[r] < direct_end[r], direct_end[r] * T.int64(cols) - first - T.int64(r), band
+                        )
+                        _fill_run(
+                            row_buffer, r, T.int64(slack), T.int64(slack) + low[r], T.Cast(acc_dtype, padding), lanes
+                        )
+                        _fill_run(
+                            row_buffer,
+                            r,
+                            T.int64(slack) + high[r],
+                            T.int64(slack) + band,
+                            T.Cast(acc_dtype, padding),
+                            lanes,
+                        )
+                        _copy_run(
+                            out, b, query[r], h, row_buffer, r, T.int64(slack), T.int64(0), done_begin, lanes, dtype
+                        )
                         _copy_run(out, b, query[r], h, row_buffer, r, T.int64(slack), done_end, band, lanes, dtype)
 
     return bf16_dot.with_dot_product(main) if dot else main

@@ -6,11 +6,19 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from tvm_kernels.compute import accumulation_dtype
-from tvm_kernels.schedules.cpu.microkernels import (_ON_STACK, _add_lanes, _bfloat16_even, _bfloat16_odd,
-                                                    _bfloat16_pair, _exp, _flat_pair_view, _max_of_lanes, _quieted,
-                                                    _rounded)
+from tvm_kernels.schedules.cpu.microkernels import (
+    _ON_STACK,
+    _add_lanes,
+    _bfloat16_even,
+    _bfloat16_odd,
+    _bfloat16_pair,
+    _exp,
+    _flat_pair_view,
+    _max_of_lanes,
+    _quieted,
+    _rounded,
+)
 from tvm_kernels.schedules.cpu.tiles import tiles_for
-
 
 # ----------------------------------------------------------------------------- band softmax
 # The original API's path (Q.K^T band, mask, softmax, probs.V) on one band: the softmax runs in place
@@ -31,8 +39,26 @@ def _row_vectors(first, stop, lanes):
 
 
 @T.macro
-def _row_on_pairs(scores, words, exps, lead_exp, partial, row_max, total, lse, b, i, h, first, stop, row_start, lanes,
-                  acc_dtype, dtype, minus_inf):
+def _row_on_pairs(
+    scores,
+    words,
+    exps,
+    lead_exp,
+    partial,
+    row_max,
+    total,
+    lse,
+    b,
+    i,
+    h,
+    first,
+    stop,
+    row_start,
+    lanes,
+    acc_dtype,
+    dtype,
+    minus_inf,
+):
     """:func:`softmax`'s max, exp and scaling passes over a row's span ``[first, stop)`` in bfloat16 on
     pairs (``words``: the band's flat pair view, ``row_start``: the row's flat index): a lone value
     where the span starts inside a pair (rows of 2w + 1 values do every other row), then vectors of
@@ -51,11 +77,18 @@ def _row_on_pairs(scores, words, exps, lead_exp, partial, row_max, total, lse, b
         partial[lane] = minus_inf
     for vector in range(paired):
         for lane in T.vectorized(lanes):
-            partial[lane] = T.max(partial[lane], T.max(_bfloat16_even(words[word0 + vector * T.int64(lanes) + lane]),
-                                                       _bfloat16_odd(words[word0 + vector * T.int64(lanes) + lane])))
+            partial[lane] = T.max(
+                partial[lane],
+                T.max(
+                    _bfloat16_even(words[word0 + vector * T.int64(lanes) + lane]),
+                    _bfloat16_odd(words[word0 + vector * T.int64(lanes) + lane]),
+                ),
+            )
     for vector in range(vectors):
         for lane in T.vectorized(lanes):
-            partial[lane] = T.max(partial[lane], T.Cast(acc_dtype, scores[b, i, h, values_start + vector * T.int64(lanes) + lane]))
+            partial[lane] = T.max(
+                partial[lane], T.Cast(acc_dtype, scores[b, i, h, values_start + vector * T.int64(lanes) + lane])
+            )
     _max_of_lanes(row_max, partial, lanes, minus_inf)
     for j in range(first[0], first[0] + lead):
         row_max[0] = T.max(row_max[0], T.Cast(acc_dtype, scores[b, i, h, j]))
@@ -68,16 +101,23 @@ def _row_on_pairs(scores, words, exps, lead_exp, partial, row_max, total, lse, b
     for vector in range(paired):
         for lane in T.vectorized(lanes):
             exps[vector * T.int64(2 * lanes) + lane] = _exp(
-                _bfloat16_even(words[word0 + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype, half_results=True)
+                _bfloat16_even(words[word0 + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype, half_results=True
+            )
             exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane] = _exp(
-                _bfloat16_odd(words[word0 + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype, half_results=True)
-            partial[lane] = (partial[lane] + exps[vector * T.int64(2 * lanes) + lane]
-                             + exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane])
+                _bfloat16_odd(words[word0 + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype, half_results=True
+            )
+            partial[lane] = (
+                partial[lane]
+                + exps[vector * T.int64(2 * lanes) + lane]
+                + exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane]
+            )
     for vector in range(vectors):
         for lane in T.vectorized(lanes):
             exps[paired * T.int64(2 * lanes) + vector * T.int64(lanes) + lane] = _exp(
-                T.Cast(acc_dtype, scores[b, i, h, values_start + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype,
-                half_results=True)
+                T.Cast(acc_dtype, scores[b, i, h, values_start + vector * T.int64(lanes) + lane]) - row_max[0],
+                acc_dtype,
+                half_results=True,
+            )
             partial[lane] = partial[lane] + exps[paired * T.int64(2 * lanes) + vector * T.int64(lanes) + lane]
     total[0] = T.Cast(acc_dtype, 0)
     _add_lanes(total, partial, lanes)
@@ -86,7 +126,9 @@ def _row_on_pairs(scores, words, exps, lead_exp, partial, row_max, total, lse, b
         lead_exp[0] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype, half_results=True)
         total[0] = total[0] + lead_exp[0]
     for j in range(tail, stop[0]):
-        exps[j - first[0] - lead] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype, half_results=True)
+        exps[j - first[0] - lead] = _exp(
+            T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype, half_results=True
+        )
         total[0] = total[0] + exps[j - first[0] - lead]
     lse[b, i, h] = row_max[0] + T.log(total[0])  # log(0) = -inf: a row with no key
     total[0] = T.Select(total[0] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / total[0])
@@ -94,13 +136,16 @@ def _row_on_pairs(scores, words, exps, lead_exp, partial, row_max, total, lse, b
         for lane in T.vectorized(lanes):
             exps[vector * T.int64(2 * lanes) + lane] = exps[vector * T.int64(2 * lanes) + lane] * total[0]
             exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane] = (
-                exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane] * total[0])
+                exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane] * total[0]
+            )
             words[word0 + vector * T.int64(lanes) + lane] = _bfloat16_pair(
-                exps[vector * T.int64(2 * lanes) + lane], exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane])
+                exps[vector * T.int64(2 * lanes) + lane], exps[vector * T.int64(2 * lanes) + T.int64(lanes) + lane]
+            )
     for vector in range(vectors):
         for lane in T.vectorized(lanes):
             scores[b, i, h, values_start + vector * T.int64(lanes) + lane] = _rounded(
-                dtype, exps[paired * T.int64(2 * lanes) + vector * T.int64(lanes) + lane] * total[0])
+                dtype, exps[paired * T.int64(2 * lanes) + vector * T.int64(lanes) + lane] * total[0]
+            )
     for j in range(first[0], first[0] + lead):
         scores[b, i, h, j] = _rounded(dtype, lead_exp[0] * total[0])
     for j in range(tail, stop[0]):
@@ -131,8 +176,13 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
     store_exp = dtype == acc_dtype
 
     @T.prim_func
-    def main(band_handle: T.handle, key_bias_handle: T.handle, with_bias: T.int64, dilation_handle: T.handle,
-             lse_handle: T.handle):
+    def main(
+        band_handle: T.handle,
+        key_bias_handle: T.handle,
+        with_bias: T.int64,
+        dilation_handle: T.handle,
+        lse_handle: T.handle,
+    ):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -161,17 +211,40 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
                 _row_span(first, stop, i, d, w, n, width)
                 if with_bias != T.int64(0):
                     for j in range(first[0], stop[0]):
-                        scores[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, scores[b, i, h, j]) + key_bias[b, i + d * (j - w)])
+                        scores[b, i, h, j] = _rounded(
+                            dtype, T.Cast(acc_dtype, scores[b, i, h, j]) + key_bias[b, i + d * (j - w)]
+                        )
                 if pairs:
-                    _row_on_pairs(scores, words, exps, lead_exp, partial, row_max, total, lse, b, i, h, first, stop,
-                                  ((b * n + i) * heads + h) * width, lanes, acc_dtype, dtype, minus_inf)
+                    _row_on_pairs(
+                        scores,
+                        words,
+                        exps,
+                        lead_exp,
+                        partial,
+                        row_max,
+                        total,
+                        lse,
+                        b,
+                        i,
+                        h,
+                        first,
+                        stop,
+                        ((b * n + i) * heads + h) * width,
+                        lanes,
+                        acc_dtype,
+                        dtype,
+                        minus_inf,
+                    )
                 else:
                     vectors, tail = _row_vectors(first[0], stop[0], lanes)
                     for lane in T.vectorized(lanes):
                         partial[lane] = minus_inf
                     for vector in range(vectors):
                         for lane in T.vectorized(lanes):
-                            partial[lane] = T.max(partial[lane], T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]))
+                            partial[lane] = T.max(
+                                partial[lane],
+                                T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]),
+                            )
                     _max_of_lanes(row_max, partial, lanes, minus_inf)
                     for j in range(tail, stop[0]):
                         row_max[0] = T.max(row_max[0], T.Cast(acc_dtype, scores[b, i, h, j]))
@@ -183,14 +256,20 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
                         for vector in range(vectors):
                             for lane in T.vectorized(lanes):
                                 scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _exp(
-                                    scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] - row_max[0], acc_dtype)
-                                partial[lane] = partial[lane] + scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]
+                                    scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] - row_max[0], acc_dtype
+                                )
+                                partial[lane] = (
+                                    partial[lane] + scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]
+                                )
                     else:
                         for vector in range(vectors):
                             for lane in T.vectorized(lanes):
                                 exps[vector * T.int64(lanes) + lane] = _exp(
-                                    T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - row_max[0], acc_dtype,
-                                    half_results=True)
+                                    T.Cast(acc_dtype, scores[b, i, h, first[0] + vector * T.int64(lanes) + lane])
+                                    - row_max[0],
+                                    acc_dtype,
+                                    half_results=True,
+                                )
                                 partial[lane] = partial[lane] + exps[vector * T.int64(lanes) + lane]
                     total[0] = T.Cast(acc_dtype, 0)
                     _add_lanes(total, partial, lanes)
@@ -199,23 +278,29 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
                             scores[b, i, h, j] = _exp(scores[b, i, h, j] - row_max[0], acc_dtype)
                             total[0] = total[0] + scores[b, i, h, j]
                         else:
-                            exps[j - first[0]] = _exp(T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype, half_results=True)
+                            exps[j - first[0]] = _exp(
+                                T.Cast(acc_dtype, scores[b, i, h, j]) - row_max[0], acc_dtype, half_results=True
+                            )
                             total[0] = total[0] + exps[j - first[0]]
                     lse[b, i, h] = row_max[0] + T.log(total[0])  # log(0) = -inf: a row with no key
                     # 1 / sum, 0 for a row with no key; a NaN sum (a NaN score) stays NaN, so the whole row is NaN.
-                    total[0] = T.Select(total[0] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / total[0])
+                    total[0] = T.Select(
+                        total[0] == T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 0), T.Cast(acc_dtype, 1) / total[0]
+                    )
                     if store_exp:
                         for vector in range(vectors):
                             for lane in T.vectorized(lanes):
-                                scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = \
+                                scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = (
                                     scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] * total[0]
+                                )
                         for j in range(tail, stop[0]):
                             scores[b, i, h, j] = scores[b, i, h, j] * total[0]
                     else:
                         for vector in range(vectors):
                             for lane in T.vectorized(lanes):
                                 scores[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _rounded(
-                                    dtype, exps[vector * T.int64(lanes) + lane] * total[0])
+                                    dtype, exps[vector * T.int64(lanes) + lane] * total[0]
+                                )
                         for j in range(tail, stop[0]):
                             scores[b, i, h, j] = _rounded(dtype, exps[j - first[0]] * total[0])
                 for j in range(first[0]):
@@ -227,8 +312,26 @@ def softmax(dtype: str, autoregressive: bool, isa: str):
 
 
 @T.macro
-def _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words, partial, shift, grad_lse, b, i, h,
-                           first, stop, row_start, lanes, acc_dtype, dtype):
+def _gradient_row_on_pairs(
+    probs,
+    grad,
+    out,
+    probs_words,
+    grad_words,
+    out_words,
+    partial,
+    shift,
+    grad_lse,
+    b,
+    i,
+    h,
+    first,
+    stop,
+    row_start,
+    lanes,
+    acc_dtype,
+    dtype,
+):
     """:func:`softmax_backward` over a row's span in bfloat16 on pairs, cut as :func:`_row_on_pairs`
     cuts it (the three bands share their layout, so their flat pair views their word indices): the
     row sum of ``P dP`` with a vector of pairs' even and odd products in the same partial sums (in
@@ -248,15 +351,18 @@ def _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words,
         partial[lane] = T.Cast(acc_dtype, 0)
     for vector in range(paired):
         for lane in T.vectorized(lanes):
-            partial[lane] = (partial[lane] + _bfloat16_even(probs_words[word0 + vector * T.int64(lanes) + lane])
-                             * _bfloat16_even(grad_words[word0 + vector * T.int64(lanes) + lane])
-                             + _bfloat16_odd(probs_words[word0 + vector * T.int64(lanes) + lane])
-                             * _bfloat16_odd(grad_words[word0 + vector * T.int64(lanes) + lane]))
+            partial[lane] = (
+                partial[lane]
+                + _bfloat16_even(probs_words[word0 + vector * T.int64(lanes) + lane])
+                * _bfloat16_even(grad_words[word0 + vector * T.int64(lanes) + lane])
+                + _bfloat16_odd(probs_words[word0 + vector * T.int64(lanes) + lane])
+                * _bfloat16_odd(grad_words[word0 + vector * T.int64(lanes) + lane])
+            )
     for vector in range(vectors):
         for lane in T.vectorized(lanes):
             partial[lane] = partial[lane] + T.Cast(
-                acc_dtype, probs[b, i, h, values_start + vector * T.int64(lanes) + lane]) * T.Cast(
-                    acc_dtype, grad[b, i, h, values_start + vector * T.int64(lanes) + lane])
+                acc_dtype, probs[b, i, h, values_start + vector * T.int64(lanes) + lane]
+            ) * T.Cast(acc_dtype, grad[b, i, h, values_start + vector * T.int64(lanes) + lane])
     shift[0] = T.Cast(acc_dtype, 0) - grad_lse[b, i, h]
     _add_lanes(shift, partial, lanes)
     for j in range(first[0], first[0] + lead):
@@ -270,18 +376,23 @@ def _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words,
                 _bfloat16_even(probs_words[word0 + vector * T.int64(lanes) + lane])
                 * (_bfloat16_even(grad_words[word0 + vector * T.int64(lanes) + lane]) - shift[0]),
                 _bfloat16_odd(probs_words[word0 + vector * T.int64(lanes) + lane])
-                * (_bfloat16_odd(grad_words[word0 + vector * T.int64(lanes) + lane]) - shift[0]))
+                * (_bfloat16_odd(grad_words[word0 + vector * T.int64(lanes) + lane]) - shift[0]),
+            )
     for vector in range(vectors):
         for lane in T.vectorized(lanes):
-            out[b, i, h, values_start + vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(
-                acc_dtype, probs[b, i, h, values_start + vector * T.int64(lanes) + lane]) * (T.Cast(
-                    acc_dtype, grad[b, i, h, values_start + vector * T.int64(lanes) + lane]) - shift[0]))
+            out[b, i, h, values_start + vector * T.int64(lanes) + lane] = _rounded(
+                dtype,
+                T.Cast(acc_dtype, probs[b, i, h, values_start + vector * T.int64(lanes) + lane])
+                * (T.Cast(acc_dtype, grad[b, i, h, values_start + vector * T.int64(lanes) + lane]) - shift[0]),
+            )
     for j in range(first[0], first[0] + lead):
-        out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j])
-                                   * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
+        out[b, i, h, j] = _rounded(
+            dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0])
+        )
     for j in range(tail, stop[0]):
-        out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j])
-                                   * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
+        out[b, i, h, j] = _rounded(
+            dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0])
+        )
 
 
 def softmax_backward(dtype: str, autoregressive: bool, isa: str):
@@ -297,8 +408,13 @@ def softmax_backward(dtype: str, autoregressive: bool, isa: str):
     causal = 1 if autoregressive else 0
 
     @T.prim_func
-    def main(probs_handle: T.handle, grad_handle: T.handle, grad_lse_handle: T.handle, dilation_handle: T.handle,
-             out_handle: T.handle):
+    def main(
+        probs_handle: T.handle,
+        grad_handle: T.handle,
+        grad_lse_handle: T.handle,
+        dilation_handle: T.handle,
+        out_handle: T.handle,
+    ):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -324,28 +440,54 @@ def softmax_backward(dtype: str, autoregressive: bool, isa: str):
                 d: T.let = T.Cast("int64", dilation[h])
                 _row_span(first, stop, i, d, w, n, width)
                 if pairs:
-                    _gradient_row_on_pairs(probs, grad, out, probs_words, grad_words, out_words, partial, shift,
-                                           grad_lse, b, i, h, first, stop, ((b * n + i) * heads + h) * width, lanes,
-                                           acc_dtype, dtype)
+                    _gradient_row_on_pairs(
+                        probs,
+                        grad,
+                        out,
+                        probs_words,
+                        grad_words,
+                        out_words,
+                        partial,
+                        shift,
+                        grad_lse,
+                        b,
+                        i,
+                        h,
+                        first,
+                        stop,
+                        ((b * n + i) * heads + h) * width,
+                        lanes,
+                        acc_dtype,
+                        dtype,
+                    )
                 else:
                     vectors, tail = _row_vectors(first[0], stop[0], lanes)
                     for lane in T.vectorized(lanes):
                         partial[lane] = T.Cast(acc_dtype, 0)
                     for vector in range(vectors):
                         for lane in T.vectorized(lanes):
-                            partial[lane] = partial[lane] + T.Cast(acc_dtype, probs[b, i, h, first[0] + vector * T.int64(lanes) + lane]) * T.Cast(
-                                acc_dtype, grad[b, i, h, first[0] + vector * T.int64(lanes) + lane])
+                            partial[lane] = partial[lane] + T.Cast(
+                                acc_dtype, probs[b, i, h, first[0] + vector * T.int64(lanes) + lane]
+                            ) * T.Cast(acc_dtype, grad[b, i, h, first[0] + vector * T.int64(lanes) + lane])
                     shift[0] = T.Cast(acc_dtype, 0) - grad_lse[b, i, h]
                     _add_lanes(shift, partial, lanes)
                     for j in range(tail, stop[0]):
                         shift[0] = shift[0] + T.Cast(acc_dtype, probs[b, i, h, j]) * T.Cast(acc_dtype, grad[b, i, h, j])
                     for vector in range(vectors):
                         for lane in T.vectorized(lanes):
-                            out[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _rounded(dtype, T.Cast(
-                                acc_dtype, probs[b, i, h, first[0] + vector * T.int64(lanes) + lane]) * (T.Cast(
-                                    acc_dtype, grad[b, i, h, first[0] + vector * T.int64(lanes) + lane]) - shift[0]))
+                            out[b, i, h, first[0] + vector * T.int64(lanes) + lane] = _rounded(
+                                dtype,
+                                T.Cast(acc_dtype, probs[b, i, h, first[0] + vector * T.int64(lanes) + lane])
+                                * (
+                                    T.Cast(acc_dtype, grad[b, i, h, first[0] + vector * T.int64(lanes) + lane])
+                                    - shift[0]
+                                ),
+                            )
                     for j in range(tail, stop[0]):
-                        out[b, i, h, j] = _rounded(dtype, T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]))
+                        out[b, i, h, j] = _rounded(
+                            dtype,
+                            T.Cast(acc_dtype, probs[b, i, h, j]) * (T.Cast(acc_dtype, grad[b, i, h, j]) - shift[0]),
+                        )
                 for j in range(first[0]):
                     out[b, i, h, j] = T.Cast(dtype, 0)
                 for j in range(stop[0], width):

@@ -56,8 +56,17 @@ class Tiles:
 # probs.V / transposed 8 x 2 (12 rows: no faster for probs.V, 1.5x slower for transposed); half
 # types 4 x 4, because a half weight costs a broadcast and a convert per use (float32's broadcast
 # rides in the FMA) and that tile uses each weight for 4 FMAs instead of 2.
-AVX512 = Tiles(vector_bits=512, qk_rows=16, qk_vectors=1, band_rows=8, wide_half_tile=True, chunk_steps=0,
-               stage_half_weights=False, key_update_rows=8, backward_tile_rows=16)
+AVX512 = Tiles(
+    vector_bits=512,
+    qk_rows=16,
+    qk_vectors=1,
+    band_rows=8,
+    wide_half_tile=True,
+    chunk_steps=0,
+    stage_half_weights=False,
+    key_update_rows=8,
+    backward_tile_rows=16,
+)
 
 # AVX2 (16 ymm registers, 32 KiB L1 on the EPYCs measured): 6 x 2 accumulators + 1 load + 1
 # broadcast fill the register file. The direct probs.V / transposed loop runs in chunks of 32
@@ -66,8 +75,18 @@ AVX512 = Tiles(vector_bits=512, qk_rows=16, qk_vectors=1, band_rows=8, wide_half
 # no room for a wider tile. The fused backward runs tiles of 12 queries (two Q.K^T register tiles):
 # its dK/dV update then loads and stores its 4 x 2 accumulators once per 96 FMAs instead of 48
 # (backward 3-6% faster at n = 4096; AVX-512's float32 keeps 16: 32 was 1-4% slower).
-AVX2 = Tiles(vector_bits=256, qk_rows=6, qk_vectors=2, band_rows=6, wide_half_tile=False, chunk_steps=32,
-             stage_half_weights=True, key_update_rows=4, backward_tile_rows=12, bfloat16_pairs=True)
+AVX2 = Tiles(
+    vector_bits=256,
+    qk_rows=6,
+    qk_vectors=2,
+    band_rows=6,
+    wide_half_tile=False,
+    chunk_steps=32,
+    stage_half_weights=True,
+    key_update_rows=4,
+    backward_tile_rows=12,
+    bfloat16_pairs=True,
+)
 
 
 # AVX-512 with AVX512-BF16 (AMD Zen 4 and later, Intel since Cooper Lake): AVX-512's tiles, and the

@@ -21,7 +21,7 @@ from tvm_kernels.schedules.cpu_amx import band, matrix
 FEATURE_MULTIPLE = cpu.FEATURE_MULTIPLE  # head_dim: a multiple of 32, whole AMX reductions too
 PASS_CONFIG = cpu.PASS_CONFIG
 
-_VECTOR_ISA = "avx512"        # the kernels not on AMX
+_VECTOR_ISA = "avx512"  # the kernels not on AMX
 _PACKING_ISA = "avx512-bf16"  # the fused kernels' operands: bfloat16 pairs (bf16_dot.py)
 
 
@@ -35,8 +35,10 @@ def _check_tiles(dtype: str):
         raise ValueError(f"AMX kernels take bfloat16 operands, not {dtype}")
     tiles = tiles_for(_PACKING_ISA)
     if tiles.qk_rows % matrix.ROWS or tiles.qk_vectors * 16 != matrix.KEYS:
-        raise ValueError(f"AMX tiles need query tiles of a multiple of {matrix.ROWS} rows and key blocks of "
-                         f"{matrix.KEYS} (tiles.py: {tiles})")
+        raise ValueError(
+            f"AMX tiles need query tiles of a multiple of {matrix.ROWS} rows and key blocks of "
+            f"{matrix.KEYS} (tiles.py: {tiles})"
+        )
 
 
 def attention(dtype: str, autoregressive: bool, isa: str):
@@ -50,18 +52,24 @@ def attention_backward(dtype: str, autoregressive: bool, isa: str):
     _check_tiles(dtype)
     rows = tiles_for(_PACKING_ISA).backward_tile_rows
     if rows % (2 * matrix.PAIRS):
-        raise ValueError(f"AMX key sums need backward tiles of a multiple of {2 * matrix.PAIRS} rows (tiles.py: {rows})")
+        raise ValueError(
+            f"AMX key sums need backward tiles of a multiple of {2 * matrix.PAIRS} rows (tiles.py: {rows})"
+        )
     return _attention_backward(dtype, autoregressive, _PACKING_ISA, matrix.AMX_PRODUCTS)
 
 
 def _band_product(op: str):
     """band.py's ``op`` (qk, pv or transposed) as a schedule builder; bfloat16 only."""
+
     def build(dtype: str, autoregressive: bool, isa: str):
         _check_tiles(dtype)
         return getattr(band, op)(autoregressive)
+
     return build
 
 
-HAND_WRITTEN = {op: _on_vectors(kernel) for op, kernel in cpu.HAND_WRITTEN.items()} | {
-    op: _band_product(op) for op in ("qk", "pv", "transposed")} | {
-    "attention": attention, "attention_backward": attention_backward}
+HAND_WRITTEN = (
+    {op: _on_vectors(kernel) for op, kernel in cpu.HAND_WRITTEN.items()}
+    | {op: _band_product(op) for op in ("qk", "pv", "transposed")}
+    | {"attention": attention, "attention_backward": attention_backward}
+)

@@ -69,8 +69,14 @@ def qk(autoregressive: bool):
     causal = 1 if autoregressive else 0
 
     @T.prim_func
-    def main(t1_handle: T.handle, t2_handle: T.handle, dilation_handle: T.handle, padding: T.float64,
-             out_handle: T.handle, runs: T.int64):
+    def main(
+        t1_handle: T.handle,
+        t2_handle: T.handle,
+        dilation_handle: T.handle,
+        padding: T.float64,
+        out_handle: T.handle,
+        runs: T.int64,
+    ):
         T.func_attr({"tir.noalias": True})
         batch = T.int64()
         n = T.int64()
@@ -112,8 +118,22 @@ def qk(autoregressive: bool):
             span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             tile_blocks = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            bf16_dot.pack_key_pairs(packed, key_words, key_tile, row_of, block_keys, t2, b, h, n, head_dim, run_margin,
-                                    blocks, cols, _PER_LINE)
+            bf16_dot.pack_key_pairs(
+                packed,
+                key_words,
+                key_tile,
+                row_of,
+                block_keys,
+                t2,
+                b,
+                h,
+                n,
+                head_dim,
+                run_margin,
+                blocks,
+                cols,
+                _PER_LINE,
+            )
             _configure()
             for tile in range(tile_begin, tile_end):
                 p0: T.let = tile * T.int64(rows)
@@ -123,8 +143,23 @@ def qk(autoregressive: bool):
                 _tile_bounds(query, low, high, row_of, p0, n, d, w, band, rows)
                 bf16_dot.copy_word_rows(queries, query_words, query, b, h, head_dim, rows)
                 _tile_blocks(tile_blocks, span, low, high, first, block0, p0, n)
-                tile_scores(scores, (), queries, packed, (), block0, tile_blocks, head_dim, rows, rows, cols, "float32",
-                            False, True, None)
+                tile_scores(
+                    scores,
+                    (),
+                    queries,
+                    packed,
+                    (),
+                    block0,
+                    tile_blocks,
+                    head_dim,
+                    rows,
+                    rows,
+                    cols,
+                    "float32",
+                    False,
+                    True,
+                    None,
+                )
                 for r in range(rows):
                     if p0 + T.int64(r) < n:
                         for j in range(low[r]):
@@ -168,7 +203,9 @@ def pv(autoregressive: bool):
             tile_begin: T.let = T.min(item % runs * run_tiles, tiles)
             tile_end: T.let = T.min(tile_begin + run_tiles, tiles)
             run_margin: T.let = margin - _run_origin(tile_begin * T.int64(rows) - w + margin, cols)
-            length: T.let = ((run_tiles * T.int64(rows) + band + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)) * T.int64(cols)
+            length: T.let = (
+                (run_tiles * T.int64(rows) + band + T.int64(rows + 4 * cols)) // T.int64(cols) + T.int64(1)
+            ) * T.int64(cols)
             # Row buffer columns: the computed blocks end before base + 30 + band, base < 16.
             width: T.let = (band + T.int64(rows + 3 * cols + 2 * PAIRS - 1)) // T.int64(2 * PAIRS) * T.int64(2 * PAIRS)
             row_of = T.decl_buffer((n,), "int64")
@@ -201,8 +238,31 @@ def pv(autoregressive: bool):
                     if p0 + T.int64(r) < n:  # (a plain copy: LLVM vectorises it)
                         for j in range(low[r], high[r]):
                             probs_bits[r, base + T.int64(r) + j] = weight_bits[b, query[r], h, j]
-                tile_context(out, (), probs, pairs, row_scale, (), (), (), query, b, h, p0, n, block0, tile_blocks,
-                             head_dim, rows, cols, 1, 1, "float32", "bfloat16", True)
+                tile_context(
+                    out,
+                    (),
+                    probs,
+                    pairs,
+                    row_scale,
+                    (),
+                    (),
+                    (),
+                    query,
+                    b,
+                    h,
+                    p0,
+                    n,
+                    block0,
+                    tile_blocks,
+                    head_dim,
+                    rows,
+                    cols,
+                    1,
+                    1,
+                    "float32",
+                    "bfloat16",
+                    True,
+                )
             _release()
 
     return main
@@ -218,10 +278,24 @@ def _pack_pairs_feature_major(packed, value_bits, row_of, b, h, n, head_dim, mar
                 t: T.let = (q0 * T.int64(16) + T.int64(ql)) * T.int64(2) - margin
                 for fl in T.vectorized(16):
                     tile[ql, fl] = _pair(
-                        T.Select(t >= T.int64(0) and t < n,
-                                 value_bits[b, row_of[T.max(T.min(t, n - T.int64(1)), T.int64(0))], h, chunk * T.int64(16) + fl], T.uint16(0)),
-                        T.Select(t + T.int64(1) >= T.int64(0) and t + T.int64(1) < n,
-                                 value_bits[b, row_of[T.max(T.min(t + T.int64(1), n - T.int64(1)), T.int64(0))], h, chunk * T.int64(16) + fl], T.uint16(0)))
+                        T.Select(
+                            t >= T.int64(0) and t < n,
+                            value_bits[
+                                b, row_of[T.max(T.min(t, n - T.int64(1)), T.int64(0))], h, chunk * T.int64(16) + fl
+                            ],
+                            T.uint16(0),
+                        ),
+                        T.Select(
+                            t + T.int64(1) >= T.int64(0) and t + T.int64(1) < n,
+                            value_bits[
+                                b,
+                                row_of[T.max(T.min(t + T.int64(1), n - T.int64(1)), T.int64(0))],
+                                h,
+                                chunk * T.int64(16) + fl,
+                            ],
+                            T.uint16(0),
+                        ),
+                    )
             _transpose_square(tile, scratch, 16)
             for i in T.unroll(16):
                 for lane in T.vectorized(16):
@@ -234,9 +308,16 @@ def _checked_weight(weight_bits, row_of, b, h, n, band, low, high, c, base, bloc
     block0 * 16 + c."""
     position = block0 * T.int64(KEYS) + c - run_margin
     column = band - T.int64(1) - (c - base) + r
-    return T.Select(tirx.all(c - base - r >= low[r], c - base - r < high[r]),
-                    weight_bits[b, row_of[T.max(T.min(position, n - T.int64(1)), T.int64(0))], h,
-                                T.max(T.min(column, band - T.int64(1)), T.int64(0))], T.uint16(0))
+    return T.Select(
+        tirx.all(c - base - r >= low[r], c - base - r < high[r]),
+        weight_bits[
+            b,
+            row_of[T.max(T.min(position, n - T.int64(1)), T.int64(0))],
+            h,
+            T.max(T.min(column, band - T.int64(1)), T.int64(0)),
+        ],
+        T.uint16(0),
+    )
 
 
 def _lane_weight(weight_flat, index, c, base, low, high, r):
@@ -245,29 +326,46 @@ def _lane_weight(weight_flat, index, c, base, low, high, r):
 
 
 @T.macro
-def _weight_pair(weights, weight_bits, weight_flat, row_of, b, h, n, heads, band, low, high, c, base, block0, run_margin, pl):
+def _weight_pair(
+    weights, weight_bits, weight_flat, row_of, b, h, n, heads, band, low, high, c, base, block0, run_margin, pl
+):
     """weights[pl, r] = row r's weights at tile columns c and c + 1 as one pair (B's row pl of W^T):
     16 consecutive columns of two band rows, each lane selected to 0 where its row has no weight
     (a lane past its band row reads the next one's, inside the tensor), where both band rows are
     in the sequence; else per row, clamped into the buffers."""
     position: T.let = block0 * T.int64(KEYS) + c - run_margin  # of column c's band row; c + 1: the next
     column: T.let = band - T.int64(1) - (c - base)  # lane r reads column + r (c + 1: column - 1 + r)
-    first_index: T.let = ((b * n + row_of[T.max(T.min(position, n - T.int64(1)), T.int64(0))]) * heads + h) * band + column
-    second_index: T.let = ((b * n + row_of[T.max(T.min(position + T.int64(1), n - T.int64(1)), T.int64(0))]) * heads + h) * band + column - T.int64(1)
-    if (position >= T.int64(0) and position + T.int64(1) < n and first_index >= T.int64(0)
-            and second_index + T.int64(ROWS) <= weight_flat.shape[0]):
+    first_index: T.let = (
+        (b * n + row_of[T.max(T.min(position, n - T.int64(1)), T.int64(0))]) * heads + h
+    ) * band + column
+    second_index: T.let = (
+        ((b * n + row_of[T.max(T.min(position + T.int64(1), n - T.int64(1)), T.int64(0))]) * heads + h) * band
+        + column
+        - T.int64(1)
+    )
+    if (
+        position >= T.int64(0)
+        and position + T.int64(1) < n
+        and first_index >= T.int64(0)
+        and second_index + T.int64(ROWS) <= weight_flat.shape[0]
+    ):
         # The next tile reads the next 16 columns of these band rows: their lines asked for now, the
         # loads otherwise wait on memory (a band row every step, 12 KiB and more apart).
         _prefetch_element(weight_flat, T.min(first_index + T.int64(2 * ROWS), weight_flat.shape[0] - T.int64(1)))
         _prefetch_element(weight_flat, T.min(second_index + T.int64(2 * ROWS), weight_flat.shape[0] - T.int64(1)))
         for r in T.vectorized(ROWS):
-            weights[pl, r] = _pair(_lane_weight(weight_flat, first_index, c, base, low, high, T.Cast("int64", r)),
-                                   _lane_weight(weight_flat, second_index, c + T.int64(1), base, low, high, T.Cast("int64", r)))
+            weights[pl, r] = _pair(
+                _lane_weight(weight_flat, first_index, c, base, low, high, T.Cast("int64", r)),
+                _lane_weight(weight_flat, second_index, c + T.int64(1), base, low, high, T.Cast("int64", r)),
+            )
     else:
         for r in range(ROWS):
             weights[pl, r] = _pair(
                 _checked_weight(weight_bits, row_of, b, h, n, band, low, high, c, base, block0, run_margin, r),
-                _checked_weight(weight_bits, row_of, b, h, n, band, low, high, c + T.int64(1), base, block0, run_margin, r))
+                _checked_weight(
+                    weight_bits, row_of, b, h, n, band, low, high, c + T.int64(1), base, block0, run_margin, r
+                ),
+            )
 
 
 @T.macro
@@ -279,7 +377,11 @@ def _transposed_pass(out, context, tile, scratch, weights, packed, query, b, h, 
     for chunk in range(chunks):
         _load(4, T.address_of(weights[chunk * T.int64(PAIRS), 0]), T.int64(4 * ROWS))
         for j in T.unroll(width):
-            _load(5 + j % 3, T.address_of(packed[column + T.int64(j * KEYS), q0 + chunk * T.int64(PAIRS)]), T.int64(4) * packed.shape[1])
+            _load(
+                5 + j % 3,
+                T.address_of(packed[column + T.int64(j * KEYS), q0 + chunk * T.int64(PAIRS)]),
+                T.int64(4) * packed.shape[1],
+            )
             _multiply(j, 5 + j % 3, 4)
     for j in T.unroll(width):
         _store(j, T.address_of(context[j * KEYS, 0]), T.int64(4 * ROWS))
@@ -329,11 +431,19 @@ def transposed(autoregressive: bool):
             tile_end: T.let = T.min(tile_begin + run_tiles, tiles)
             run_margin: T.let = margin - _run_origin(tile_begin * T.int64(rows) - offset + margin, cols)
             # Pairs of packed rows of V^T (whole 16s), past the run's last tile's last band row.
-            pair_count: T.let = (run_tiles * T.int64(rows) + T.int64(2) * band + T.int64(128)) // T.int64(32) * T.int64(16) + T.int64(16)
+            pair_count: T.let = (run_tiles * T.int64(rows) + T.int64(2) * band + T.int64(128)) // T.int64(32) * T.int64(
+                16
+            ) + T.int64(16)
             row_of = T.decl_buffer((n,), "int64")
             packed = T.decl_buffer((head_dim, pair_count), "int32")
             # W^T as row pairs: the tile's computed columns (before base + 30 + band) in whole 16s.
-            weights = T.decl_buffer(((band + T.int64(3 * cols + rows)) // T.int64(2 * PAIRS) * T.int64(PAIRS) + T.int64(2 * PAIRS), T.int64(rows)), "int32")
+            weights = T.decl_buffer(
+                (
+                    (band + T.int64(3 * cols + rows)) // T.int64(2 * PAIRS) * T.int64(PAIRS) + T.int64(2 * PAIRS),
+                    T.int64(rows),
+                ),
+                "int32",
+            )
             context = T.alloc_local((4 * KEYS, ROWS), "float32", annotations=_ON_STACK)  # out^T, 64 features
             tile32 = T.alloc_local((16, 16), "int32", annotations=_ON_STACK)
             scratch32 = T.alloc_local((16, 16), "int32", annotations=_ON_STACK)
@@ -345,7 +455,9 @@ def transposed(autoregressive: bool):
             span = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             tile_blocks = T.alloc_local((2,), "int64", annotations=_ON_STACK)
             _fill_residue_major(row_of, n, d)
-            _pack_pairs_feature_major(packed, value_bits, row_of, b, h, n, head_dim, run_margin, pair_count, tile32, scratch32)
+            _pack_pairs_feature_major(
+                packed, value_bits, row_of, b, h, n, head_dim, run_margin, pair_count, tile32, scratch32
+            )
             _configure()
             for tile_index in range(tile_begin, tile_end):
                 p0: T.let = tile_index * T.int64(rows)
@@ -355,17 +467,65 @@ def transposed(autoregressive: bool):
                 _tile_bounds(query, low, high, row_of, p0, n, d, offset, band, rows)
                 _tile_blocks(tile_blocks, span, low, high, first, block0, p0, n)
                 c0: T.let = tile_blocks[0] * T.int64(cols)  # the first computed column
-                chunks: T.let = ((tile_blocks[1] - tile_blocks[0]) * T.int64(cols // 2) + T.int64(PAIRS - 1)) // T.int64(PAIRS)
+                chunks: T.let = (
+                    (tile_blocks[1] - tile_blocks[0]) * T.int64(cols // 2) + T.int64(PAIRS - 1)
+                ) // T.int64(PAIRS)
                 for pl in range(chunks * T.int64(PAIRS)):
-                    _weight_pair(weights, weight_bits, weight_flat, row_of, b, h, n, heads, band, low, high, c0 + pl * T.int64(2),
-                                 base, block0, run_margin, pl)
+                    _weight_pair(
+                        weights,
+                        weight_bits,
+                        weight_flat,
+                        row_of,
+                        b,
+                        h,
+                        n,
+                        heads,
+                        band,
+                        low,
+                        high,
+                        c0 + pl * T.int64(2),
+                        base,
+                        block0,
+                        run_margin,
+                        pl,
+                    )
                 q0: T.let = (block0 * T.int64(cols) + c0) // T.int64(2)  # its pair of packed rows in V^T
                 for feature_tile in range(head_dim // T.int64(4 * KEYS)):
-                    _transposed_pass(out, context, tile, scratch, weights, packed, query, b, h, p0, n, q0, chunks,
-                                     feature_tile * T.int64(4 * KEYS), 4)
+                    _transposed_pass(
+                        out,
+                        context,
+                        tile,
+                        scratch,
+                        weights,
+                        packed,
+                        query,
+                        b,
+                        h,
+                        p0,
+                        n,
+                        q0,
+                        chunks,
+                        feature_tile * T.int64(4 * KEYS),
+                        4,
+                    )
                 if head_dim % T.int64(4 * KEYS) != T.int64(0):
-                    _transposed_pass(out, context, tile, scratch, weights, packed, query, b, h, p0, n, q0, chunks,
-                                     head_dim - T.int64(2 * KEYS), 2)
+                    _transposed_pass(
+                        out,
+                        context,
+                        tile,
+                        scratch,
+                        weights,
+                        packed,
+                        query,
+                        b,
+                        h,
+                        p0,
+                        n,
+                        q0,
+                        chunks,
+                        head_dim - T.int64(2 * KEYS),
+                        2,
+                    )
             _release()
 
     return main

@@ -15,7 +15,7 @@ sums dV += P^T dO and dK += dS^T Q, which run transposed (:func:`tile_key_sums`)
 How the instructions are reached: LLVM's AMX intrinsics that name tile registers by number
 (``llvm.x86.tileloadd64``, ``llvm.x86.tdpbf16ps``, ...) through ``T.call_llvm_intrin``; the target
 needs ``+amx-tile,+amx-bf16`` (tvm_kernels/variants.py) and the process the kernel's permission to
-use tile data, which the loader requests (longformer_ops/_loader.py). Each task of the parallel
+use tile data, which the loader requests (longformer_ops/runtime/loader.py). Each task of the parallel
 loop loads the tile configuration (:func:`_configure`) before its first tile and releases it after
 its last.
 """
@@ -27,9 +27,9 @@ from tvm.script import tirx as T
 from tvm_kernels.schedules.cpu.attention import TileProducts
 from tvm_kernels.schedules.cpu.microkernels import _ON_STACK, _rounded, _transpose_square
 
-ROWS = 16   # rows of every tile (queries of a Q.K^T or P.V product)
+ROWS = 16  # rows of every tile (queries of a Q.K^T or P.V product)
 PAIRS = 16  # bfloat16 pairs in a full tile row (64 bytes): the reduction per instruction, 32 values
-KEYS = 16   # float32 columns of a result tile: one packed key block, or 16 features
+KEYS = 16  # float32 columns of a result tile: one packed key block, or 16 features
 
 # Every tile register is 16 rows x 64 bytes (:func:`_configure`). Q.K^T: 4 key blocks at a time in
 # C = 0..3, A = 4 (32 features of the tile's queries), B = 5..7 in turn (a key block's same
@@ -92,10 +92,12 @@ def _scale_and_bias(scores, biases, row0, block, block0, acc_dtype, with_bias, s
             if with_bias:
                 scores[row0 + r, block * T.int64(KEYS) + lane] = (
                     scores[row0 + r, block * T.int64(KEYS) + lane] * T.Cast(acc_dtype, scale)
-                    + biases[(block0 + block) * T.int64(KEYS) + lane])
+                    + biases[(block0 + block) * T.int64(KEYS) + lane]
+                )
             else:
-                scores[row0 + r, block * T.int64(KEYS) + lane] = scores[row0 + r, block * T.int64(KEYS) + lane] * T.Cast(
-                    acc_dtype, scale)
+                scores[row0 + r, block * T.int64(KEYS) + lane] = scores[
+                    row0 + r, block * T.int64(KEYS) + lane
+                ] * T.Cast(acc_dtype, scale)
 
 
 @T.macro
@@ -106,7 +108,9 @@ def _score_blocks(scores, queries, keys, biases, block0, block, row0, head_dim, 
     for chunk in range(head_dim // T.int64(2 * PAIRS)):
         _load(4, T.address_of(queries[row0, chunk * T.int64(PAIRS)]), T.int64(4) * queries.shape[1])
         for j in T.unroll(count):
-            _load(5 + j % 3, T.address_of(keys[block0 + block + T.int64(j), chunk * T.int64(PAIRS), 0]), T.int64(4 * KEYS))
+            _load(
+                5 + j % 3, T.address_of(keys[block0 + block + T.int64(j), chunk * T.int64(PAIRS), 0]), T.int64(4 * KEYS)
+            )
             _multiply(j, 4, 5 + j % 3)
     for j in T.unroll(count):
         _store(j, T.address_of(scores[row0, (block + T.int64(j)) * T.int64(KEYS)]), T.int64(4) * scores.shape[1])
@@ -115,8 +119,24 @@ def _score_blocks(scores, queries, keys, biases, block0, block, row0, head_dim, 
 
 
 @T.macro
-def tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_dim, rows, sub_rows, cols, acc_dtype,
-                with_bias, dot, scale, transposed=False):
+def tile_scores(
+    scores,
+    acc,
+    queries,
+    keys,
+    biases,
+    block0,
+    tile_blocks,
+    head_dim,
+    rows,
+    sub_rows,
+    cols,
+    acc_dtype,
+    with_bias,
+    dot,
+    scale,
+    transposed=False,
+):
     """:func:`cpu.attention._attention_tile_scores` for the dot product's operands on AMX:
     scores[r, block * 16 + c] = scale * queries[r] . packed key (block0 + block) * 16 + c (+ its bias),
     each block's 16 x 16 sums one tile, four blocks at a time, 32 features per instruction
@@ -125,15 +145,47 @@ def tile_scores(scores, acc, queries, keys, biases, block0, tile_blocks, head_di
     for group in range(rows // ROWS):
         row0: T.let = group * ROWS
         for quad in range(quads):
-            _score_blocks(scores, queries, keys, biases, block0, tile_blocks[0] + quad * T.int64(4), row0, head_dim, 4,
-                          acc_dtype, with_bias, scale)
+            _score_blocks(
+                scores,
+                queries,
+                keys,
+                biases,
+                block0,
+                tile_blocks[0] + quad * T.int64(4),
+                row0,
+                head_dim,
+                4,
+                acc_dtype,
+                with_bias,
+                scale,
+            )
         for block in range(tile_blocks[0] + quads * T.int64(4), tile_blocks[1]):
             _score_blocks(scores, queries, keys, biases, block0, block, row0, head_dim, 1, acc_dtype, with_bias, scale)
 
 
 @T.macro
-def _context_pass(out, context, probs, values, padded_probs, padded_values, row_scale, query, b, h, p0, n, row0,
-                  first_pair, chunks, half_chunk, pair_row0, column, width, dtype):
+def _context_pass(
+    out,
+    context,
+    probs,
+    values,
+    padded_probs,
+    padded_values,
+    row_scale,
+    query,
+    b,
+    h,
+    p0,
+    n,
+    row0,
+    first_pair,
+    chunks,
+    half_chunk,
+    pair_row0,
+    column,
+    width,
+    dtype,
+):
     """Output rows row0 .. row0 + 15, features [column, column + 16 * width): ``width`` result tiles
     over the full chunks of 16 key pairs from ``first_pair``, then the half chunk (8 pairs) from the
     zero-padded copies (:func:`tile_context`), then times row_scale, rounded, stored."""
@@ -145,12 +197,18 @@ def _context_pass(out, context, probs, values, padded_probs, padded_values, row_
         pair: T.let = first_pair + chunk * T.int64(PAIRS)
         _load(4, T.address_of(probs[row0, pair]), probs_stride)
         for j in T.unroll(width):
-            _load(5 + j % 3, T.address_of(values[pair_row0 + pair * T.int64(2), column + T.int64(j * KEYS)]), pair_stride)
+            _load(
+                5 + j % 3, T.address_of(values[pair_row0 + pair * T.int64(2), column + T.int64(j * KEYS)]), pair_stride
+            )
             _multiply(j, 4, 5 + j % 3)
     if half_chunk:
         _load(4, T.address_of(padded_probs[0, 0]), T.int64(4 * PAIRS))
         for j in T.unroll(width):
-            _load(5 + j % 3, T.address_of(padded_values[0, column + T.int64(j * KEYS)]), T.int64(4) * padded_values.shape[1])
+            _load(
+                5 + j % 3,
+                T.address_of(padded_values[0, column + T.int64(j * KEYS)]),
+                T.int64(4) * padded_values.shape[1],
+            )
             _multiply(j, 4, 5 + j % 3)
     for j in T.unroll(width):
         _store(j, T.address_of(context[0, j * KEYS]), T.int64(4 * 4 * KEYS))
@@ -161,8 +219,31 @@ def _context_pass(out, context, probs, values, padded_probs, padded_values, row_
 
 
 @T.macro
-def tile_context(out, out_acc, probs, values, row_scale, span, begin, end, query, b, h, p0, n, block0, tile_blocks,
-                 head_dim, rows, cols, group, features, acc_dtype, dtype, dot):
+def tile_context(
+    out,
+    out_acc,
+    probs,
+    values,
+    row_scale,
+    span,
+    begin,
+    end,
+    query,
+    b,
+    h,
+    p0,
+    n,
+    block0,
+    tile_blocks,
+    head_dim,
+    rows,
+    cols,
+    group,
+    features,
+    acc_dtype,
+    dtype,
+    dot,
+):
     """:func:`cpu.attention._attention_tile_context` for the dot product's operands on AMX: out row r
     = row_scale[r] * sum over the tile's computed columns of probs . value rows, 16 rows x 64
     features per pass (four result tiles), 32 keys per instruction (the probabilities are 0 outside
@@ -183,8 +264,12 @@ def tile_context(out, out_acc, probs, values, row_scale, span, begin, end, query
                 for lane in T.vectorized(KEYS):
                     padded_values[i, vector * T.int64(KEYS) + lane] = T.Select(
                         i < PAIRS // 2,
-                        values[pair_row0 + (first_pair + chunks * T.int64(PAIRS) + T.int64(i % (PAIRS // 2))) * T.int64(2),
-                               vector * T.int64(KEYS) + lane], 0)
+                        values[
+                            pair_row0 + (first_pair + chunks * T.int64(PAIRS) + T.int64(i % (PAIRS // 2))) * T.int64(2),
+                            vector * T.int64(KEYS) + lane,
+                        ],
+                        0,
+                    )
     for g in range(rows // ROWS):
         row0: T.let = g * ROWS
         if half_chunk:
@@ -192,13 +277,57 @@ def tile_context(out, out_acc, probs, values, row_scale, span, begin, end, query
                 for i in T.vectorized(PAIRS):
                     padded_probs[r, i] = T.Select(
                         i < PAIRS // 2,
-                        probs[row0 + r, first_pair + chunks * T.int64(PAIRS) + T.Cast("int64", i) % T.int64(PAIRS // 2)], 0)
+                        probs[
+                            row0 + r, first_pair + chunks * T.int64(PAIRS) + T.Cast("int64", i) % T.int64(PAIRS // 2)
+                        ],
+                        0,
+                    )
         for feature_tile in range(head_dim // T.int64(4 * KEYS)):
-            _context_pass(out, context, probs, values, padded_probs, padded_values, row_scale, query, b, h, p0, n, row0,
-                          first_pair, chunks, half_chunk, pair_row0, feature_tile * T.int64(4 * KEYS), 4, dtype)
+            _context_pass(
+                out,
+                context,
+                probs,
+                values,
+                padded_probs,
+                padded_values,
+                row_scale,
+                query,
+                b,
+                h,
+                p0,
+                n,
+                row0,
+                first_pair,
+                chunks,
+                half_chunk,
+                pair_row0,
+                feature_tile * T.int64(4 * KEYS),
+                4,
+                dtype,
+            )
         if head_dim % T.int64(4 * KEYS) != T.int64(0):
-            _context_pass(out, context, probs, values, padded_probs, padded_values, row_scale, query, b, h, p0, n, row0,
-                          first_pair, chunks, half_chunk, pair_row0, head_dim - T.int64(2 * KEYS), 2, dtype)
+            _context_pass(
+                out,
+                context,
+                probs,
+                values,
+                padded_probs,
+                padded_values,
+                row_scale,
+                query,
+                b,
+                h,
+                p0,
+                n,
+                row0,
+                first_pair,
+                chunks,
+                half_chunk,
+                pair_row0,
+                head_dim - T.int64(2 * KEYS),
+                2,
+                dtype,
+            )
 
 
 @T.macro
@@ -231,8 +360,9 @@ def _key_sums_pass(total, weights, tile_rows, operand, square, scratch, first, s
 
 
 @T.macro
-def tile_key_sums(total, weights, tile_rows, first, start, width, head_dim, rows, keys, features, key_acc, acc_dtype,
-                  dot):
+def tile_key_sums(
+    total, weights, tile_rows, first, start, width, head_dim, rows, keys, features, key_acc, acc_dtype, dot
+):
     """:func:`cpu.attention._accumulate_keys` for the dot product's operands on AMX, into sums laid
     out feature-major per block of 16 keys (``total[t // 16, f, t % 16]``): the backward's dV += P^T dO
     and dK += dS^T Q as dV^T += dO^T P, so that the band-wide operand (P or dS as pairs of tile rows,
@@ -244,12 +374,42 @@ def tile_key_sums(total, weights, tile_rows, first, start, width, head_dim, rows
     square = T.alloc_local((KEYS, PAIRS), "int32", annotations=_ON_STACK)
     scratch = T.alloc_local((KEYS, PAIRS), "int32", annotations=_ON_STACK)
     for feature_tile in range(head_dim // T.int64(4 * KEYS)):
-        _key_sums_pass(total, weights, tile_rows, operand, square, scratch, first, start, width, rows,
-                       feature_tile * T.int64(4 * KEYS), 4)
+        _key_sums_pass(
+            total,
+            weights,
+            tile_rows,
+            operand,
+            square,
+            scratch,
+            first,
+            start,
+            width,
+            rows,
+            feature_tile * T.int64(4 * KEYS),
+            4,
+        )
     if head_dim % T.int64(4 * KEYS) != T.int64(0):
-        _key_sums_pass(total, weights, tile_rows, operand, square, scratch, first, start, width, rows,
-                       head_dim - T.int64(2 * KEYS), 2)
+        _key_sums_pass(
+            total,
+            weights,
+            tile_rows,
+            operand,
+            square,
+            scratch,
+            first,
+            start,
+            width,
+            rows,
+            head_dim - T.int64(2 * KEYS),
+            2,
+        )
 
 
-AMX_PRODUCTS = TileProducts(scores=tile_scores, context=tile_context, key_sums=tile_key_sums, feature_major_sums=True,
-                            task_begin=_configure, task_end=_release)
+AMX_PRODUCTS = TileProducts(
+    scores=tile_scores,
+    context=tile_context,
+    key_sums=tile_key_sums,
+    feature_major_sums=True,
+    task_begin=_configure,
+    task_end=_release,
+)
