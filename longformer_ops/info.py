@@ -2,7 +2,7 @@
 
 Reads prebuilt/manifest.json, picks the library each (device, dtype) would use, loads it and
 prints one screen: per (device, dtype) the library chosen and why (the better ones it passed
-over, and what each lacks), then a table of ops x (device, dtype). ``--verbose`` lists every
+over, and what each lacks), then a table of kernel families x (device, dtype). ``--verbose`` lists every
 exported kernel function with its status instead of the table. Never imports the TVM compiler.
 """
 
@@ -15,10 +15,10 @@ import sys
 import torch
 
 from longformer_ops.runtime import loader as _loader
+from longformer_ops.runtime import manifest as _manifest
 
 _SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")
 _SHORT_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}
-_VARIANTS = ("_symmetric", "_causal")
 
 
 def _libraries(manifest: dict) -> list[tuple[str, str]]:
@@ -78,13 +78,6 @@ def availability() -> list[dict]:
     return rows
 
 
-def _op_name(function: str) -> str:
-    for variant in _VARIANTS:
-        if function.endswith(variant):
-            return function.removesuffix(variant)
-    return function
-
-
 def _print_columns(rows: list[list[str]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -103,22 +96,19 @@ def _summary(manifest: dict) -> bool:
             rows.append([device, dtype, library.name, _why(manifest, device, dtype, library.name.split("/")[0])])
     _print_columns(rows)
     print()
-    functions = {(e["device"], e["dtype"]): e["functions"] for e in manifest["libraries"].values()}
-    ops = list(dict.fromkeys(_op_name(f) for pair in pairs for f in functions[pair]))  # (the manifest's order)
-    header = ["op (both modes where banded)"] + [
-        f"{device} {_SHORT_DTYPES.get(dtype, dtype)}" for device, dtype in pairs
-    ]
+    functions = {(e["device"], e["dtype"]): set(e["functions"]) for e in manifest["libraries"].values()}
+    header = ["kernel family: its ops"] + [f"{device} {_SHORT_DTYPES.get(dtype, dtype)}" for device, dtype in pairs]
     table = [header]
-    for op in ops:
+    for name, family in _manifest.KERNEL_FAMILIES.items():
+        members = [f for op in family.ops for f in _manifest.function_names(op)]
         cells = []
         for pair in pairs:
             library = loaded[pair][0]
-            names = [op + variant for variant in _VARIANTS] if op + _VARIANTS[0] in functions[pair] else [op]
-            if not all(name in functions[pair] for name in names):
-                cells.append(".")  # not in this library: torch's ops serve it, or it is CPU-only
+            if not set(members) <= functions[pair]:
+                cells.append(".")  # not in this library: torch's ops serve it
             else:
-                cells.append("yes" if library is not None and all(library.has(name) for name in names) else "no")
-        table.append([op] + cells)
+                cells.append("yes" if library is not None and all(library.has(f) for f in members) else "no")
+        table.append([f"{name}: {' '.join(family.ops)}"] + cells)
     _print_columns(table)
     print(
         "yes: runs on the kernels here; no: in a library that does not load here; .: not in the library "

@@ -337,7 +337,7 @@ def _info(*args):
 
 
 def test_info_fits_one_screen():
-    """Per (device, dtype) the library chosen and why, then ops x (device, dtype): one screen."""
+    """Per (device, dtype) the library chosen and why, then kernel families x (device, dtype): one screen."""
     out = _info()
     assert len(out.splitlines()) <= 40, out
     for dtype in ("float32", "float64", "float16", "bfloat16"):
@@ -347,9 +347,9 @@ def test_info_fits_one_screen():
     assert (
         re.search(r"^cuda +float32 +- +no CUDA device visible to torch", out, re.MULTILINE) or torch.cuda.is_available()
     )
-    assert re.search(r"^qk +yes +yes +yes +yes ", out, re.MULTILINE), out
+    assert re.search(r"^band_products: qk pv transposed +yes +yes +yes +yes ", out, re.MULTILINE), out
     assert (
-        re.search(r"^layer_norm_backward +yes +yes +yes +yes +\. +\. +\.$", out, re.MULTILINE)
+        re.search(r"^layer_norm: layer_norm layer_norm_backward +yes +yes +yes +yes +\. +\. +\.$", out, re.MULTILINE)
         or torch.cuda.is_available()
     ), out
     if "amx_tile" in _loader.cpu_flags():  # whether the AMX library can run here, said up front
