@@ -218,7 +218,9 @@ def log_log_axis(axis, xlabel: str, ylabel: str, title: str | None = None) -> No
     axis.legend(fontsize=8)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot(rows: list[dict], path: Path, title: str, labels: dict[str, str] | None = None) -> None:
+    """Time and peak memory against n, a row of two panels per (op, pass, dilation, dtype); ``labels``
+    names methods in the legend (default: their names)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -238,7 +240,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             )
             if not measured:
                 continue
-            style = dict(marker="o", label=method, color=METHOD_COLOURS.get(method))
+            style = dict(marker="o", label=(labels or {}).get(method, method), color=METHOD_COLOURS.get(method))
             time_axis.plot([r["seq_len"] for r in ok], [r["time_ms"] for r in ok], **style)
             with_memory = [r for r in measured if r.get("peak_mib") not in (None, "")]
             if with_memory:
@@ -257,7 +259,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 # The README's plot: local attention's forward, undilated, ours against the dense ways and FlexAttention.
-HEADLINE_METHODS = ("tvm", "full", "sdpa", "flex")
+HEADLINE_METHODS = {"tvm": "ours", "full": "full attention", "sdpa": "sdpa + band mask", "flex": "FlexAttention"}
 
 
 def headline_rows(rows: list[dict]) -> list[dict]:
@@ -271,7 +273,7 @@ def headline_plot(rows: list[dict], path: Path, device_name: str) -> bool:
     """Time and peak memory against n of :func:`headline_rows`, one figure; False if there are none."""
     chosen = headline_rows(rows)
     if chosen:
-        plot(chosen, path, plot_title(device_name, chosen))
+        plot(chosen, path, plot_title(device_name, chosen), HEADLINE_METHODS)
     return bool(chosen)
 
 

@@ -1068,3 +1068,19 @@ def test_distributed_bench_measures_one_process_and_two_ranks_and_writes(tmp_pat
     table = (tmp_path / "test-distributed.md").read_text()
     assert "one process fits 600 tokens" in table and "two ranks 600" in table
     assert "| layer | 2 | " in table and (tmp_path / "test-distributed.png").stat().st_size > 0
+
+
+def test_headline_plot_draws_local_attentions_forward_against_the_dense_ways(tmp_path):
+    """The README's plot: from a `make bench` CSV, local attention's undilated forward, ours against full
+    attention, sdpa and FlexAttention (not the band products, the dilated cases or sliding chunks)."""
+    from bench import machine, report
+
+    rows = report.read_csv(machine.RESULTS / "amd-epyc-avx512" / "amd-epyc-2cpu.csv")
+    chosen = report.headline_rows(rows)
+    assert {r["method"] for r in chosen} == set(report.HEADLINE_METHODS)
+    assert {(r["op"], r["pass"], str(r["dilation"]), r["dtype"]) for r in chosen} == {
+        ("local_attention", "forward", "1", "float32")
+    }
+    assert report.headline_plot(rows, tmp_path / "headline.png", "test") and (tmp_path / "headline.png").stat().st_size
+    assert not report.headline_plot([r for r in rows if r["op"] != "local_attention"], tmp_path / "none.png", "test")
+    assert not (tmp_path / "none.png").exists()
